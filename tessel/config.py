@@ -1,0 +1,460 @@
+"""The one typed configuration of a tessel run.
+
+Sources, later ones winning: field defaults (which describe the embedded demo), a TOML file,
+dotted overrides (`--train.steps=100` on the command line, or a dict in Python). Everything
+is validated before anything starts; `ConfigError` carries a one-line message that names the
+key and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tessel.errors import TesselError
+from tessel.models.presets import PRESETS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(TesselError):
+    """Bad configuration; the message is one line meant for the user."""
+
+
+class _Section(BaseModel):
+    # strict: a string where a number belongs is an error, not a silent conversion;
+    # forbid: a misspelt key is an error, not a silently ignored setting.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, use_attribute_docstrings=True, validate_assignment=True
+    )
+
+
+class ModelConfig(_Section):
+    preset: str | None = "demo"
+    """Named shape (`tessel presets` lists them). It fills the shape fields below; any field
+    set explicitly wins over the preset."""
+    n_layers: int = Field(4, gt=0)
+    """Number of transformer blocks."""
+    d_model: int = Field(192, gt=0)
+    """Hidden size."""
+    n_heads: int = Field(6, gt=0)
+    """Attention (query) heads; `d_model` must be divisible by it."""
+    n_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads: equal to `n_heads` for multi-head attention, fewer for grouped-query
+    attention (must divide `n_heads`). Defaults to `n_heads`."""
+    vocab_size: int = Field(512, gt=0)
+    """Rows of the embedding table; must hold every token id of the tokenizer."""
+    max_seq_len: int = Field(256, gt=0)
+    """Longest sequence the model accepts (size of the learned position table)."""
+    ffn_hidden: int | None = Field(None, gt=0)
+    """MLP hidden size. Defaults to 4*d_model for GELU and to the Llama rule
+    (2/3 of 4*d_model, rounded up to a multiple of 256) for SwiGLU."""
+    position: Literal["learned", "rope"] = "learned"
+    """Learned absolute position embeddings (GPT) or rotary embeddings (Llama)."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency (Llama 3 uses 500000)."""
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Normalisation layer."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """Epsilon of the normalisation layers."""
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    """GELU MLP (GPT) or gated SwiGLU (Llama)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorm (GPT-2 style) or none (Llama style)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on embeddings, attention and residual branches."""
+    init_std: float = Field(0.02, gt=0)
+    """Standard deviation of the normal weight initialisation; residual output projections
+    are scaled by 1/sqrt(2*n_layers) as in GPT-2."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        name = data.get("preset", cls.model_fields["preset"].default)
+        if name is None:
+            return data
+        if not isinstance(name, str) or name not in PRESETS:
+            raise ValueError(
+                f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} "
+                "(`tessel presets` shows them)"
+            )
+        return {**PRESETS[name], **data}
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> ModelConfig:
+        # Fill derived fields so the resolved config.toml states every shape value.
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.ffn_hidden is None:
+            if self.mlp == "gelu":
+                hidden = 4 * self.d_model
+            else:
+                hidden = 256 * math.ceil(int(2 * 4 * self.d_model / 3) / 256)
+            object.__setattr__(self, "ffn_hidden", hidden)
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "change model.n_heads or model.d_model"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                "model.n_kv_heads must divide model.n_heads"
+            )
+        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"rotary embeddings need an even head dim, got {self.d_model // self.n_heads}; "
+                "change model.n_heads or use model.position='learned'"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class DataConfig(_Section):
+    source: Literal["stdlib", "files", "synthetic"] = "stdlib"
+    """Where training text comes from: `stdlib` is the embedded demo corpus (this Python's
+    own standard-library sources), `files` reads `data.paths`, `synthetic` is a random-token
+    stream (for benchmarks and smoke tests)."""
+    paths: list[str] = []
+    """Text files or directories (read recursively) used when `data.source = "files"`."""
+    tokenizer: Literal["bytes"] = "bytes"
+    """Tokenizer: `bytes` maps UTF-8 bytes to ids 0-255 and uses 256 as end-of-document."""
+    split: str = "98,2"
+    """Train/validation split of documents, as relative weights ("98,2")."""
+    cache_dir: str = ""
+    """Where tokenized corpora are cached; empty means $TESSEL_CACHE or ~/.cache/tessel."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        self.split_fractions()  # raises on a malformed split
+        if self.source == "files" and not self.paths:
+            raise ValueError('data.source = "files" needs data.paths = ["corpus/", ...]')
+        return self
+
+    def split_fractions(self) -> tuple[float, float]:
+        """(train, val) fractions parsed from `split`."""
+        try:
+            parts = [float(p) for p in self.split.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) != 2 or min(parts) < 0 or sum(parts) <= 0:
+            raise ValueError(f"split={self.split!r} must be two non-negative weights, e.g. '98,2'")
+        total = sum(parts)
+        return parts[0] / total, parts[1] / total
+
+
+class TrainConfig(_Section):
+    steps: int = Field(600, gt=0)
+    """Optimizer steps to train for."""
+    seed: int = Field(1234, ge=0)
+    """Seed for weights, data order and dropout; the same seed gives the same run."""
+    micro_batch_size: int = Field(16, gt=0)
+    """Sequences per forward/backward pass on one device."""
+    global_batch_size: int = Field(32, gt=0)
+    """Sequences per optimizer step over all devices; a multiple of micro_batch_size times
+    the data-parallel size (the quotient is the gradient-accumulation count)."""
+    seq_len: int = Field(256, gt=0)
+    """Tokens per sequence; at most model.max_seq_len."""
+    eval_interval: int = Field(100, ge=0)
+    """Evaluate on the validation split every N steps and at the end (0: only at the end)."""
+    eval_iters: int = Field(10, gt=0)
+    """Validation micro-batches per evaluation."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute precision: autocast to bf16 or fp16 (fp16 with dynamic loss scaling) over
+    fp32 weights; `auto` is bf16 on a CUDA device that supports it, fp32 otherwise."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on; `auto` picks CUDA when present."""
+
+
+class OptimConfig(_Section):
+    lr: float = Field(2e-3, gt=0)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of `lr` (cosine, linear and wsd schedules)."""
+    warmup_steps: int = Field(50, ge=0)
+    """Linear warm-up from 0 to `lr` over this many steps."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Decay after warm-up; `wsd` holds `lr` and decays linearly over the last
+    `decay_fraction` of the steps."""
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """Fraction of the steps spent decaying under the `wsd` schedule."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay; never applied to norms, biases or embeddings."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    beta2: float = Field(0.95, ge=0, lt=1)
+    """AdamW beta2."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+
+
+class ParallelConfig(_Section):
+    dp_replicate: int = Field(1, gt=0)
+    """Data-parallel replicas (DDP, or the replicate dimension of HSDP)."""
+    dp_shard: int = Field(1, ge=-1)
+    """Data-parallel sharding degree (ZeRO/FSDP); -1 means all remaining processes."""
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel degree."""
+    pp: int = Field(1, gt=0)
+    """Pipeline-parallel degree."""
+    cp: int = Field(1, gt=0)
+    """Context-parallel degree."""
+
+    @model_validator(mode="after")
+    def _single_process_only(self) -> ParallelConfig:
+        # This build trains in one process; the degrees are part of the fixed interface so
+        # configs written today keep working when multi-process layouts land.
+        for name in ("dp_replicate", "tp", "pp", "cp"):
+            if getattr(self, name) != 1:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is not supported by this build (single "
+                    f"process only); set parallel.{name}=1"
+                )
+        if self.dp_shard not in (1, -1):
+            raise ValueError(
+                f"dp_shard={self.dp_shard} is not supported by this build (single process "
+                "only); set parallel.dp_shard=1"
+            )
+        return self
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * max(self.dp_shard, 1)
+
+
+class CheckpointConfig(_Section):
+    interval: int = Field(200, ge=0)
+    """Save every N steps (0: only at the end and on SIGTERM/SIGINT)."""
+    keep_last: int = Field(3, gt=0)
+    """Checkpoints to keep; older ones are deleted after a newer one is complete."""
+
+
+class MetricsConfig(_Section):
+    log_interval: int = Field(10, gt=0)
+    """Log metrics to the console, metrics.jsonl and TensorBoard every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to the run directory."""
+
+
+class RunConfig(_Section):
+    dir: str = "runs/demo"
+    """Output directory: config.toml, metrics.jsonl, checkpoints/, TensorBoard events."""
+    sample_tokens: int = Field(200, ge=0)
+    """Tokens to sample from the model after training (0: no sample)."""
+    sample_prompt: str = "def "
+    """Prompt for the sample printed after training."""
+
+
+class Config(BaseModel):
+    """A whole run. Build it with `Config.load(path, overrides)`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        t, m = self.train, self.model
+        if t.seq_len > m.max_seq_len:
+            raise ValueError(
+                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                f"lower train.seq_len or raise model.max_seq_len"
+            )
+        per_step = t.micro_batch_size * self.parallel.dp_size
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"micro_batch_size*dp={per_step}; use a multiple of {per_step}"
+            )
+        return self
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        overrides: Mapping[str, Any] | Sequence[str] | None = None,
+    ) -> Config:
+        """Read a TOML file (or start from the defaults), apply dotted overrides, validate."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            data = read_toml(path)
+        return cls.from_dict(data, overrides)
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] | None = None
+    ) -> Config:
+        merged = _deep_copy(data)
+        for key, value in _normalise_overrides(overrides).items():
+            _set_dotted(merged, key, value)
+        try:
+            return cls.model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(_one_line(exc)) from None
+
+    def with_overrides(self, overrides: Mapping[str, Any] | Sequence[str]) -> Config:
+        """A new, re-validated config with dotted overrides applied."""
+        return Config.from_dict(self.to_dict(), overrides)
+
+    # ---- output -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict without None values (TOML has no null)."""
+        return _drop_none(self.model_dump())
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a .toml file")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
+
+
+def parse_override_value(text: str) -> Any:
+    """Interpret a command-line value as a TOML value (6e-4, true, [1, 2], "x"), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _normalise_overrides(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:
+    if overrides is None:
+        return {}
+    if isinstance(overrides, Mapping):
+        return dict(overrides)
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        out[key] = parse_override_value(value)
+    return out
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"override key {key!r} must be section.key, e.g. train.steps "
+            f"(sections: {', '.join(Config.model_fields)})"
+        )
+    section, field = parts
+    node = data.setdefault(section, {})
+    if not isinstance(node, dict):
+        raise ConfigError(f"{section!r} in the config file must be a [table]")
+    node[field] = value
+
+
+def _one_line(exc: ValidationError) -> str:
+    msgs = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            msgs.append(_unknown_key_message(err["loc"]))
+            continue
+        text = err["msg"].removeprefix("Value error, ")
+        if kind == "value_error":
+            msgs.append(f"{loc}: {text}" if loc else text)
+        else:
+            got = err.get("input")
+            msgs.append(f"{loc}: {text[0].lower()}{text[1:]} (got {got!r})")
+    return "invalid config: " + "; ".join(msgs)
+
+
+def _unknown_key_message(loc: tuple[Any, ...]) -> str:
+    *parents, name = [str(p) for p in loc]
+    model: type[BaseModel] = Config
+    for p in parents:
+        annotation = model.model_fields[p].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        model = annotation
+    where = ".".join(parents) or "the top level"
+    close = difflib.get_close_matches(name, model.model_fields, n=1)
+    hint = f"did you mean {'.'.join([*parents, close[0]])!r}?" if close else (
+        f"known keys: {', '.join(model.model_fields)}"
+    )
+    return f"unknown key {'.'.join([*parents, name])!r} in {where}; {hint}"
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def reference_markdown() -> str:
+    """The config reference table, generated from the typed sections (used by the README)."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    defaults = Config().to_dict()
+    for section, info in Config.model_fields.items():
+        model = info.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        for name, field in model.model_fields.items():
+            tname = _type_name(field.annotation)
+            default = defaults.get(section, {}).get(name)
+            dtext = "(derived)" if default is None else f"`{_toml_value(default)}`"
+            desc = " ".join((field.description or "").split())
+            lines.append(f"| `{section}.{name}` | {tname} | {dtext} | {desc} |")
+    return "\n".join(lines) + "\n"
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "")
+    if isinstance(annotation, type):
+        text = annotation.__name__
+    return text.replace("|", "or").replace("Literal", "one of ")
+
+
+def _toml_value(value: Any) -> str:
+    import tomli_w
+
+    return tomli_w.dumps({"v": value})[4:].strip()

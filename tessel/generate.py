@@ -1,0 +1,66 @@
+"""Sampling from a trained model: greedy (temperature 0) or temperature + top-k."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tessel.checkpoint import CheckpointError, latest_checkpoint, load_model, read_state
+from tessel.config import Config, ConfigError
+from tessel.data.tokenizer import Tokenizer, load_tokenizer
+from tessel.models import Transformer, build_model
+
+
+@torch.no_grad()
+def sample(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    stop_id: int | None = None,
+) -> list[int]:
+    """Continue `prompt_ids`; returns only the new ids. The context is cropped to the
+    model's max_seq_len (no KV cache: sampling is for inspection, not serving)."""
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -model.cfg.max_seq_len :])[0, -1].float().cpu()  # (vocab,)
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        if nxt == stop_id:
+            break
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
+    return out
+
+
+def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
+    """The model of the run's latest checkpoint (or of a checkpoint directory) and the run's
+    tokenizer."""
+    path = Path(run_dir)
+    if (path / "state.json").is_file():  # a checkpoint directory itself
+        ckpt, run = path, path.parent.parent
+    else:
+        run = path
+        ckpt = latest_checkpoint(path / "checkpoints")
+        if not (path / "config.toml").is_file():
+            raise ConfigError(f"{str(path)!r} is not a tessel run directory (no config.toml)")
+        if ckpt is None:
+            raise CheckpointError(f"run {str(path)!r} has no complete checkpoint yet")
+    cfg = Config.load(run / "config.toml")
+    read_state(ckpt)  # validates format and file sizes
+    model = build_model(cfg.model, device)
+    load_model(ckpt, model)
+    return model, load_tokenizer(run / "tokenizer.json")

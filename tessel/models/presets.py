@@ -1,0 +1,66 @@
+"""Named model shapes.
+
+A preset is a partial set of `model.*` fields; fields the user sets explicitly win over the
+preset (see `tessel.config.ModelConfig`). Shapes follow the published architectures:
+GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020, table 2.1, with the head counts
+Megatron-LM uses for the sizes whose published head dim does not divide d_model) and Llama 3
+(Meta 2024; `llama3-1b` is the Llama 3.2 1B shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_GPT2: dict[str, Any] = dict(
+    vocab_size=50257,
+    max_seq_len=1024,
+    position="learned",
+    norm="layernorm",
+    norm_eps=1e-5,
+    mlp="gelu",
+    tie_embeddings=True,
+    bias=True,
+)
+_GPT3: dict[str, Any] = {**_GPT2, "max_seq_len": 2048}
+_LLAMA3: dict[str, Any] = dict(
+    vocab_size=128256,
+    max_seq_len=8192,
+    position="rope",
+    rope_theta=500000.0,
+    norm="rmsnorm",
+    norm_eps=1e-5,
+    mlp="swiglu",
+    tie_embeddings=False,
+    bias=False,
+    n_kv_heads=8,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # debug model: trains in seconds on a laptop CPU (byte-level vocabulary fits in 512)
+    "tiny": {**_GPT2, "n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 512,
+             "max_seq_len": 256},
+    # the embedded demo's model: a few minutes on two CPU cores
+    "demo": {**_GPT2, "n_layers": 4, "d_model": 192, "n_heads": 6, "vocab_size": 512,
+             "max_seq_len": 256},
+    # a Llama-shaped debug model: RoPE, RMSNorm, SwiGLU, GQA, untied, no biases
+    "tiny-llama": {**_LLAMA3, "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
+                   "ffn_hidden": 192, "vocab_size": 512, "max_seq_len": 256,
+                   "rope_theta": 10000.0},
+    "gpt2-124m": {**_GPT2, "n_layers": 12, "d_model": 768, "n_heads": 12},
+    "gpt2-350m": {**_GPT2, "n_layers": 24, "d_model": 1024, "n_heads": 16},
+    "gpt2-774m": {**_GPT2, "n_layers": 36, "d_model": 1280, "n_heads": 20},
+    "gpt2-1.5b": {**_GPT2, "n_layers": 48, "d_model": 1600, "n_heads": 25},
+    "gpt3-1.3b": {**_GPT3, "n_layers": 24, "d_model": 2048, "n_heads": 16},
+    "gpt3-2.7b": {**_GPT3, "n_layers": 32, "d_model": 2560, "n_heads": 32},
+    "gpt3-6.7b": {**_GPT3, "n_layers": 32, "d_model": 4096, "n_heads": 32},
+    "gpt3-13b": {**_GPT3, "n_layers": 40, "d_model": 5120, "n_heads": 40},
+    "gpt3-175b": {**_GPT3, "n_layers": 96, "d_model": 12288, "n_heads": 96},
+    "llama3-1b": {**_LLAMA3, "n_layers": 16, "d_model": 2048, "n_heads": 32,
+                  "ffn_hidden": 8192, "tie_embeddings": True},
+    "llama3-8b": {**_LLAMA3, "n_layers": 32, "d_model": 4096, "n_heads": 32,
+                  "ffn_hidden": 14336},
+    "llama3-70b": {**_LLAMA3, "n_layers": 80, "d_model": 8192, "n_heads": 64,
+                   "ffn_hidden": 28672},
+    "llama3-405b": {**_LLAMA3, "n_layers": 126, "d_model": 16384, "n_heads": 128,
+                    "ffn_hidden": 53248},
+}

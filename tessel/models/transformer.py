@@ -1,0 +1,222 @@
+"""One decoder-only transformer covering GPT-2/GPT-3 and Llama shapes.
+
+Variants (all from `ModelConfig`): learned or rotary positions, LayerNorm or RMSNorm, GELU MLP
+or SwiGLU, multi-head or grouped-query attention, tied or untied embeddings, biases on or off.
+Nothing here knows about parallelism. Blocks live in a ModuleDict keyed "0".."L-1" so that a
+pipeline stage can drop blocks and keep the checkpoint names of the rest.
+
+Build on the meta device and initialise afterwards (`build_model`), so any shape can be
+instantiated without memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # the config imports the presets from this package
+    from tessel.config import ModelConfig
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos/sin table of shape (max_seq_len, head_dim/2, 2) in float32."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(t, inv)  # (T, hd/2)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, hd) by freqs: (T, hd/2, 2)."""
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, hd/2, 2)
+    cos, sin = freqs[:, None, :, 0], freqs[:, None, :, 1]  # (T, 1, hd/2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if freqs is not None:
+            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        if self.n_kv_heads != self.n_heads:
+            # Repeat K/V per query group explicitly: every SDPA backend (flash included)
+            # accepts equal head counts.
+            rep = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.mlp == "swiglu"
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = _norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = _norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs))
+        return x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings = (
+            nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        )
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = _norm(cfg)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        # Not persistent: derived from the config, recomputed by init_weights.
+        self.register_buffer("rope_freqs", self._rope_table(), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection when configured. `to_empty`
+        materialises each module's parameters separately and so unties them: call again."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _rope_table(self) -> torch.Tensor | None:
+        cfg = self.cfg
+        if cfg.position != "rope":
+            return None
+        return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation from `seed` (GPT-2 scheme), on whatever device the
+        parameters are. Call after `to_empty` when the model was built on meta."""
+        cfg = self.cfg
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:  # norm weights and biases
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                continue
+            std = resid_std if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+            # Draw on CPU with a private generator: the same weights on every device.
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        if self.rope_freqs is not None:
+            self.rope_freqs = self._rope_table().to(self.rope_freqs.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab) in the compute dtype."""
+        _, T = tokens.shape
+        h = self.tok_embeddings(tokens)  # (B, T, C)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))
+        h = self.emb_dropout(h)
+        freqs = self.rope_freqs[:T] if self.rope_freqs is not None else None
+        for block in self.layers.values():
+            h = block(h, freqs)
+        return self.output(self.norm(h))
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
+    """Build on meta, materialise on `device`, initialise from `seed`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
+
+
+# ---- analytic formulas (checked against the built model by the tests) ------------------
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _block_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul weights, everything else) in one block."""
+    d, f, kv = cfg.d_model, cfg.ffn_hidden, cfg.n_kv_heads * cfg.head_dim
+    matmul = 2 * d * d + 2 * d * kv + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    total = (
+        2 * _linear(d, d, cfg.bias)
+        + 2 * _linear(d, kv, cfg.bias)
+        + (3 if cfg.mlp == "swiglu" else 2) * d * f
+        + ((2 * f if cfg.mlp == "swiglu" else f) + d if cfg.bias else 0)
+        + 2 * _norm_params(cfg)
+    )
+    return matmul, total - matmul
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+
+
+def param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
+    """Exact number of parameters (a tied output matrix counted once)."""
+    d, V = cfg.d_model, cfg.vocab_size
+    matmul, other = _block_params(cfg)
+    emb = V * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
+    total = cfg.n_layers * (matmul + other) + _norm_params(cfg)
+    total += 0 if cfg.tie_embeddings else V * d
+    return total if exclude_embeddings else total + emb
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward = 3x forward), attention included.
+
+    6 * (matmul weights, output projection included) + 12 * n_layers * d_model * seq_len:
+    the PaLM-paper formula (Chowdhery et al. 2022, appendix B) used by nanoGPT's MFU. It
+    counts the full attention score matrix (no causal halving) and ignores norms,
+    activations and the softmax.
+    """
+    matmul, _ = _block_params(cfg)
+    n_matmul = cfg.n_layers * matmul + cfg.vocab_size * cfg.d_model
+    return 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * seq_len

@@ -1,0 +1,1 @@
+"""Metrics sinks, MFU and the console display."""

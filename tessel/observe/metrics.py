@@ -1,0 +1,56 @@
+"""Metric sinks: metrics.jsonl (always) and TensorBoard (optional). Rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        # Append: a resumed run continues the same file; a reader takes the last line per step.
+        self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: _json_safe(v) for k, v in record.items()}
+        self._jsonl.write(json.dumps(clean) + "\n")
+        if self._tb is not None:
+            step = int(record["step"])
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(_tb_tag(key), value, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _json_safe(value: Any) -> Any:
+    # JSON has no NaN/Inf; write them as strings rather than produce invalid JSON.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _tb_tag(key: str) -> str:
+    if key in ("loss", "val_loss", "val_ppl"):
+        return f"loss/{key}"
+    return f"train/{key}"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl, the last one per (step, kind) when a resume re-logged."""
+    latest: dict[tuple[int, bool], dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            latest[(rec["step"], "val_loss" in rec)] = rec
+    return [latest[k] for k in sorted(latest)]

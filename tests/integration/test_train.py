@@ -1,0 +1,128 @@
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tessel import Config, TesselError, Trainer
+from tessel.checkpoint import CheckpointError, list_checkpoints
+from tessel.observe.metrics import read_metrics
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def test_loss_falls_below_unigram_baseline(tiny_config):
+    cfg = tiny_config(**{"train.steps": 100, "train.eval_interval": 50, "train.seq_len": 64,
+                         "metrics.log_interval": 10})
+    result = Trainer(cfg, console=False).train()
+    losses = _losses(cfg_dir := Path(cfg.run.dir))
+    assert losses[100] < losses[10] - 1.5
+    assert result.val_loss < result.unigram_baseline - 0.5
+    recs = read_metrics(cfg_dir / "metrics.jsonl")
+    train_rec = next(r for r in recs if r["step"] == 100 and "loss" in r)
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "elapsed_s"):
+        assert key in train_rec
+    assert train_rec["tokens_seen"] == 100 * 8 * 64
+    assert "mfu" not in train_rec  # CPU peak is unknown: no guessed MFU
+    assert {r["step"] for r in recs if "val_loss" in r} == {50, 100}
+    assert (cfg_dir / "config.toml").is_file() and (cfg_dir / "tokenizer.json").is_file()
+    assert Config.load(cfg_dir / "config.toml") == cfg
+
+
+def test_gradient_accumulation_does_not_change_the_step(tiny_config):
+    # 1 x 8 and 4 x 2 micro-batches see the same samples: same loss and weights (to fp32
+    # rounding of the summation order).
+    a = tiny_config("a", **{"train.micro_batch_size": 8, "train.steps": 3})
+    b = tiny_config("b", **{"train.micro_batch_size": 2, "train.steps": 3})
+    Trainer(a, console=False).train()
+    Trainer(b, console=False).train()
+    la, lb = _losses(Path(a.run.dir)), _losses(Path(b.run.dir))
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-5)
+    wa = load_file(str(Path(a.run.dir) / "checkpoints/latest/model.safetensors"))
+    wb = load_file(str(Path(b.run.dir) / "checkpoints/latest/model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tiny_config, precision):
+    cfg = tiny_config(**{"train.precision": precision, "train.steps": 6})
+    trainer = Trainer(cfg, console=False)
+    assert trainer.precision.name == precision
+    assert (trainer.precision.scaler is not None) == (precision == "fp16")
+    result = trainer.train()
+    assert math.isfinite(result.loss)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_config, monkeypatch):
+    extra = {"train.steps": 10, "model.dropout": 0.1, "checkpoint.interval": 3,
+             "train.eval_interval": 4}
+    full = tiny_config("full", **extra)
+    Trainer(full, console=False).train()
+
+    stopped = tiny_config("stopped", **extra)
+    trainer = Trainer(stopped, console=False)
+    real_step = trainer._train_step
+    calls = {"n": 0}
+
+    def step_then_sigterm():
+        out = real_step()
+        calls["n"] += 1
+        if calls["n"] == 5:  # a real signal, delivered mid-run, handled at the step boundary
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(trainer, "_train_step", step_then_sigterm)
+    result = trainer.train()
+    assert result.stopped_by == "SIGTERM" and result.step == 5 and result.exit_code == 0
+    assert [s for s, _ in list_checkpoints(Path(stopped.run.dir) / "checkpoints")][-1] == 5
+    # resume in a fresh trainer (fresh RNG state, as in a new process)
+    torch.manual_seed(999)
+    resumed = Trainer(Config.load(Path(stopped.run.dir) / "config.toml"), resume=True,
+                      console=False)
+    assert resumed.step == 5
+    resumed.train()
+
+    assert _losses(Path(full.run.dir)) == _losses(Path(stopped.run.dir))  # to the bit
+    wa = load_file(str(Path(full.run.dir) / "checkpoints/latest/model.safetensors"))
+    wb = load_file(str(Path(stopped.run.dir) / "checkpoints/latest/model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa = load_file(str(Path(full.run.dir) / "checkpoints/latest/optimizer.safetensors"))
+    ob = load_file(str(Path(stopped.run.dir) / "checkpoints/latest/optimizer.safetensors"))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa)
+
+
+def test_resume_can_extend_steps_but_not_change_the_model(tiny_config):
+    cfg = tiny_config(**{"train.steps": 4})
+    Trainer(cfg, console=False).train()
+    run = Path(cfg.run.dir)
+    with pytest.raises(CheckpointError, match="model.d_model was 64 in the run, now 128"):
+        Trainer(Config.load(run / "config.toml", {"model.d_model": 128}), resume=True)
+    longer = Config.load(run / "config.toml", {"train.steps": 6})
+    result = Trainer(longer, resume=True, console=False).train()
+    assert result.step == 6
+    assert Config.load(run / "config.toml").train.steps == 6
+
+
+def test_existing_run_is_never_overwritten(tiny_config):
+    cfg = tiny_config(**{"train.steps": 2})
+    Trainer(cfg, console=False).train()
+    run = Path(cfg.run.dir)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    with pytest.raises(TesselError, match="already holds a run; continue it with"):
+        Trainer(cfg, console=False)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path, tiny_config):
+    cfg = tiny_config()
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        Trainer(cfg, resume=True)
+    assert not Path(cfg.run.dir).exists()

@@ -1,0 +1,128 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessel.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_model,
+    load_optimizer,
+    read_state,
+    save_checkpoint,
+    store,
+)
+from tessel.config import ModelConfig, OptimConfig
+from tessel.models import build_model
+from tessel.train.optim import build_optimizer
+
+
+def _model_and_opt(seed: int = 0):
+    model = build_model(ModelConfig(preset="tiny-llama"), seed=seed)
+    opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    model(torch.randint(0, 512, (2, 8))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_round_trip_is_exact(tmp_path: Path):
+    model, opt = _model_and_opt()
+    rng = {"torch_cpu": torch.get_rng_state()}
+    path = save_checkpoint(tmp_path, 3, model, opt, {"loader": {"epoch": 1}}, rng)
+    assert path.name == "step_00000003" and (tmp_path / "latest").resolve() == path.resolve()
+    model2, opt2 = _model_and_opt(seed=1)
+    load_model(path, model2)
+    load_optimizer(path, model2, opt2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        for key in s1[k]:
+            assert torch.equal(s1[k][key], s2[k][key])
+    assert read_state(path)["loader"] == {"epoch": 1}
+
+
+def test_tied_weights_saved_once_and_restored_tied(tmp_path: Path):
+    model = build_model(ModelConfig(preset="tiny"), seed=0)
+    path = save_checkpoint(tmp_path, 1, model, None, {})
+    other = build_model(ModelConfig(preset="tiny"), seed=9)
+    load_model(path, other)
+    assert other.output.weight is other.tok_embeddings.weight
+    assert torch.equal(other.output.weight, model.output.weight)
+
+
+def test_keep_last(tmp_path: Path):
+    model, opt = _model_and_opt()
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, model, opt, {}, keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
+
+
+def test_failure_during_save_leaves_previous_checkpoint_intact(tmp_path: Path, monkeypatch):
+    model, opt = _model_and_opt()
+    good = save_checkpoint(tmp_path, 1, model, opt, {"marker": "good"})
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+
+    def crash(path, data):  # dies after the tensors were written, before state.json
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_write_json", crash)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, opt, {})
+    monkeypatch.undo()
+
+    assert latest_checkpoint(tmp_path) == good
+    assert (tmp_path / "latest").resolve() == good.resolve()
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert read_state(good)["marker"] == "good"
+    # the next save cleans the leftover and succeeds
+    save_checkpoint(tmp_path, 2, model, opt, {})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_damaged_checkpoints_are_refused_in_one_line(tmp_path: Path):
+    model, opt = _model_and_opt()
+    path = save_checkpoint(tmp_path, 1, model, opt, {})
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="is damaged: model.safetensors has"):
+        read_state(path)
+    (path / "state.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        read_state(path)
+    meta = {"format": 99}
+    (path / "state.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="format 99"):
+        read_state(path)
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path: Path):
+    model, opt = _model_and_opt()
+    path = save_checkpoint(tmp_path, 1, model, opt, {})
+    other = build_model(ModelConfig(preset="tiny-llama", ffn_hidden=128), seed=0)
+    with pytest.raises(CheckpointError, match="'layers.0.feed_forward.w1.weight' has shape"):
+        load_model(path, other)
+
+
+def test_loading_never_unpickles(tmp_path: Path, monkeypatch):
+    import pickle
+
+    model, opt = _model_and_opt()
+    path = save_checkpoint(tmp_path, 1, model, opt, {})
+
+    def forbidden(*a, **k):
+        raise AssertionError("unpickling during checkpoint load")
+
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    load_model(path, model)
+    load_optimizer(path, model, opt)
+    assert {p.suffix for p in path.iterdir()} == {".safetensors", ".json"}

@@ -1,0 +1,122 @@
+from pathlib import Path
+
+import pytest
+
+from tessel.config import Config, ConfigError, ModelConfig, reference_markdown
+from tessel.models.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_describe_the_demo():
+    cfg = Config()
+    assert cfg.model.preset == "demo" and cfg.data.source == "stdlib"
+    assert cfg.run.dir == "runs/demo"
+
+
+def test_preset_fills_shape_and_explicit_fields_win():
+    cfg = Config.load(None, {"model.preset": "gpt2-124m", "model.n_layers": 6})
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.vocab_size) == (6, 768, 50257)
+    assert cfg.model.n_kv_heads == 12 and cfg.model.ffn_hidden == 4 * 768
+
+
+def test_llama_ffn_rule_and_gqa():
+    m = ModelConfig(preset="tiny-llama", ffn_hidden=None, d_model=4096, n_heads=32)
+    assert m.ffn_hidden == 11008  # Llama 2 7B: 2/3 of 4*4096 rounded up to 256
+    assert ModelConfig(preset="llama3-8b").n_kv_heads == 8
+
+
+def test_file_then_overrides(tmp_path: Path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\nsteps = 7\nseq_len = 64\n[optim]\nlr = 1e-3\n')
+    cfg = Config.load(f, ["--train.steps=9", "--optim.schedule=wsd", "--data.paths=['a', 'b']"])
+    assert (cfg.train.steps, cfg.train.seq_len, cfg.optim.lr) == (9, 64, 1e-3)
+    assert cfg.optim.schedule == "wsd" and cfg.data.paths == ["a", "b"]
+
+
+def test_resolved_toml_round_trips(tmp_path: Path):
+    cfg = Config.load(None, {"model.preset": "llama3-8b", "train.seq_len": 2048})
+    f = tmp_path / "config.toml"
+    f.write_text(cfg.to_toml())
+    assert Config.load(f) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"model.n_layer": 2}, "unknown key 'model.n_layer' in model; did you mean 'model.n_layers'"),
+        ({"trian.steps": 2}, "unknown key 'trian'"),
+        ({"train.steps": "100"}, "train.steps: input should be a valid integer (got '100')"),
+        ({"train.compile": 1}, "train.compile: input should be a valid boolean"),
+        ({"optim.lr": -1.0}, "optim.lr: input should be greater than 0 (got -1.0)"),
+        ({"train.seq_len": 4096}, "train.seq_len=4096 exceeds model.max_seq_len=256"),
+        ({"train.global_batch_size": 33}, "global_batch_size=33 is not divisible by micro_batch_size*dp=16"),
+        ({"model.preset": "gpt5"}, "unknown preset 'gpt5'"),
+        ({"model.n_heads": 5}, "d_model=192 is not divisible by n_heads=5"),
+        ({"model.n_kv_heads": 4}, "n_heads=6 is not divisible by n_kv_heads=4"),
+        ({"data.source": "files"}, 'data.source = "files" needs data.paths'),
+        ({"data.split": "98"}, "split='98' must be two non-negative weights"),
+        ({"parallel.tp": 2}, "tp=2 is not supported by this build"),
+        ({"train.precision": "fp8"}, "train.precision: input should be"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_key_and_fix(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        Config.load(None, overrides)
+    msg = str(err.value)
+    assert needle in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("[train\nsteps=1", "is not valid TOML"), ("[train]\nsteps = -3\n", "train.steps")],
+)
+def test_bad_files_are_rejected(tmp_path: Path, text: str, needle: str):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        Config.load(f)
+
+
+def test_missing_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.load("/nonexistent/x.toml")
+    with pytest.raises(ConfigError, match="must look like --section.key=value"):
+        Config.load(None, ["--train.steps"])
+    with pytest.raises(ConfigError, match="must be section.key"):
+        Config.load(None, {"steps": 3})
+
+
+def test_with_overrides_revalidates():
+    cfg = Config()
+    assert cfg.with_overrides({"train.steps": 3}).train.steps == 3
+    with pytest.raises(ConfigError, match="exceeds model.max_seq_len"):
+        cfg.with_overrides({"model.max_seq_len": 128})
+
+
+def test_every_preset_is_valid():
+    for name in PRESETS:
+        assert ModelConfig(preset=name).preset == name
+
+
+def test_every_recipe_loads():
+    recipes = sorted((ROOT / "configs").glob("*.toml"))
+    names = {p.stem for p in recipes}
+    assert {"tiny", "gpt2-124m", "gpt2-350m", "gpt3-1.3b", "llama3-8b"} <= names
+    for path in recipes:
+        cfg = Config.load(path)
+        assert cfg.model.preset == path.stem
+
+
+def test_readme_reference_matches_the_typed_config():
+    readme = (ROOT / "README.md").read_text()
+    assert reference_markdown() in readme, (
+        "README config reference is stale: regenerate it with `tessel config --reference`"
+    )
+
+
+def test_every_field_is_documented():
+    for section in Config.model_fields.values():
+        for name, field in section.annotation.model_fields.items():
+            assert field.description, f"{section.annotation.__name__}.{name} has no docstring"

@@ -1,0 +1,100 @@
+import itertools
+
+import pytest
+import torch
+
+from tessel.config import ModelConfig
+from tessel.models import PRESETS, build_model, flops_per_token, param_count
+from tessel.models.transformer import apply_rope, rope_frequencies
+
+VARIANTS = [
+    dict(position=pos, norm=norm, mlp=mlp, n_kv_heads=kv, tie_embeddings=tie, bias=bias)
+    for pos, norm, mlp, kv, tie, bias in itertools.product(
+        ["learned", "rope"], ["layernorm", "rmsnorm"], ["gelu", "swiglu"], [4, 2, 1],
+        [True, False], [True, False],
+    )
+]
+
+
+def small(**kw) -> ModelConfig:
+    base = dict(preset=None, n_layers=2, d_model=32, n_heads=4, vocab_size=97, max_seq_len=16)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(str(x) for x in v.values()))
+def test_variant_shapes_and_param_count(variant):
+    cfg = small(**variant)
+    model = build_model(cfg, "cpu", seed=0)
+    logits = model(torch.randint(0, 97, (3, 11)))
+    assert logits.shape == (3, 11, 97)
+    assert torch.isfinite(logits).all()
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
+    attn = model.layers["0"].attention
+    assert attn.wk.weight.shape == (cfg.n_kv_heads * 8, 32)  # grouped-query K/V
+    assert (model.output.weight is model.tok_embeddings.weight) == cfg.tie_embeddings
+    assert (model.pos_embeddings is None) == (cfg.position == "rope")
+    assert (model.layers["0"].feed_forward.w3 is None) == (cfg.mlp == "gelu")
+    assert (attn.wq.bias is None) == (not cfg.bias)
+    norm_cls = torch.nn.RMSNorm if cfg.norm == "rmsnorm" else torch.nn.LayerNorm
+    assert isinstance(model.norm, norm_cls)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[::7])
+def test_causal_future_tokens_do_not_change_past_logits(variant):
+    model = build_model(small(**variant), "cpu", seed=1).eval()
+    x = torch.randint(0, 97, (2, 12))
+    y = x.clone()
+    y[:, 7:] = torch.randint(0, 97, (2, 5))  # change only positions >= 7
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_param_count_matches_formula_on_meta(name):
+    cfg = ModelConfig(preset=name)
+    model = build_model(cfg, "meta")  # 405B shapes cost no memory on meta
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
+
+
+def test_published_parameter_counts():
+    assert param_count(ModelConfig(preset="gpt2-124m")) == 124_439_808
+    assert param_count(ModelConfig(preset="gpt2-350m")) == 354_823_168
+    assert param_count(ModelConfig(preset="llama3-8b")) == 8_030_261_248
+    assert param_count(ModelConfig(preset="llama3-70b")) == 70_553_706_496
+    assert param_count(ModelConfig(preset="llama3-1b")) == 1_235_814_400
+
+
+def test_flops_per_token_formula():
+    cfg = ModelConfig(preset="gpt2-124m")
+    d, L, V, T = 768, 12, 50257, 1024
+    matmul = L * (4 * d * d + 8 * d * d) + V * d
+    assert flops_per_token(cfg, T) == 6 * matmul + 12 * L * d * T
+    # attention term grows with the sequence, the rest does not
+    assert flops_per_token(cfg, 2048) - flops_per_token(cfg, 1024) == 12 * L * d * 1024
+
+
+def test_init_is_deterministic_and_seeded():
+    cfg = small()
+    a, b, c = build_model(cfg, seed=5), build_model(cfg, seed=5), build_model(cfg, seed=6)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        if pa.ndim == 2:
+            assert not torch.equal(pa, pc), n
+    wo = a.layers["0"].attention.wo.weight
+    assert wo.std() < a.layers["0"].attention.wq.weight.std()  # residual projections scaled down
+
+
+def test_rope_rotates_pairs_and_preserves_norm():
+    freqs = rope_frequencies(8, 16, 10000.0)
+    x = torch.randn(2, 16, 3, 8)
+    y = apply_rope(x, freqs)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0 is not rotated
+    # relative property: <R_m q, R_n k> depends only on m - n
+    q, k = torch.randn(8), torch.randn(8)
+    def rot(v, pos):
+        return apply_rope(v.expand(1, 16, 1, 8).contiguous(), freqs)[0, pos, 0]
+    torch.testing.assert_close(rot(q, 5) @ rot(k, 3), rot(q, 9) @ rot(k, 7))
