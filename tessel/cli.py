@@ -134,7 +134,7 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy decoding")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely (0: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     args = p.parse_args(argv)
     if args.max_new_tokens <= 0:
         raise TesselError("--max-new-tokens must be positive")

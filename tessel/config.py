@@ -160,7 +160,7 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(600, gt=0)
+    steps: int = Field(400, gt=0)
     """Optimizer steps to train for."""
     seed: int = Field(1234, ge=0)
     """Seed for weights, data order and dropout; the same seed gives the same run."""

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tessel.checkpoint import (
     CheckpointError,
@@ -37,6 +36,7 @@ from tessel.models import build_model, flops_per_token, param_count
 from tessel.observe.console import ConsoleDisplay
 from tessel.observe.metrics import MetricsWriter
 from tessel.observe.mfu import device_peak_flops
+from tessel.train.loss import token_loss_sum
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
 
@@ -166,6 +166,7 @@ class Trainer:
         first_step = self.step
         window_start, window_steps = time.perf_counter(), 0
         self.display.start(self.step)
+        self.model.train()  # evaluate() puts it back after each evaluation
         try:
             while self.step < t.steps and self._stop_signal is None:
                 loss, grad_norm = self._train_step()
@@ -241,14 +242,11 @@ class Trainer:
         n_tokens = sum(y.numel() for _, y in batches)
         scaler = self.precision.scaler
         total = torch.zeros((), device=self.device)
-        self.model.train()
         for x, y in batches:
             x, y = self._to_device(x), self._to_device(y)
             with self.precision.autocast():
                 logits = self.model(x)  # (B, T, V)
-            loss = F.cross_entropy(
-                logits.float().flatten(0, 1), y.flatten(), reduction="sum"
-            ) / n_tokens
+            loss = token_loss_sum(logits, y) / n_tokens
             (scaler.scale(loss) if scaler is not None else loss).backward()
             total += loss.detach()
         if scaler is not None:
@@ -281,9 +279,7 @@ class Trainer:
             x, y = val.next_batch()
             with self.precision.autocast():
                 logits = self.model(self._to_device(x))
-            total += F.cross_entropy(
-                logits.float().flatten(0, 1), self._to_device(y).flatten(), reduction="sum"
-            )
+            total += token_loss_sum(logits, self._to_device(y))
             count += y.numel()
         self.model.train()
         return total.item() / count

@@ -18,7 +18,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def test_loss_falls_below_unigram_baseline(tiny_config):
     cfg = tiny_config(**{"train.steps": 100, "train.eval_interval": 50, "train.seq_len": 64,
-                         "metrics.log_interval": 10})
+                         "metrics.log_interval": 10, "metrics.tensorboard": True})
     result = Trainer(cfg, console=False).train()
     losses = _losses(cfg_dir := Path(cfg.run.dir))
     assert losses[100] < losses[10] - 1.5
@@ -31,7 +31,26 @@ def test_loss_falls_below_unigram_baseline(tiny_config):
     assert "mfu" not in train_rec  # CPU peak is unknown: no guessed MFU
     assert {r["step"] for r in recs if "val_loss" in r} == {50, 100}
     assert (cfg_dir / "config.toml").is_file() and (cfg_dir / "tokenizer.json").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(cfg_dir))
+    events.Reload()
+    assert {"loss/loss", "loss/val_loss", "train/lr"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss/val_loss")] == [50, 100]
     assert Config.load(cfg_dir / "config.toml") == cfg
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(tiny_config):
+    eager = tiny_config("eager", **{"train.steps": 3})
+    compiled = tiny_config("compiled", **{"train.steps": 3, "train.compile": True})
+    Trainer(eager, console=False).train()
+    Trainer(compiled, console=False).train()
+    le, lc = _losses(Path(eager.run.dir)), _losses(Path(compiled.run.dir))
+    for step in le:
+        assert lc[step] == pytest.approx(le[step], rel=1e-4)
+    names = load_file(str(Path(compiled.run.dir) / "checkpoints/latest/model.safetensors"))
+    assert not any("_orig_mod" in k for k in names)  # checkpoints keep plain names
 
 
 def test_gradient_accumulation_does_not_change_the_step(tiny_config):

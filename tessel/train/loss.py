@@ -1,0 +1,15 @@
+"""The language-modelling loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy, computed in fp32 whatever the compute dtype.
+
+    logits: (B, T, V), targets: (B, T). Callers divide by the token count of the whole step
+    so that the loss is a mean over tokens however the batch is split into micro-batches.
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")

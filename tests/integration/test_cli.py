@@ -1,0 +1,196 @@
+"""The `tessel` command as a user runs it: real subprocesses, real signals."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tessel.checkpoint import list_checkpoints, load_model, load_optimizer, read_state
+from tessel.config import Config
+from tessel.models import build_model
+from tessel.observe.metrics import read_metrics
+from tessel.train.optim import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tessel(*args: str, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CI": "true"}
+    return subprocess.run([sys.executable, "-m", "tessel", *args], capture_output=True,
+                          text=True, env=env, cwd=kw.pop("cwd", None), timeout=300, **kw)
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "CI": "true"}
+    return subprocess.Popen([sys.executable, "-m", "tessel", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def train_args(run: Path, corpus: Path, *extra: str) -> list[str]:
+    return ["train", str(ROOT / "configs/tiny.toml"), f"--run.dir={run}",
+            "--data.source=files", f"--data.paths=['{corpus}']", "--train.seq_len=32",
+            "--train.eval_iters=2", "--metrics.tensorboard=false", *extra]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tessel: error: "), proc.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_presets_lists_every_shape_with_counts():
+    out = tessel("presets")
+    assert out.returncode == 0
+    for name, count in [("gpt2-124m", "124,439,808"), ("llama3-8b", "8,030,261,248"),
+                        ("llama3-405b", "405,853,388,800"), ("tiny", "149,248")]:
+        assert any(line.startswith(name + " ") and count in line for line in out.stdout.splitlines())
+
+
+def test_help_and_config_commands(tmp_path: Path):
+    assert "--resume RUN_DIR" in tessel("train", "--help").stdout
+    assert "[optim] lr" in tessel("train", "--help").stdout
+    out = tessel("config", str(ROOT / "configs/gpt2-124m.toml"), "--train.steps=7")
+    f = tmp_path / "c.toml"
+    f.write_text(out.stdout)
+    assert Config.load(f).train.steps == 7 and Config.load(f).model.d_model == 768
+    assert "| `optim.lr` |" in tessel("config", "--reference").stdout
+
+
+def test_train_generate_resume(tmp_path: Path, corpus: Path):
+    run = tmp_path / "run"
+    out = tessel(*train_args(run, corpus, "--train.steps=6", "--checkpoint.interval=3",
+                             "--metrics.log_interval=2", "--run.sample_tokens=10"))
+    assert out.returncode == 0, out.stderr
+    assert "step 6/6 | loss" in out.stdout and "sample:" in out.stdout
+    assert "\x1b[" not in out.stdout  # CI=true: plain lines, no terminal control codes
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [3, 6]
+    assert (run / "checkpoints/latest").resolve().name == "step_00000006"
+
+    greedy = [tessel("generate", str(run), "--prompt", "the ", "--max-new-tokens", "20",
+                     "--temperature", "0") for _ in range(2)]
+    assert greedy[0].returncode == 0 and greedy[0].stdout.startswith("the ")
+    assert greedy[0].stdout == greedy[1].stdout
+    sampled = tessel("generate", str(run / "checkpoints/latest"), "--prompt", "the ",
+                     "--max-new-tokens", "20", "--top-k", "5", "--seed", "3")
+    assert sampled.returncode == 0 and sampled.stdout.startswith("the ")
+
+    more = tessel("train", "--resume", str(run), "--train.steps=8")
+    assert more.returncode == 0, more.stderr
+    assert "resuming at step 6" in more.stdout
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert steps == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--model.n_layer=3"], "did you mean 'model.n_layers'"),
+        (["--train.steps=ten"], "train.steps: input should be a valid integer"),
+        (["--optim.lr=-1"], "optim.lr: input should be greater than 0"),
+        (["--train.global_batch_size=12"], "not divisible by micro_batch_size*dp=8"),
+        (["--train.seq_len=1000"], "exceeds model.max_seq_len=256"),
+        (["--bogus"], "unknown option '--bogus'"),
+        (["--data.paths=['/nonexistent/corpus']"], "does not exist; fix data.paths"),
+        (["--model.vocab_size=100"], "set model.vocab_size >= 257"),
+    ],
+)
+def test_bad_train_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, args, needle):
+    run = tmp_path / "run"
+    assert_one_line_error(tessel(*train_args(run, corpus, *args)), needle)
+    assert not run.exists()
+
+
+def test_bad_files_and_commands(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    assert_one_line_error(tessel("train", str(bad)), "is not valid TOML")
+    assert_one_line_error(tessel("train", str(tmp_path / "none.toml")), "does not exist")
+    assert_one_line_error(tessel("train", "--resume", str(tmp_path)), "not a tessel run directory")
+    assert_one_line_error(tessel("generate", str(tmp_path)), "not a tessel run directory")
+    assert_one_line_error(tessel("generate", str(tmp_path), "--temperature", "-1"),
+                          "--temperature must be >= 0")
+    assert_one_line_error(tessel("fly"), "unknown command 'fly'")
+    assert not list(tmp_path.iterdir())[1:]  # only bad.toml
+
+
+def test_incompatible_or_damaged_resume_is_refused_and_changes_nothing(tmp_path, corpus):
+    run = tmp_path / "run"
+    assert tessel(*train_args(run, corpus, "--train.steps=2")).returncode == 0
+    assert_one_line_error(tessel(*train_args(run, corpus, "--train.steps=2")),
+                          "already holds a run")
+    snapshot = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert_one_line_error(tessel("train", "--resume", str(run), "--model.n_layers=3"),
+                          "model.n_layers was 2 in the run, now 3")
+    weights = (run / "checkpoints/latest").resolve() / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    snapshot[weights] = weights.read_bytes()
+    assert_one_line_error(tessel("train", "--resume", str(run)), "is damaged")
+    assert_one_line_error(tessel("generate", str(run)), "is damaged")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == snapshot
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early ({proc.returncode}): {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_signal_checkpoints_at_the_step_boundary_and_exits(tmp_path, corpus, sig, code):
+    run = tmp_path / "run"
+    proc = start(*train_args(run, corpus, "--train.steps=100000", "--metrics.log_interval=1"))
+    metrics = run / "metrics.jsonl"
+    _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "stopped at step" in out and f"tessel train --resume {run}" in out
+    saved = list_checkpoints(run / "checkpoints")
+    assert len(saved) == 1 and saved[0][0] >= 3
+    resumed = tessel("train", "--resume", str(run), f"--train.steps={saved[0][0] + 1}")
+    assert resumed.returncode == 0, resumed.stderr
+
+
+def test_sigkill_during_saves_never_leaves_a_damaged_checkpoint(tmp_path, corpus):
+    """Kill -9 at random moments of a run that saves every step: every checkpoint that is
+    visible must load completely, and the run must resume from the newest one."""
+    run = tmp_path / "run"
+    rng = random.Random(0)
+    base = train_args(run, corpus, "--model.preset=demo", "--train.steps=100000",
+                      "--checkpoint.interval=1", "--checkpoint.keep_last=2",
+                      "--metrics.log_interval=1000")
+    cfg = None
+    ckpts = run / "checkpoints"
+    for attempt in range(3):
+        args = ["train", "--resume", str(run)] if attempt else base
+        newest = list_checkpoints(ckpts)[-1][0] if attempt else -1
+        proc = start(*args)
+        _wait_for(lambda n=newest: list_checkpoints(ckpts)[-1:] and
+                  list_checkpoints(ckpts)[-1][0] > n, proc)
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.kill()
+        proc.wait()
+        cfg = cfg or Config.load(run / "config.toml")
+        visible = list_checkpoints(ckpts)
+        assert visible, "no checkpoint survived"
+        for _, path in visible:
+            read_state(path)
+            model = build_model(cfg.model, seed=1)
+            load_model(path, model)
+            load_optimizer(path, model, build_optimizer(model, cfg.optim, model.output.weight.device))
+        assert (ckpts / "latest").resolve().parent == ckpts.resolve()
+        assert (ckpts / "latest" / "state.json").is_file()
