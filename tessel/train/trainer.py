@@ -81,6 +81,7 @@ class Trainer:
         # Everything that can reject the input happens before anything is written.
         resume_from = self._check_run_dir(resume)
         self.device = pick_device(cfg.train.device)
+        self.peak_flops = device_peak_flops(self.device)
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.data = build_data(cfg, self.tokenizer)
@@ -101,7 +102,7 @@ class Trainer:
         self.last_saved_step = -1
         self.last_val_loss: float | None = None
         if resume_from is not None:
-            self._restore(resume_from)
+            self._restore(*resume_from)
         self._stop_signal: int | None = None
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +111,9 @@ class Trainer:
 
     # ---- setup ----------------------------------------------------------------------------
 
-    def _check_run_dir(self, resume: bool) -> Path | None:
+    def _check_run_dir(self, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+        """Refuse to overwrite a run, or to resume one incompatibly; returns the checkpoint
+        to resume from and its state."""
         if not resume:
             if (self.run_dir / "config.toml").exists():
                 raise TesselError(
@@ -134,10 +137,9 @@ class Trainer:
                     f"cannot resume {str(self.run_dir)!r}: {diff}; resume without changing it "
                     f"or start a new run"
                 )
-        return ckpt
+        return ckpt, state
 
-    def _restore(self, ckpt: Path) -> None:
-        state = read_state(ckpt)
+    def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
         load_model(ckpt, self.model)
         load_optimizer(ckpt, self.model, self.optimizer)
         self.data.train.load_state_dict(state["loader"])
@@ -156,8 +158,12 @@ class Trainer:
     def train(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         tokens_per_step = t.global_batch_size * t.seq_len
-        fpt = flops_per_token(cfg.model, t.seq_len)
-        peak = device_peak_flops(self.device)
+        if self.step >= t.steps:
+            self.display.print(
+                f"{self.run_dir} is already at step {self.step} of train.steps={t.steps}; "
+                f"pass --train.steps=N with N > {self.step} to train further"
+            )
+            return self._result(None, None)
         self._announce()
         metrics = MetricsWriter(self.run_dir, cfg.metrics.tensorboard)
         previous_handlers = self._install_signal_handlers()
@@ -173,31 +179,10 @@ class Trainer:
                 self.step += 1
                 window_steps += 1
                 self.display.step(self.step)
-                elapsed = time.perf_counter() - start
                 if self.step % cfg.metrics.log_interval == 0 or self.step == t.steps:
-                    loss_f, gnorm_f = loss.item(), grad_norm.item()  # the only host syncs
                     window = time.perf_counter() - window_start
-                    tps = window_steps * tokens_per_step / window
-                    rec = {
-                        "step": self.step,
-                        "loss": loss_f,
-                        "lr": self.optimizer.param_groups[0]["lr"],
-                        "grad_norm": gnorm_f,
-                        "tokens_per_s": tps,
-                        "tokens_seen": self.step * tokens_per_step,
-                        "elapsed_s": self.elapsed_prev + elapsed,
-                        "step_time_s": window / window_steps,
-                    }
-                    if peak is not None:
-                        rec["mfu"] = fpt * tps / peak
-                    if self.precision.scaler is not None:
-                        rec["loss_scale"] = float(self.precision.scaler.get_scale())
-                    if self.device.type == "cuda":
-                        rec["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                    metrics.write(rec)
-                    done = self.step - first_step
-                    eta = elapsed / done * (t.steps - self.step)
-                    self.display.log(rec, t.steps, eta, 100 * self.step / t.steps)
+                    self._log_train(metrics, loss, grad_norm, window, window_steps,
+                                    elapsed=time.perf_counter() - start, first_step=first_step)
                     window_start, window_steps = time.perf_counter(), 0
                 eval_now = t.eval_interval and self.step % t.eval_interval == 0
                 if eval_now or self.step == t.steps:
@@ -221,6 +206,9 @@ class Trainer:
             )
         else:
             self._finish_message()
+        return self._result(loss, stopped_by)
+
+    def _result(self, loss: torch.Tensor | None, stopped_by: str | None) -> TrainResult:
         return TrainResult(
             step=self.step,
             loss=loss.item() if loss is not None else None,
@@ -229,6 +217,40 @@ class Trainer:
             stopped_by=stopped_by,
             run_dir=self.run_dir,
         )
+
+    def _log_train(
+        self,
+        metrics: MetricsWriter,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        window: float,
+        window_steps: int,
+        elapsed: float,
+        first_step: int,
+    ) -> None:
+        """One metrics line for the steps since the last one (`window` seconds)."""
+        t = self.cfg.train
+        tokens_per_step = t.global_batch_size * t.seq_len
+        tps = window_steps * tokens_per_step / window
+        rec = {
+            "step": self.step,
+            "loss": loss.item(),  # host syncs happen here, at log steps only
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tps,
+            "tokens_seen": self.step * tokens_per_step,
+            "elapsed_s": self.elapsed_prev + elapsed,
+            "step_time_s": window / window_steps,
+        }
+        if self.peak_flops is not None:
+            rec["mfu"] = flops_per_token(self.cfg.model, t.seq_len) * tps / self.peak_flops
+        if self.precision.scaler is not None:
+            rec["loss_scale"] = float(self.precision.scaler.get_scale())
+        if self.device.type == "cuda":
+            rec["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        metrics.write(rec)
+        eta = elapsed / (self.step - first_step) * (t.steps - self.step)
+        self.display.log(rec, t.steps, eta, 100 * self.step / t.steps)
 
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `accum` micro-batches; returns device tensors (no sync)."""

@@ -124,6 +124,9 @@ def test_resume_can_extend_steps_but_not_change_the_model(tiny_config):
     run = Path(cfg.run.dir)
     with pytest.raises(CheckpointError, match="model.d_model was 64 in the run, now 128"):
         Trainer(Config.load(run / "config.toml", {"model.d_model": 128}), resume=True)
+    again = Trainer(Config.load(run / "config.toml"), resume=True, console=False).train()
+    assert again.step == 4 and again.loss is None  # finished: nothing to do, nothing written
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 4
     longer = Config.load(run / "config.toml", {"train.steps": 6})
     result = Trainer(longer, resume=True, console=False).train()
     assert result.step == 6
