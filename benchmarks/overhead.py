@@ -52,12 +52,11 @@ import torch
 import torch.nn.functional as F
 
 from tessel.config import Config
+from tessel.data import Batch  # noqa: E402
 from tessel.models import build_model, param_count
 from tessel.observe.metrics import read_metrics
 from tessel.train.optim import lr_at, param_groups
 from tessel.train.trainer import Trainer
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Replay:
@@ -118,7 +117,7 @@ class PlainLoop:
             g["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.accum):
-            x, y = self.data.next_batch()
+            x, y, _ = self.data.next_batch()
             if self.device.type == "cuda":
                 x = x.pin_memory().to(self.device, non_blocking=True)
                 y = y.pin_memory().to(self.device, non_blocking=True)

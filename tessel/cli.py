@@ -6,6 +6,9 @@
     tessel presets                                          model shapes and parameter counts
     tessel config [CONFIG.toml] [--section.key=value ...]   print the resolved config
     tessel config --reference                               every config key, as Markdown
+    tessel tokenizer train --input PATH [PATH ...] --vocab-size N --output TOKENIZER.json
+    tessel preprocess --input PATH [PATH ...] [--tokenizer SPEC] --output PREFIX [--workers N]
+    tessel data inspect PREFIX [--verify]                   sizes, tokenizer, a decoded sample
 
 Bad input prints one line to stderr and exits with code 2.
 """
@@ -13,6 +16,7 @@ Bad input prints one line to stderr and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import NoReturn
 
@@ -112,18 +116,25 @@ def cmd_train(argv: list[str]) -> int:
     from tessel.train import Trainer
 
     if resume is not None:
+        if any(o.removeprefix("--").startswith("run.dir=") for o in overrides):
+            raise TesselError("--resume RUN_DIR names the run directory; drop --run.dir")
         run_config = Path(resume) / "config.toml"
         if not run_config.is_file():
             raise TesselError(
                 f"cannot resume {resume!r}: it is not a tessel run directory (no config.toml)"
             )
-        cfg = Config.load(run_config, overrides)
-        if cfg.run.dir != resume and Path(cfg.run.dir).resolve() != Path(resume).resolve():
-            cfg = cfg.with_overrides({"run.dir": resume})  # the run may have been moved
+        # The run directory is where the run is now (it may have been moved).
+        cfg = Config.load(run_config, [*overrides, f"--run.dir={_toml_str(resume)}"])
     else:
         cfg = Config.load(config_path, overrides)
     result = Trainer(cfg, resume=resume is not None, console=not quiet).train()
     return result.exit_code
+
+
+def _toml_str(text: str) -> str:
+    import json
+
+    return json.dumps(text)  # a JSON string is a valid TOML basic string
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -134,11 +145,12 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy decoding")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely (0: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto (CUDA when present), cpu or cuda")
     args = p.parse_args(argv)
     if args.max_new_tokens <= 0:
         raise TesselError("--max-new-tokens must be positive")
-    if args.temperature < 0:
+    if not math.isfinite(args.temperature) or args.temperature < 0:
         raise TesselError("--temperature must be >= 0 (0 is greedy decoding)")
     if args.top_k < 0:
         raise TesselError("--top-k must be >= 0 (0 disables top-k)")
@@ -196,6 +208,10 @@ COMMANDS = {
     "generate": cmd_generate,
     "presets": cmd_presets,
     "config": cmd_config,
+    # tessel.data.commands imports this module (for _Parser), so it is imported on use.
+    "tokenizer": lambda argv: __import__("tessel.data.commands").data.commands.cmd_tokenizer(argv),
+    "preprocess": lambda argv: __import__("tessel.data.commands").data.commands.cmd_preprocess(argv),
+    "data": lambda argv: __import__("tessel.data.commands").data.commands.cmd_data(argv),
 }
 
 

@@ -51,7 +51,7 @@ class ModelConfig(_Section):
     n_kv_heads: int | None = Field(None, gt=0)
     """Key/value heads: equal to `n_heads` for multi-head attention, fewer for grouped-query
     attention (must divide `n_heads`). Defaults to `n_heads`."""
-    vocab_size: int = Field(512, gt=0)
+    vocab_size: int = Field(2048, gt=0)
     """Rows of the embedding table; must hold every token id of the tokenizer."""
     max_seq_len: int = Field(256, gt=0)
     """Longest sequence the model accepts (size of the learned position table)."""
@@ -127,36 +127,77 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["stdlib", "files", "synthetic"] = "stdlib"
-    """Where training text comes from: `stdlib` is the embedded demo corpus (this Python's
-    own standard-library sources), `files` reads `data.paths`, `synthetic` is a random-token
-    stream (for benchmarks and smoke tests)."""
+    source: Literal["stdlib", "files", "indexed", "synthetic"] = "stdlib"
+    """Where training tokens come from: `stdlib` is the embedded demo corpus (this Python's
+    own standard-library sources), `files` tokenizes the text/JSONL files or directories in
+    `data.paths` (cached), `indexed` reads datasets made by `tessel preprocess`, `synthetic`
+    is a random-token stream (for benchmarks and smoke tests)."""
     paths: list[str] = []
-    """Text files or directories (read recursively) used when `data.source = "files"`."""
-    tokenizer: Literal["bytes"] = "bytes"
-    """Tokenizer: `bytes` maps UTF-8 bytes to ids 0-255 and uses 256 as end-of-document."""
+    """`files`: inputs to tokenize. `indexed`: dataset prefixes, optionally weighted Megatron
+    style (["0.7 data/web", "0.3 data/books"]); without weights they mix in proportion to
+    their sizes."""
+    json_key: str = "text"
+    """Field holding the text in JSONL/Parquet inputs (`files` source)."""
+    tokenizer: str = "auto"
+    """`auto` (an `indexed` dataset's own tokenizer; for `stdlib`/`files` a byte-level BPE
+    trained on the corpus with model.vocab_size ids), `bytes`, `bpe` (that BPE explicitly),
+    a tokenizer.json path, or `gpt2-files:vocab.json,merges.txt`."""
     split: str = "98,2"
-    """Train/validation split of documents, as relative weights ("98,2")."""
+    """Train/validation[/test] split of each dataset's documents, as relative weights
+    ("98,2" or "969,30,1"); contiguous ranges of documents, Megatron style."""
+    document_mask: bool = False
+    """Attention does not cross document boundaries inside a packed sample."""
     cache_dir: str = ""
-    """Where tokenized corpora are cached; empty means $TESSEL_CACHE or ~/.cache/tessel."""
+    """Where tokenized corpora and sample indices are cached; empty means $TESSEL_CACHE or
+    ~/.cache/tessel."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         self.split_fractions()  # raises on a malformed split
-        if self.source == "files" and not self.paths:
-            raise ValueError('data.source = "files" needs data.paths = ["corpus/", ...]')
+        if self.source in ("files", "indexed") and not self.paths:
+            raise ValueError(f'data.source = "{self.source}" needs data.paths = ["...", ...]')
+        if self.source == "indexed":
+            self.weighted_paths()  # raises on malformed weights
         return self
 
-    def split_fractions(self) -> tuple[float, float]:
-        """(train, val) fractions parsed from `split`."""
+    def split_fractions(self) -> tuple[float, float, float]:
+        """(train, val, test) fractions parsed from `split`."""
         try:
             parts = [float(p) for p in self.split.split(",")]
         except ValueError:
             parts = []
-        if len(parts) != 2 or min(parts) < 0 or sum(parts) <= 0:
-            raise ValueError(f"split={self.split!r} must be two non-negative weights, e.g. '98,2'")
+        if len(parts) not in (2, 3) or min(parts) < 0 or sum(parts) <= 0 or parts[0] <= 0:
+            raise ValueError(
+                f"split={self.split!r} must be two or three non-negative weights with a "
+                "positive first one, e.g. '98,2' or '969,30,1'"
+            )
         total = sum(parts)
-        return parts[0] / total, parts[1] / total
+        fractions = [p / total for p in parts] + [0.0]
+        return fractions[0], fractions[1], fractions[2]
+
+    def weighted_paths(self) -> list[tuple[float | None, str]]:
+        """`paths` as (weight or None, prefix) pairs."""
+        out: list[tuple[float | None, str]] = []
+        for entry in self.paths:
+            parts = entry.split()
+            if len(parts) == 2:
+                try:
+                    weight = float(parts[0])
+                except ValueError:
+                    weight = -1.0
+                if weight <= 0:
+                    raise ValueError(
+                        f"paths entry {entry!r}: the weight must be a positive number, "
+                        'e.g. "0.7 data/web"'
+                    )
+                out.append((weight, parts[1]))
+            elif len(parts) == 1:
+                out.append((None, parts[0]))
+            else:
+                raise ValueError(f'paths entry {entry!r} must be "PREFIX" or "WEIGHT PREFIX"')
+        if len({w is None for w, _ in out}) > 1:
+            raise ValueError("paths: give a weight for every dataset or for none")
+        return out
 
 
 class TrainConfig(_Section):
@@ -314,7 +355,10 @@ class Config(BaseModel):
         cls, data: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] | None = None
     ) -> Config:
         merged = _deep_copy(data)
-        for key, value in _normalise_overrides(overrides).items():
+        changes = _normalise_overrides(overrides)
+        if "model.preset" in changes:
+            _forget_old_preset(merged, changes["model.preset"])
+        for key, value in changes.items():
             _set_dotted(merged, key, value)
         try:
             return cls.model_validate(merged)
@@ -387,6 +431,22 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     if not isinstance(node, dict):
         raise ConfigError(f"{section!r} in the config file must be a [table]")
     node[field] = value
+
+
+def _forget_old_preset(data: dict[str, Any], new_preset: Any) -> None:
+    """When an override switches the preset, drop the shape fields the old preset supplied
+    (a resolved config.toml writes them all out) so the new preset can fill them; fields the
+    user changed from the old preset's values stay."""
+    section = data.get("model")
+    if not isinstance(section, dict):
+        return
+    old = section.get("preset", ModelConfig.model_fields["preset"].default)
+    if old == new_preset or old not in PRESETS:
+        return
+    supplied = ModelConfig(preset=old).model_dump()
+    for key in list(section):
+        if key != "preset" and key in supplied and section[key] == supplied[key]:
+            del section[key]
 
 
 def _one_line(exc: ValidationError) -> str:

@@ -8,3 +8,7 @@ keeps its traceback.
 class TesselError(ValueError):
     """Bad input (config, data, checkpoint, run directory); the message is one line that
     says what is wrong and how to fix it."""
+
+
+class DataError(TesselError):
+    """Unusable data (missing, corrupt, or not matching the model or tokenizer)."""

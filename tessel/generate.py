@@ -26,6 +26,11 @@ def sample(
     model's max_seq_len (no KV cache: sampling is for inspection, not serving)."""
     model.eval()
     device = next(model.parameters()).device
+    # An empty prompt starts a fresh document: condition on the end-of-document token.
+    if not prompt_ids:
+        if stop_id is None:
+            raise ValueError("an empty prompt needs stop_id (the end-of-document token)")
+        prompt_ids = [stop_id]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     out: list[int] = []

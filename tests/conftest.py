@@ -51,6 +51,7 @@ def tiny_overrides(run_dir: Path, corpus_dir: Path, **extra) -> dict:
         "model.preset": "tiny",
         "data.source": "files",
         "data.paths": [str(corpus_dir)],
+        "data.tokenizer": "bytes",
         "data.split": "90,10",
         "train.steps": 8,
         "train.seq_len": 32,

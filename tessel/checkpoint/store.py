@@ -147,7 +147,8 @@ def read_state(path: Path) -> dict[str, Any]:
         if actual != size:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} is damaged: {fname} has {actual} bytes, "
-                f"expected {size}; resume from an older checkpoint"
+                f"expected {size}; move that directory out of checkpoints/ to resume from the "
+                "one before"
             )
     return meta
 
@@ -243,7 +244,11 @@ def _point_latest(root: Path, name: str) -> None:
 
 def _prune(root: Path, keep_last: int) -> None:
     for _, path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        # Rename first: a kill during the delete then leaves a hidden leftover (swept by the
+        # next save), never a step directory with state.json but missing tensors.
+        trash = root / f".trash-{path.name}-{os.getpid()}"
+        path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _remove_stale_temporaries(root: Path) -> None:

@@ -36,11 +36,11 @@ _LLAMA3: dict[str, Any] = dict(
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # debug model: trains in seconds on a laptop CPU (byte-level vocabulary fits in 512)
+    # debug model: trains in seconds on a laptop CPU (bytes or a 512-token BPE)
     "tiny": {**_GPT2, "n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 512,
              "max_seq_len": 256},
-    # the embedded demo's model: a few minutes on two CPU cores
-    "demo": {**_GPT2, "n_layers": 4, "d_model": 192, "n_heads": 6, "vocab_size": 512,
+    # the embedded demo's model: a few minutes on two CPU cores, with a 2048-token BPE
+    "demo": {**_GPT2, "n_layers": 4, "d_model": 192, "n_heads": 6, "vocab_size": 2048,
              "max_seq_len": 256},
     # a Llama-shaped debug model: RoPE, RMSNorm, SwiGLU, GQA, untied, no biases
     "tiny-llama": {**_LLAMA3, "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,

@@ -56,7 +56,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -70,8 +72,11 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        # Without a mask SDPA may pick the flash kernel; a document mask (B, 1, T, T) already
+        # contains the causal part.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
         )
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
@@ -99,8 +104,10 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs))
+    def forward(
+        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs, mask))
         return x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -149,17 +156,29 @@ class Transformer(nn.Module):
         if self.rope_freqs is not None:
             self.rope_freqs = self._rope_table().to(self.rope_freqs.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (B, T) int64 -> logits (B, T, vocab) in the compute dtype."""
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab) in the compute dtype.
+
+        doc_ids: optional (B, T) document index of each position; attention then stays
+        inside each document of a packed sequence.
+        """
         _, T = tokens.shape
         h = self.tok_embeddings(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))
         h = self.emb_dropout(h)
         freqs = self.rope_freqs[:T] if self.rope_freqs is not None else None
+        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
         for block in self.layers.values():
-            h = block(h, freqs)
+            h = block(h, freqs, mask)
         return self.output(self.norm(h))
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) bool: causal and within the same document."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:

@@ -28,9 +28,8 @@ from tessel.checkpoint import (
     save_checkpoint,
 )
 from tessel.config import Config
-from tessel.data import build_data, build_tokenizer
-from tessel.data.tokenizer import save_tokenizer
-from tessel.errors import TesselError
+from tessel.data import Batch, build_data, load_tokenizer
+from tessel.errors import DataError, TesselError
 from tessel.generate import sample
 from tessel.models import build_model, flops_per_token, param_count
 from tessel.observe.console import ConsoleDisplay
@@ -41,7 +40,11 @@ from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
 
 # Changing these on resume would silently change what the checkpoint means.
-_FROZEN_ON_RESUME = ("model", "data", "train.seq_len", "train.seed")
+# (Mixture weights and cache locations may change; the loader checks the datasets themselves.)
+_FROZEN_ON_RESUME = (
+    "model", "data.source", "data.tokenizer", "data.split", "data.json_key", "train.seq_len",
+    "train.seed",
+)
 
 
 @dataclass
@@ -83,8 +86,10 @@ class Trainer:
         self.device = pick_device(cfg.train.device)
         self.peak_flops = device_peak_flops(self.device)
         self.precision = resolve_precision(cfg.train.precision, self.device)
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.data = build_data(cfg, self.tokenizer)
+        self.data = build_data(cfg, console=self.display.print)
+        self.tokenizer = self.data.tokenizer
+        if resume_from is not None:
+            self._check_tokenizer()
 
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, self.device, seed=cfg.train.seed)
@@ -98,6 +103,7 @@ class Trainer:
             cfg.train.micro_batch_size * cfg.parallel.dp_size
         )
         self.step = 0
+        self.tokens_seen = 0
         self.elapsed_prev = 0.0
         self.last_saved_step = -1
         self.last_val_loss: float | None = None
@@ -105,30 +111,30 @@ class Trainer:
             self._restore(*resume_from)
         self._stop_signal: int | None = None
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.run_dir / "config.toml", cfg.to_toml())
-        save_tokenizer(self.tokenizer, self.run_dir / "tokenizer.json")
-
     # ---- setup ----------------------------------------------------------------------------
 
     def _check_run_dir(self, resume: bool) -> tuple[Path, dict[str, Any]] | None:
         """Refuse to overwrite a run, or to resume one incompatibly; returns the checkpoint
         to resume from and its state."""
+        holds_run = (self.run_dir / "config.toml").exists() or self.ckpt_root.exists()
         if not resume:
-            if (self.run_dir / "config.toml").exists():
+            if holds_run:
                 raise TesselError(
                     f"{str(self.run_dir)!r} already holds a run; continue it with "
                     f"`tessel train --resume {self.run_dir}` or choose another --run.dir"
                 )
             return None
+        if not holds_run:
+            raise CheckpointError(f"nothing to resume: {str(self.run_dir)!r} holds no run")
         ckpt = latest_checkpoint(self.ckpt_root)
-        if ckpt is None:
-            raise CheckpointError(
-                f"nothing to resume in {str(self.run_dir)!r}: no complete checkpoint under "
-                f"{str(self.ckpt_root)!r}"
-            )
+        if ckpt is None:  # stopped before its first checkpoint: start it again from step 0
+            self.display.print(f"tessel: {self.run_dir} has no checkpoint yet; starting from step 0")
+            return None
         state = read_state(ckpt)
-        then = Config.from_dict(state["config"])
+        try:
+            then = Config.from_dict(state["config"])
+        except KeyError:
+            raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks its config; it is damaged") from None
         for key in _FROZEN_ON_RESUME:
             old, new = _get(then, key), _get(self.cfg, key)
             if old != new:
@@ -139,17 +145,29 @@ class Trainer:
                 )
         return ckpt, state
 
+    def _check_tokenizer(self) -> None:
+        saved = load_tokenizer(self.run_dir / "tokenizer.json")
+        if saved.fingerprint() != self.tokenizer.fingerprint():
+            raise DataError(
+                f"the data's tokenizer differs from the one {str(self.run_dir)!r} was trained "
+                "with; resume with the data the run was started with"
+            )
+
     def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
         load_model(ckpt, self.model)
         load_optimizer(ckpt, self.model, self.optimizer)
-        self.data.train.load_state_dict(state["loader"])
-        if self.precision.scaler is not None and state.get("scaler"):
-            self.precision.scaler.load_state_dict(state["scaler"])
-        rng = read_tensors(ckpt, "rng.safetensors")
-        torch.set_rng_state(rng["torch_cpu"])
-        if self.device.type == "cuda" and "torch_cuda" in rng:
-            torch.cuda.set_rng_state(rng["torch_cuda"], self.device)
-        self.step = self.last_saved_step = int(state["step"])
+        try:
+            self.data.train.load_state_dict(state["loader"])
+            if self.precision.scaler is not None and state.get("scaler"):
+                self.precision.scaler.load_state_dict(state["scaler"])
+            rng = read_tensors(ckpt, "rng.safetensors")
+            torch.set_rng_state(rng["torch_cpu"])
+            if self.device.type == "cuda" and "torch_cuda" in rng:
+                torch.cuda.set_rng_state(rng["torch_cuda"], self.device)
+            self.step = self.last_saved_step = int(state["step"])
+            self.tokens_seen = int(state["tokens_seen"])
+        except KeyError as exc:
+            raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {exc}; it is damaged") from None
         self.elapsed_prev = float(state.get("elapsed_s", 0.0))
         self.last_val_loss = state.get("val_loss")
 
@@ -164,6 +182,11 @@ class Trainer:
                 f"pass --train.steps=N with N > {self.step} to train further"
             )
             return self._result(None, None)
+        # Written only now that the run really starts: a refused or no-op call leaves the
+        # run directory as it was.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.run_dir / "config.toml", cfg.to_toml())
+        self.tokenizer.save(self.run_dir / "tokenizer.json")
         self._announce()
         metrics = MetricsWriter(self.run_dir, cfg.metrics.tensorboard)
         previous_handlers = self._install_signal_handlers()
@@ -177,6 +200,7 @@ class Trainer:
             while self.step < t.steps and self._stop_signal is None:
                 loss, grad_norm = self._train_step()
                 self.step += 1
+                self.tokens_seen += tokens_per_step
                 window_steps += 1
                 self.display.step(self.step)
                 if self.step % cfg.metrics.log_interval == 0 or self.step == t.steps:
@@ -186,7 +210,7 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 eval_now = t.eval_interval and self.step % t.eval_interval == 0
                 if eval_now or self.step == t.steps:
-                    self._log_eval(metrics, start, tokens_per_step)
+                    self._log_eval(metrics, start)
                     window_start, window_steps = time.perf_counter(), 0
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                     self._save(start)
@@ -238,7 +262,7 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm.item(),
             "tokens_per_s": tps,
-            "tokens_seen": self.step * tokens_per_step,
+            "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_prev + elapsed,
             "step_time_s": window / window_steps,
         }
@@ -261,13 +285,13 @@ class Trainer:
         batches = [self.data.train.next_batch() for _ in range(self.accum)]
         # The loss is a mean over every target token of the step, not a mean of
         # micro-batch means, so accumulation never changes its value.
-        n_tokens = sum(y.numel() for _, y in batches)
+        n_tokens = sum(b.targets.numel() for b in batches)
         scaler = self.precision.scaler
         total = torch.zeros((), device=self.device)
-        for x, y in batches:
-            x, y = self._to_device(x), self._to_device(y)
+        for batch in batches:
+            x, y, docs = self._on_device(batch)
             with self.precision.autocast():
-                logits = self.model(x)  # (B, T, V)
+                logits = self.model(x, docs)  # (B, T, V)
             loss = token_loss_sum(logits, y) / n_tokens
             (scaler.scale(loss) if scaler is not None else loss).backward()
             total += loss.detach()
@@ -283,37 +307,44 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return total, grad_norm
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    def _on_device(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        if self.device.type != "cuda":
+            return tuple(batch)
+        # Pinned memory lets the copy overlap with compute (non_blocking).
+        return tuple(
+            t.pin_memory().to(self.device, non_blocking=True) if t is not None else None
+            for t in batch
+        )
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Token-mean cross-entropy over `train.eval_iters` validation micro-batches."""
         val = self.data.val
+        assert val is not None
         val.reset()
-        iters = max(1, min(self.cfg.train.eval_iters, val.n_samples // val.mbs))
+        iters = max(1, min(self.cfg.train.eval_iters, val.n_samples // (val.mbs * val.dp_size)))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = 0
         self.model.eval()
         for _ in range(iters):
-            x, y = val.next_batch()
+            x, y, docs = self._on_device(val.next_batch())
             with self.precision.autocast():
-                logits = self.model(self._to_device(x))
-            total += token_loss_sum(logits, self._to_device(y))
+                logits = self.model(x, docs)
+            total += token_loss_sum(logits, y)
             count += y.numel()
         self.model.train()
         return total.item() / count
 
-    def _log_eval(self, metrics: MetricsWriter, start: float, tokens_per_step: int) -> None:
+    def _log_eval(self, metrics: MetricsWriter, start: float) -> None:
+        if self.data.val is None:
+            return
         val_loss = self.evaluate()
         self.last_val_loss = val_loss
         rec = {
             "step": self.step,
             "val_loss": val_loss,
             "val_ppl": math.exp(min(val_loss, 50.0)),
-            "tokens_seen": self.step * tokens_per_step,
+            "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_prev + time.perf_counter() - start,
         }
         metrics.write(rec)
@@ -326,6 +357,7 @@ class Trainer:
         if self.device.type == "cuda":
             rng["torch_cuda"] = torch.cuda.get_rng_state(self.device)
         state: dict[str, Any] = {
+            "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_prev + time.perf_counter() - start,
             "loader": self.data.train.state_dict(),
             "val_loss": self.last_val_loss,

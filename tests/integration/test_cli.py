@@ -35,7 +35,8 @@ def start(*args: str) -> subprocess.Popen:
 
 def train_args(run: Path, corpus: Path, *extra: str) -> list[str]:
     return ["train", str(ROOT / "configs/tiny.toml"), f"--run.dir={run}",
-            "--data.source=files", f"--data.paths=['{corpus}']", "--train.seq_len=32",
+            "--data.source=files", f"--data.paths=['{corpus}']", "--data.tokenizer=bytes",
+            "--train.seq_len=32",
             "--train.eval_iters=2", "--metrics.tensorboard=false", *extra]
 
 
@@ -79,6 +80,8 @@ def test_train_generate_resume(tmp_path: Path, corpus: Path):
                      "--temperature", "0") for _ in range(2)]
     assert greedy[0].returncode == 0 and greedy[0].stdout.startswith("the ")
     assert greedy[0].stdout == greedy[1].stdout
+    unprompted = tessel("generate", str(run), "--max-new-tokens", "5", "--seed", "1")
+    assert unprompted.returncode == 0, unprompted.stderr
     sampled = tessel("generate", str(run / "checkpoints/latest"), "--prompt", "the ",
                      "--max-new-tokens", "20", "--top-k", "5", "--seed", "3")
     assert sampled.returncode == 0 and sampled.stdout.startswith("the ")
@@ -118,6 +121,11 @@ def test_bad_files_and_commands(tmp_path: Path):
     assert_one_line_error(tessel("generate", str(tmp_path)), "not a tessel run directory")
     assert_one_line_error(tessel("generate", str(tmp_path), "--temperature", "-1"),
                           "--temperature must be >= 0")
+    assert_one_line_error(tessel("generate", str(tmp_path), "--temperature", "nan"),
+                          "--temperature must be >= 0")
+    assert_one_line_error(tessel("generate", str(tmp_path), "--device", "tpu"), "invalid choice")
+    assert_one_line_error(tessel("train", "--resume", str(tmp_path), "--run.dir=x"),
+                          "drop --run.dir")
     assert_one_line_error(tessel("fly"), "unknown command 'fly'")
     assert not list(tmp_path.iterdir())[1:]  # only bad.toml
 

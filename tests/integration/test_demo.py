@@ -5,27 +5,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tessel.config import Config
-from tessel.data import build_tokenizer
-from tessel.data.corpus import load_splits, stdlib_files
+from tessel.data.indexed import IndexedDataset
+from tessel.data.sources import default_cache_dir, ensure_corpus, stdlib_files
 from tessel.observe.metrics import read_metrics
 
 
-def test_stdlib_corpus_is_cached_and_split_by_document(tmp_path, monkeypatch):
-    monkeypatch.setenv("TESSEL_CACHE", str(tmp_path))
-    cfg = Config().data
-    assert len(stdlib_files()) > 100
-    splits = load_splits(cfg, build_tokenizer("bytes"), seed=1)
-    cached = list(tmp_path.glob("corpus-*/train.npy"))
-    assert len(cached) == 1
-    again = load_splits(cfg, build_tokenizer("bytes"), seed=2)  # the split ignores the seed
-    assert np.array_equal(splits.val, again.val)
-    total = len(splits.train) + len(splits.val)
-    assert 0.005 < len(splits.val) / total < 0.1
-    assert splits.train.dtype == np.uint16 and splits.train.max() <= 256
+def test_stdlib_corpus_goes_through_the_pipeline_once():
+    cache = default_cache_dir()  # the session's cache (conftest), shared with the demo test
+    said: list[str] = []
+    prefix = ensure_corpus(Config().data, 2048, cache, said.append)
+    ds = IndexedDataset(prefix)
+    tok = ds.tokenizer()
+    n_files = len(stdlib_files())
+    assert 0.9 * n_files < ds.n_docs <= n_files  # empty files are skipped
+    assert tok.vocab_size <= 2048 and ds.vocab_size == tok.vocab_size
+    ends = ds.tokens[ds.doc_offsets[1:] - 1]
+    assert (ends == tok.eod_id).all()  # every document ends with end-of-document
+    first = next(f for f in stdlib_files() if f.stat().st_size > 0)
+    assert tok.decode(ds.document(0).tolist()) == first.read_text(errors="replace")
+    again: list[str] = []
+    assert ensure_corpus(Config().data, 2048, cache, again.append) == prefix
+    assert not again  # cached: nothing rebuilt, nothing said
 
 
 @pytest.mark.slow

@@ -124,13 +124,17 @@ def test_resume_can_extend_steps_but_not_change_the_model(tiny_config):
     run = Path(cfg.run.dir)
     with pytest.raises(CheckpointError, match="model.d_model was 64 in the run, now 128"):
         Trainer(Config.load(run / "config.toml", {"model.d_model": 128}), resume=True)
-    again = Trainer(Config.load(run / "config.toml"), resume=True, console=False).train()
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    noop = Config.load(run / "config.toml", {"optim.lr": 1e-4})
+    again = Trainer(noop, resume=True, console=False).train()
     assert again.step == 4 and again.loss is None  # finished: nothing to do, nothing written
-    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 4
-    longer = Config.load(run / "config.toml", {"train.steps": 6})
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    longer = Config.load(run / "config.toml", {"train.steps": 6, "train.global_batch_size": 16})
     result = Trainer(longer, resume=True, console=False).train()
     assert result.step == 6
     assert Config.load(run / "config.toml").train.steps == 6
+    last = read_metrics(run / "metrics.jsonl")[-1]
+    assert last["tokens_seen"] == 4 * 8 * 32 + 2 * 16 * 32  # counted, not step x batch
 
 
 def test_existing_run_is_never_overwritten(tiny_config):
@@ -143,8 +147,14 @@ def test_existing_run_is_never_overwritten(tiny_config):
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
-def test_resume_without_checkpoint_is_refused(tmp_path, tiny_config):
+def test_resume_without_a_run_is_refused_and_before_a_checkpoint_restarts(tiny_config):
     cfg = tiny_config()
     with pytest.raises(CheckpointError, match="nothing to resume"):
         Trainer(cfg, resume=True)
     assert not Path(cfg.run.dir).exists()
+    # a run killed before its first checkpoint: --resume starts it again from step 0
+    run = Path(cfg.run.dir)
+    run.mkdir()
+    (run / "config.toml").write_text(cfg.to_toml())
+    result = Trainer(cfg, resume=True, console=False).train()
+    assert result.step == cfg.train.steps

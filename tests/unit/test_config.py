@@ -34,6 +34,14 @@ def test_file_then_overrides(tmp_path: Path):
     assert cfg.optim.schedule == "wsd" and cfg.data.paths == ["a", "b"]
 
 
+def test_switching_preset_on_a_resolved_config(tmp_path: Path):
+    f = tmp_path / "config.toml"
+    f.write_text(Config.load(None, {"model.preset": "gpt2-124m", "model.dropout": 0.1}).to_toml())
+    cfg = Config.load(f, {"model.preset": "gpt2-350m"})
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.ffn_hidden) == (24, 1024, 4096)
+    assert cfg.model.dropout == 0.1  # a field the user changed from the preset stays
+
+
 def test_resolved_toml_round_trips(tmp_path: Path):
     cfg = Config.load(None, {"model.preset": "llama3-8b", "train.seq_len": 2048})
     f = tmp_path / "config.toml"
@@ -55,7 +63,10 @@ def test_resolved_toml_round_trips(tmp_path: Path):
         ({"model.n_heads": 5}, "d_model=192 is not divisible by n_heads=5"),
         ({"model.n_kv_heads": 4}, "n_heads=6 is not divisible by n_kv_heads=4"),
         ({"data.source": "files"}, 'data.source = "files" needs data.paths'),
-        ({"data.split": "98"}, "split='98' must be two non-negative weights"),
+        ({"data.split": "98"}, "split='98' must be two or three non-negative weights"),
+        ({"data.source": "indexed", "data.paths": ["0.7 a", "b"]}, "a weight for every dataset or for none"),
+        ({"data.source": "indexed", "data.paths": ["-1 a"]}, "the weight must be a positive number"),
+        ({"data.source": "indexed", "data.paths": ["1 a b"]}, 'must be "PREFIX" or "WEIGHT PREFIX"'),
         ({"parallel.tp": 2}, "tp=2 is not supported by this build"),
         ({"train.precision": "fp8"}, "train.precision: input should be"),
     ],
@@ -86,6 +97,14 @@ def test_missing_file_and_malformed_override():
         Config.load(None, ["--train.steps"])
     with pytest.raises(ConfigError, match="must be section.key"):
         Config.load(None, {"steps": 3})
+
+
+def test_weighted_paths_and_three_way_split():
+    d = Config.load(None, {"data.source": "indexed", "data.paths": ["0.7 data/web", "0.3 data/books"],
+                           "data.split": "969,30,1"}).data
+    assert d.weighted_paths() == [(0.7, "data/web"), (0.3, "data/books")]
+    assert d.split_fractions() == pytest.approx((0.969, 0.030, 0.001))
+    assert Config.load(None, {"data.split": "98,2"}).data.split_fractions() == pytest.approx((0.98, 0.02, 0))
 
 
 def test_with_overrides_revalidates():

@@ -98,3 +98,19 @@ def test_rope_rotates_pairs_and_preserves_norm():
     def rot(v, pos):
         return apply_rope(v.expand(1, 16, 1, 8).contiguous(), freqs)[0, pos, 0]
     torch.testing.assert_close(rot(q, 5) @ rot(k, 3), rot(q, 9) @ rot(k, 7))
+
+
+@pytest.mark.parametrize("variant", VARIANTS[::11])
+def test_document_mask_keeps_attention_inside_documents(variant):
+    model = build_model(small(**variant), "cpu", seed=2).eval()
+    x = torch.randint(0, 97, (2, 12))
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    y = x.clone()
+    y[0, :5] = torch.randint(0, 97, (5,))  # change document 0 of the first row only
+    with torch.no_grad():
+        a, b = model(x, docs), model(y, docs)
+        plain = model(x)
+    torch.testing.assert_close(a[0, 5:], b[0, 5:], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[0, :5], b[0, :5])
+    torch.testing.assert_close(a[1], plain[1], rtol=1e-5, atol=1e-6)  # one document == causal
+    assert not torch.allclose(a[0, 5:], plain[0, 5:])

@@ -1,0 +1,152 @@
+"""The data commands of the `tessel` CLI.
+
+    tessel tokenizer train --input PATH [PATH ...] [--json-key text] --vocab-size N --output tok.json
+    tessel preprocess --input PATH [PATH ...] [--json-key text] [--tokenizer SPEC] --output PREFIX
+                      [--workers N] [--append-eod] [--quiet]
+    tessel data inspect PREFIX [--verify]
+
+Each returns an exit code; bad input raises `TesselError` (one line on stderr, exit 2, via
+`tessel.cli.main`) before anything is written, and never leaves half-written outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tessel.cli import _Parser
+from tessel.errors import TesselError
+
+if TYPE_CHECKING:
+    from tessel.data.indexed import IndexedDataset
+
+_INPUT_HELP = ("text files (one document each), .jsonl/.json (one object per line), .parquet, "
+               "any of them .gz, directories (recursive) or glob patterns")
+_SAMPLE_CHARS = 200
+
+
+def cmd_tokenizer(argv: list[str]) -> int:
+    """`tessel tokenizer train`: train a byte-level BPE and save it as a tokenizer.json."""
+    p = _Parser(prog="tessel tokenizer", description="Train tokenizers.")
+    sub = p.add_subparsers(dest="action", required=True, metavar="{train}")
+    t = sub.add_parser("train", help="train a byte-level BPE (GPT-2 style) on text",
+                       description="Train a byte-level BPE (GPT-2 style) and save it as tokenizer.json.")
+    t.add_argument("--input", nargs="+", required=True, metavar="PATH", help=_INPUT_HELP)
+    t.add_argument("--json-key", default="text", help="JSONL/Parquet field holding the text")
+    t.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary (> 257)")
+    t.add_argument("--min-frequency", type=int, default=2, help="least count of a merged pair")
+    t.add_argument("--output", required=True, metavar="TOKENIZER.json", help="file to write")
+    args = p.parse_args(argv)
+    if args.min_frequency < 1:
+        raise TesselError("--min-frequency must be >= 1")
+    output = Path(args.output)
+    if output.is_dir():
+        raise TesselError(f"--output {args.output!r} is a directory; name a file, e.g. "
+                          f"{os.path.join(args.output, 'tokenizer.json')!r}")
+
+    from tessel.data.readers import ReadStats, iter_documents
+    from tessel.data.tokenizer import train_bpe
+
+    stats = ReadStats()
+    docs = iter_documents(args.input, args.json_key, stats)
+    start = time.perf_counter()
+    tok = train_bpe(docs, args.vocab_size, min_frequency=args.min_frequency)
+    if stats.documents == 0:
+        raise TesselError(f"inputs hold no documents ({stats.files} files, {stats.empty_skipped} "
+                          "empty); nothing to train on")
+    _write_atomic(output, tok.to_json())
+    print(f"trained a {tok.vocab_size:,}-id byte-level BPE on {stats.documents:,} documents "
+          f"({stats.bytes_read / 1e6:,.1f} MB) in {time.perf_counter() - start:.1f} s -> "
+          f"{output} (fingerprint {tok.fingerprint()[:12]})")
+    return 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary sibling and a rename: a killed run leaves no partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def cmd_preprocess(argv: list[str]) -> int:
+    """`tessel preprocess`: tokenize raw text into an indexed dataset PREFIX.bin/.idx."""
+    p = _Parser(prog="tessel preprocess",
+                description="Tokenize raw text into an indexed dataset: PREFIX.bin (token ids), "
+                            "PREFIX.idx (document index) and PREFIX.tokenizer.json.")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=_INPUT_HELP)
+    p.add_argument("--json-key", default="text", help="JSONL/Parquet field holding the text")
+    p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                   help="bytes (default), a tokenizer.json, or gpt2-files:VOCAB.json,MERGES.txt")
+    p.add_argument("--output", required=True, metavar="PREFIX",
+                   help="output prefix, e.g. data/web -> data/web.bin, data/web.idx")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes (default 1: the tokenizer already uses every core)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="end every document with the end-of-document token")
+    p.add_argument("--quiet", action="store_true", help="no progress and no summary")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        raise TesselError(f"--workers must be >= 1, got {args.workers}")
+
+    from tessel.data.preprocess import preprocess
+    from tessel.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    summary = preprocess(args.input, tok, args.output, json_key=args.json_key,
+                         workers=args.workers, append_eod=args.append_eod,
+                         progress=not args.quiet)
+    if not args.quiet:
+        print(summary.line())
+    return 0
+
+
+def cmd_data(argv: list[str]) -> int:
+    """`tessel data inspect`: describe an indexed dataset."""
+    p = _Parser(prog="tessel data", description="Look at indexed datasets.")
+    sub = p.add_subparsers(dest="action", required=True, metavar="{inspect}")
+    i = sub.add_parser("inspect", help="sizes, tokenizer and a decoded sample of a dataset",
+                       description="Print a dataset's sizes, tokenizer and a decoded sample.")
+    i.add_argument("prefix", metavar="PREFIX", help="dataset prefix (PREFIX.bin/.idx)")
+    i.add_argument("--verify", action="store_true",
+                   help="also check PREFIX.bin's checksum (reads the whole file)")
+    args = p.parse_args(argv)
+
+    from tessel.data.indexed import IndexedDataset
+
+    ds = IndexedDataset(args.prefix)
+    if args.verify:
+        ds.verify()
+    print(inspect_text(ds, verified=args.verify))
+    return 0
+
+
+def inspect_text(ds: IndexedDataset, verified: bool = False) -> str:
+    """The `tessel data inspect` report for an open dataset."""
+    lengths = ds.doc_lengths
+    mean = float(lengths.mean()) if ds.n_docs else 0.0
+    longest = int(lengths.max()) if ds.n_docs else 0
+    tok = ds.tokenizer()
+    rows = [
+        ("dataset", str(ds.prefix)),
+        ("documents", f"{ds.n_docs:,}"),
+        ("tokens", f"{ds.n_tokens:,}"),
+        ("dtype", f"{ds.dtype.name} ({ds.bin_path.stat().st_size / 1e6:,.1f} MB)"),
+        ("vocab size", f"{ds.vocab_size:,}"),
+        ("tokenizer", f"{ds.tokenizer_fingerprint[:12]} (eod id {tok.eod_id})"),
+        ("doc length", f"mean {mean:,.1f}, max {longest:,} tokens"),
+    ]
+    if verified:
+        rows.append(("checksum", "ok"))
+    lines = [f"{name:<11} {value}" for name, value in rows]
+    if ds.n_docs:
+        # Enough ids for 200 characters (a token is at least one byte), decoded, cut to length.
+        sample = tok.decode(ds.document(0)[: 4 * _SAMPLE_CHARS].tolist())[:_SAMPLE_CHARS]
+        lines.append(f"sample      document 0, first {len(sample)} characters:")
+        lines.extend("  | " + line for line in sample.splitlines() or [""])
+    return "\n".join(lines)

@@ -1,0 +1,215 @@
+"""From `data.*` config to train/val loaders: the one seam the trainer talks to.
+
+- `indexed`: datasets made by `tessel preprocess` (`PREFIX.bin/.idx`), optionally weighted.
+- `stdlib` / `files`: raw text, tokenized once through the same preprocessing into an
+  indexed dataset in the cache (keyed by the inputs' names, sizes and times, the tokenizer
+  and the vocabulary), then read like any indexed dataset.
+- `synthetic`: uniform random ids (a throughput workload; nothing to learn).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tessel.config import Config, DataConfig
+from tessel.data.dataset import TokenDataset, split_ranges
+from tessel.data.loader import Loader
+from tessel.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
+from tessel.errors import DataError
+
+_SYNTHETIC_TOKENS = 1 << 20
+_BASELINE_TOKENS = 1 << 24  # the unigram baseline counts at most this many tokens
+
+
+@dataclass
+class Data:
+    train: Loader
+    val: Loader | None
+    """None when the split leaves no validation data."""
+    tokenizer: Tokenizer
+    """The tokenizer the data was made with (saved with the run)."""
+    unigram_baseline: float
+    """Validation cross-entropy of a context-free (unigram) model: the bar to beat."""
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("TESSEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tessel"
+
+
+def stdlib_files() -> list[Path]:
+    """This Python's standard-library sources: text on every machine with Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -> Data:
+    """Train and validation loaders for this data-parallel rank, and the tokenizer."""
+    from tessel.data.indexed import IndexedDataset
+
+    d, t = cfg.data, cfg.train
+    cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    if d.source == "synthetic":
+        tok = byte_tokenizer() if d.tokenizer in ("auto", "bytes", "bpe") else load_tokenizer(d.tokenizer)
+        rng = np.random.default_rng(t.seed)
+        ids = rng.integers(0, cfg.model.vocab_size, _SYNTHETIC_TOKENS).astype(np.int64)
+        corpora = [("synthetic", ids, np.array([0, len(ids)], dtype=np.int64))]
+        weights: list[float] | None = None
+    else:
+        if d.source == "indexed":
+            weighted = d.weighted_paths()
+            sets = [IndexedDataset(prefix) for _, prefix in weighted]
+            tok = _common_tokenizer(sets, [p for _, p in weighted], d.tokenizer)
+            given = [w for w, _ in weighted]
+            weights = None if given[0] is None else [float(w) for w in given]  # type: ignore[arg-type]
+        else:
+            prefix = ensure_corpus(d, cfg.model.vocab_size, cache, console)
+            sets = [IndexedDataset(prefix)]
+            tok, weights = sets[0].tokenizer(), None
+        corpora = [(s_name, s.tokens, s.doc_offsets) for s_name, s in zip(_names(d, sets), sets)]
+        for (name, _, _), s in zip(corpora, sets):
+            if s.vocab_size > cfg.model.vocab_size:
+                raise DataError(
+                    f"dataset {name!r} was made with a {s.vocab_size}-token vocabulary but "
+                    f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= "
+                    f"{s.vocab_size}"
+                )
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is "
+            f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}"
+        )
+
+    fractions = d.split_fractions()
+    train_sets, val_sets = [], []
+    for name, tokens, offsets in corpora:
+        ranges = split_ranges(len(offsets) - 1, fractions)
+        train_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[0], f"{name}[train]"))
+        val_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[1], f"{name}[val]"))
+    if weights is None:  # no weights given: mix in proportion to size
+        weights = [float(ds.n_samples) for ds in train_sets]
+    group = t.micro_batch_size * dp_size
+    for ds in train_sets:
+        ds.require(1, "one sample")
+    if sum(ds.n_samples for ds in train_sets) < group:
+        train_sets[0].require(group, "one micro-batch on every data-parallel rank")
+    index_cache = cache / "indices"
+    train = Loader(train_sets, weights, t.micro_batch_size, t.seed, True, dp_rank, dp_size,
+                   d.document_mask, index_cache)
+    kept = [(ds, w) for ds, w in zip(val_sets, weights) if ds.n_samples > 0 and w > 0]
+    val = None
+    if kept and sum(ds.n_samples for ds, _ in kept) >= group:
+        val = Loader([ds for ds, _ in kept], [w for _, w in kept], t.micro_batch_size, t.seed,
+                     False, dp_rank, dp_size, d.document_mask)
+    baseline = unigram_baseline(train_sets[0].tokens, val_sets[0].tokens, tok.vocab_size)
+    return Data(train, val, tok, baseline)
+
+
+def _names(d: DataConfig, sets: list) -> list[str]:
+    if d.source == "indexed":
+        return [str(Path(p)) for _, p in d.weighted_paths()]
+    return [d.source]
+
+
+def _common_tokenizer(sets: list, prefixes: list[str], spec: str) -> Tokenizer:
+    """All blended datasets must share one tokenizer, and it must be the configured one."""
+    prints = {s.tokenizer_fingerprint for s in sets}
+    if len(prints) > 1:
+        raise DataError(
+            f"datasets {prefixes} were made with different tokenizers; preprocess them with one"
+        )
+    tok = sets[0].tokenizer()
+    if spec not in ("auto",):
+        wanted = load_tokenizer(spec)
+        if wanted.fingerprint() != tok.fingerprint():
+            raise DataError(
+                f"data.tokenizer={spec!r} differs from the tokenizer {prefixes[0]!r} was made "
+                "with; set data.tokenizer='auto' or re-run tessel preprocess"
+            )
+    return tok
+
+
+# ---- raw text -> cached indexed corpus --------------------------------------------------
+
+
+def ensure_corpus(d: DataConfig, vocab_size: int, cache: Path, console=print) -> Path:
+    """The cached indexed dataset for a `stdlib` or `files` source; built on first use."""
+    inputs = [str(p) for p in stdlib_files()] if d.source == "stdlib" else list(d.paths)
+    spec = "bpe" if d.tokenizer == "auto" else d.tokenizer
+    key = _corpus_key(inputs, spec, vocab_size, d.json_key)
+    target = cache / f"corpus-{key}"
+    prefix = target / "data"
+    if (target / "data.idx").is_file():
+        return prefix
+    what = "the standard library's sources" if d.source == "stdlib" else f"{len(inputs)} input(s)"
+    from tessel.data.preprocess import preprocess
+    from tessel.data.readers import iter_documents
+
+    console(f"tessel: tokenizing {what} once (cached in {target})")
+    tmp = cache / f".tmp-corpus-{key}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if spec == "bpe":
+            tok = train_bpe(iter_documents(inputs, d.json_key), vocab_size)
+        else:
+            tok = load_tokenizer(spec)
+        preprocess(inputs, tok, tmp / "data", json_key=d.json_key, append_eod=True,
+                   progress=False)
+        try:
+            tmp.rename(target)
+        except OSError:  # built concurrently by another process: use theirs
+            if not (target / "data.idx").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return prefix
+
+
+def _corpus_key(inputs: list[str], spec: str, vocab_size: int, json_key: str) -> str:
+    h = hashlib.sha256(json.dumps([spec, vocab_size, json_key]).encode())
+    for f in _expand(inputs):
+        st = f.stat()
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    if spec not in ("bytes", "bpe") and Path(spec).is_file():
+        h.update(Path(spec).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _expand(inputs: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for raw in inputs:
+        p = Path(raw)
+        if p.is_dir():
+            out.extend(sorted(f for f in p.rglob("*") if f.is_file()))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise DataError(f"data path {raw!r} does not exist; fix data.paths")
+    if not out:
+        raise DataError(f"data.paths {inputs} hold no files; point them at text files")
+    return out
+
+
+def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of the val split under the train split's unigram
+    distribution (add-one smoothed, from at most 16M tokens of each): what a model that
+    ignores context would score."""
+    train_ids = np.asarray(train[:_BASELINE_TOKENS], dtype=np.int64)
+    val_ids = np.asarray(val[1:_BASELINE_TOKENS], dtype=np.int64)
+    if len(val_ids) == 0:
+        return float("nan")
+    counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[val_ids].mean())
