@@ -1,3 +1,4 @@
+import json
 import math
 import os
 import signal
@@ -158,3 +159,44 @@ def test_resume_without_a_run_is_refused_and_before_a_checkpoint_restarts(tiny_c
     (run / "config.toml").write_text(cfg.to_toml())
     result = Trainer(cfg, resume=True, console=False).train()
     assert result.step == cfg.train.steps
+
+
+def _indexed(tmp_path: Path, name: str, seed: int) -> str:
+    from conftest import write_corpus
+
+    from tessel.data.preprocess import preprocess
+    from tessel.data.tokenizer import byte_tokenizer
+
+    src = write_corpus(tmp_path / f"src-{name}", n_docs=8, seed=seed)
+    prefix = tmp_path / "data" / name
+    preprocess([str(src)], byte_tokenizer(), prefix, append_eod=True, progress=False)
+    return str(prefix)
+
+
+def test_blend_of_indexed_datasets_trains_resumes_with_new_weights(tmp_path, tiny_config):
+    web, books = _indexed(tmp_path, "web", 1), _indexed(tmp_path, "books", 2)
+    extra = {"data.source": "indexed", "data.paths": [f"0.75 {web}", f"0.25 {books}"],
+             "data.tokenizer": "auto", "data.document_mask": True, "train.steps": 4,
+             "checkpoint.interval": 2}
+    cfg = tiny_config(**extra)
+    Trainer(cfg, console=False).train()
+    run = Path(cfg.run.dir)
+    state = json.loads((run / "checkpoints/latest/state.json").read_text())["loader"]
+    assert state["consumed"] == [24, 8]  # 4 steps x 8 samples at 3:1
+    # new mixture on resume: counters continue, the new weights apply from here
+    longer = Config.load(run / "config.toml", {"train.steps": 8,
+                                               "data.paths": [f"0.25 {web}", f"0.75 {books}"]})
+    Trainer(longer, resume=True, console=False).train()
+    state = json.loads((run / "checkpoints/latest/state.json").read_text())["loader"]
+    assert state["consumed"] == [24 + 8, 8 + 24]
+    # a tokenizer other than the data's is refused
+    with pytest.raises(TesselError, match="differs from the tokenizer"):
+        Trainer(tiny_config("other", **{**extra, "data.tokenizer": str(_bpe(tmp_path))}))
+
+
+def _bpe(tmp_path: Path) -> Path:
+    from tessel.data.tokenizer import train_bpe
+
+    path = tmp_path / "bpe.json"
+    train_bpe(["some text to learn merges from " * 20] * 4, vocab_size=300).save(path)
+    return path
