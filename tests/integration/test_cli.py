@@ -160,7 +160,8 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0) -> None
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_signal_checkpoints_at_the_step_boundary_and_exits(tmp_path, corpus, sig, code):
     run = tmp_path / "run"
-    proc = start(*train_args(run, corpus, "--train.steps=100000", "--metrics.log_interval=1"))
+    proc = start(*train_args(run, corpus, "--train.steps=100000", "--metrics.log_interval=1",
+                             "--checkpoint.interval=0", "--train.eval_interval=0"))
     metrics = run / "metrics.jsonl"
     _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, proc)
     proc.send_signal(sig)
