@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tessel.errors import TesselError
+from tessel.fileio import fsync_dir
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -90,7 +91,7 @@ def save_checkpoint(
         sizes[fname] = path.stat().st_size
     meta = {"format": FORMAT_VERSION, "step": step, "files": sizes, **state}
     _write_json(tmp / "state.json", meta)  # written last: its presence marks completeness
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
     final = root / name
     if final.exists():  # same step saved before (e.g. a timeline we went back from)
@@ -100,7 +101,7 @@ def save_checkpoint(
         shutil.rmtree(trash)
     else:
         tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _point_latest(root, name)
     _prune(root, keep_last)
     return final
@@ -227,10 +228,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync_file(path)
 
 
 def _point_latest(root: Path, name: str) -> None:

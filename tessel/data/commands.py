@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from tessel.cli import _Parser
 from tessel.errors import TesselError
+from tessel.fileio import write_text_atomic
 
 if TYPE_CHECKING:
     from tessel.data.indexed import IndexedDataset
@@ -56,22 +57,11 @@ def cmd_tokenizer(argv: list[str]) -> int:
     if stats.documents == 0:
         raise TesselError(f"inputs hold no documents ({stats.files} files, {stats.empty_skipped} "
                           "empty); nothing to train on")
-    _write_atomic(output, tok.to_json())
+    write_text_atomic(output, tok.to_json())
     print(f"trained a {tok.vocab_size:,}-id byte-level BPE on {stats.documents:,} documents "
           f"({stats.bytes_read / 1e6:,.1f} MB) in {time.perf_counter() - start:.1f} s -> "
           f"{output} (fingerprint {tok.fingerprint()[:12]})")
     return 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary sibling and a rename: a killed run leaves no partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def cmd_preprocess(argv: list[str]) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 
 from tessel.data.tokenizer import Tokenizer
 from tessel.errors import DataError
+from tessel.fileio import fsync_dir
 
 MAGIC = b"TESSELIX"
 VERSION = 1
@@ -174,12 +175,12 @@ class IndexedWriter:
         # An older .idx next to the new .bin could look valid: remove it first, so a crash
         # between the renames leaves a prefix with no .idx, which is refused.
         idx_path.unlink(missing_ok=True)
-        _fsync_dir(self.prefix.parent)
+        fsync_dir(self.prefix.parent)
         os.replace(self._bin_tmp, bin_path)
         os.replace(tok_tmp, tok_path)
-        _fsync_dir(self.prefix.parent)
+        fsync_dir(self.prefix.parent)
         os.replace(self._idx_tmp, idx_path)  # the commit point
-        _fsync_dir(self.prefix.parent)
+        fsync_dir(self.prefix.parent)
 
     def abort(self) -> None:
         """Discard everything written; the prefix is left as it was."""
@@ -232,20 +233,6 @@ def _open_temp(prefix: Path, suffix: str) -> tuple[IO[bytes], Path]:
         except FileExistsError:
             continue
         return os.fdopen(fd, "wb", buffering=1 << 20), path
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make renames in `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class IndexedDataset:

@@ -179,27 +179,18 @@ def ensure_corpus(d: DataConfig, vocab_size: int, cache: Path, console=print) ->
 
 def _corpus_key(inputs: list[str], spec: str, vocab_size: int, json_key: str) -> str:
     h = hashlib.sha256(json.dumps([spec, vocab_size, json_key]).encode())
-    for f in _expand(inputs):
+    from tessel.data.readers import resolve_inputs
+
+    try:
+        files = resolve_inputs(inputs)  # exactly the files preprocessing will read
+    except DataError as exc:
+        raise DataError(f"{exc}; fix data.paths") from None
+    for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     if spec not in ("bytes", "bpe") and Path(spec).is_file():
         h.update(Path(spec).read_bytes())
     return h.hexdigest()[:16]
-
-
-def _expand(inputs: list[str]) -> list[Path]:
-    out: list[Path] = []
-    for raw in inputs:
-        p = Path(raw)
-        if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.is_file()))
-        elif p.is_file():
-            out.append(p)
-        else:
-            raise DataError(f"data path {raw!r} does not exist; fix data.paths")
-    if not out:
-        raise DataError(f"data.paths {inputs} hold no files; point them at text files")
-    return out
 
 
 def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:

@@ -9,7 +9,6 @@ bit-exactly.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from tessel.checkpoint import (
 from tessel.config import Config
 from tessel.data import Batch, build_data, load_tokenizer
 from tessel.errors import DataError, TesselError
+from tessel.fileio import write_text_atomic
 from tessel.generate import sample
 from tessel.models import build_model, flops_per_token, param_count
 from tessel.observe.console import ConsoleDisplay
@@ -185,7 +185,7 @@ class Trainer:
         # Written only now that the run really starts: a refused or no-op call leaves the
         # run directory as it was.
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.run_dir / "config.toml", cfg.to_toml())
+        write_text_atomic(self.run_dir / "config.toml", cfg.to_toml())
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         self._announce()
         metrics = MetricsWriter(self.run_dir, cfg.metrics.tensorboard)
@@ -433,9 +433,3 @@ def _first_difference(key: str, old: Any, new: Any) -> str:
             if old[k] != new.get(k):
                 return f"{key}.{k} was {old[k]!r} in the run, now {new.get(k)!r}"
     return f"{key} was {old!r} in the run, now {new!r}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
