@@ -102,7 +102,8 @@ def test_train_generate_resume(tmp_path: Path, corpus: Path):
         (["--train.global_batch_size=12"], "not divisible by micro_batch_size*dp=8"),
         (["--train.seq_len=1000"], "exceeds model.max_seq_len=256"),
         (["--bogus"], "unknown option '--bogus'"),
-        (["--data.paths=['/nonexistent/corpus']"], "does not exist; pass existing files or directories; fix data.paths"),
+        (["--data.paths=['/nonexistent/corpus']"],
+         "does not exist; pass existing files or directories; fix data.paths"),
         (["--model.vocab_size=100"], "set model.vocab_size >= 257"),
     ],
 )
