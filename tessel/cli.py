@@ -2,6 +2,10 @@
 
     tessel train [CONFIG.toml] [--section.key=value ...]   train (no arguments: the demo)
     tessel train --resume RUN_DIR [--section.key=value ...]
+    tessel train ... --nproc N                              N processes on this machine (torchrun)
+    tessel launch slurm CONFIG.toml --nodes N [--gpus-per-node G] [...]   print an sbatch script
+    tessel launch k8s CONFIG.toml --nodes N --image IMAGE [...]           print a Kubeflow PyTorchJob
+    tessel checkpoint consolidate RUN_DIR|CHECKPOINT [--output FILE]   one-file model
     tessel generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     tessel presets                                          model shapes and parameter counts
     tessel config [CONFIG.toml] [--section.key=value ...]   print the resolved config
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import NoReturn
 
@@ -34,6 +39,10 @@ options:
   --resume RUN_DIR     continue RUN_DIR from its latest checkpoint, with its config.toml;
                        overrides may change e.g. train.steps but not the model or data
   --quiet              no console output (metrics still go to RUN_DIR/metrics.jsonl)
+  --auto-resume        continue run.dir from its latest checkpoint if it holds a run, else
+                       start it (what job scripts and torchrun restarts use)
+  --nproc N            train as N processes on this machine, started through torchrun
+                       (on several machines use torchrun yourself, or `tessel launch`)
   --section.key=value  set any config field, e.g. --train.steps=2000 --optim.lr=6e-4
                        (values are TOML: 6e-4, true, "text", [1, 2])
 
@@ -60,17 +69,18 @@ def _config_keys() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, bool, list[str]]:
-    """(config path, resume dir, quiet, overrides) from `tessel train` arguments."""
+def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, set[str], list[str]]:
+    """(config path, resume dir, flags, overrides) from `tessel train` arguments; flags are
+    the set of --quiet / --auto-resume given."""
     config = resume = None
-    quiet = False
+    flags: set[str] = set()
     overrides: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("--resume", "--quiet") or arg.startswith("--resume="):
-            if arg == "--quiet":
-                quiet = True
+        if arg in ("--resume", "--quiet", "--auto-resume") or arg.startswith("--resume="):
+            if arg in ("--quiet", "--auto-resume"):
+                flags.add(arg)
             elif "=" in arg:
                 resume = arg.split("=", 1)[1]
             elif i + 1 < len(argv):
@@ -101,19 +111,32 @@ def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, bool, li
             "--resume reads the config saved in the run directory; drop the config file "
             "and pass overrides instead"
         )
-    return config, resume, quiet, overrides
+    if resume is not None and "--auto-resume" in flags:
+        raise TesselError("--auto-resume and --resume exclude each other; pass one")
+    return config, resume, flags, overrides
 
 
 def cmd_train(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(TRAIN_HELP + _config_keys(), end="")
         return 0
-    config_path, resume, quiet, overrides = _split_train_args(argv)
+    from tessel.parallel.launch import split_nproc
+
+    nproc, argv = split_nproc(argv)
+    config_path, resume, flags, overrides = _split_train_args(argv)
 
     from pathlib import Path
 
     from tessel.config import Config
-    from tessel.train import Trainer
+
+    if "--auto-resume" in flags:
+        # Continue the run if its directory already holds one (a restarted job), else start
+        # it. Safe with many ranks: rank 0 writes config.toml only after every rank has
+        # passed the trainer's start-up barrier, i.e. after all of them decided here.
+        start = Config.load(config_path, overrides)
+        if (Path(start.run.dir) / "config.toml").is_file():
+            resume = start.run.dir
+            overrides = [o for o in overrides if not o.removeprefix("--").startswith("run.dir=")]
 
     if resume is not None:
         if any(o.removeprefix("--").startswith("run.dir=") for o in overrides):
@@ -127,8 +150,24 @@ def cmd_train(argv: list[str]) -> int:
         cfg = Config.load(run_config, [*overrides, f"--run.dir={_toml_str(resume)}"])
     else:
         cfg = Config.load(config_path, overrides)
-    result = Trainer(cfg, resume=resume is not None, console=not quiet).train()
-    return result.exit_code
+    if nproc is not None and nproc > 1:
+        # The config and layout are checked here, so bad input fails once rather than in N
+        # workers.
+        from tessel.parallel.dims import ParallelDims
+        from tessel.parallel.launch import run_local
+
+        ParallelDims.from_config(cfg.parallel, nproc).validate(cfg)
+        return run_local(nproc, argv)
+
+    from tessel.train import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg, resume=resume is not None, console="--quiet" not in flags)
+        return trainer.train().exit_code
+    finally:
+        if trainer is not None:
+            trainer.close()
 
 
 def _toml_str(text: str) -> str:
@@ -203,8 +242,102 @@ def cmd_config(argv: list[str]) -> int:
     return 0
 
 
+def cmd_launch(argv: list[str]) -> int:
+    """`tessel launch slurm|k8s CONFIG.toml ...`: print a job file that trains CONFIG."""
+    about = ("Print a job file that trains CONFIG.toml (with any --section.key=value overrides, "
+             "checked now) with torchrun on every node; it resumes the run when its run "
+             "directory already holds one.")
+    p = _Parser(prog="tessel launch",
+                description="Print a job file that trains CONFIG.toml on a cluster; submit it yourself.")
+    targets = p.add_subparsers(dest="target", required=True, metavar="{slurm,k8s}")
+    slurm = targets.add_parser(
+        "slurm", help="an sbatch script (one torchrun per node)", description=about,
+        usage="tessel launch slurm CONFIG.toml --nodes N [--gpus-per-node G] [--partition P] "
+              "[--time HH:MM:SS] [--job-name NAME] [--account A] [--port PORT] "
+              "[--section.key=value ...]")
+    k8s = targets.add_parser(
+        "k8s", help="a Kubeflow PyTorchJob manifest (kubeflow.org/v1)", description=about,
+        usage="tessel launch k8s CONFIG.toml --nodes N --image IMAGE [--gpus-per-node G] "
+              "[--name NAME] [--namespace NS] [--section.key=value ...]")
+    for target in (slurm, k8s):
+        target.add_argument("--nodes", type=int, required=True, metavar="N",
+                            help="machines (pods) to train on")
+        target.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                            help="processes (GPUs) per machine (default: 8)")
+    slurm.add_argument("--partition", metavar="P", help="SLURM partition")
+    slurm.add_argument("--time", metavar="HH:MM:SS", help="time limit (or D-HH:MM:SS)")
+    slurm.add_argument("--job-name", metavar="NAME", help="default: tessel-<config file name>")
+    slurm.add_argument("--account", metavar="A", help="account to charge")
+    slurm.add_argument("--port", type=int, default=29500,
+                       help="rendezvous port on the first node (default: 29500)")
+    k8s.add_argument("--image", required=True, help="container image with tessel installed")
+    k8s.add_argument("--name", help="job name, a DNS-1123 label (default: tessel-<config file name>)")
+    k8s.add_argument("--namespace", metavar="NS", help="default: kubectl's current namespace")
+    args, rest = p.parse_known_args(argv)
+
+    # Whatever argparse did not know must be the config path or --section.key overrides.
+    prog = f"tessel launch {args.target}"
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            i += 1 if "=" in arg else 2  # `--a.b=v`, or `--a.b v`
+            continue
+        if arg.startswith("-"):
+            raise TesselError(f"{prog}: unknown option {arg!r}; config fields are set as "
+                              "--section.key=value (see --help)")
+        i += 1
+    config_path, _, _, overrides = _split_train_args(rest)
+    if config_path is None:
+        raise TesselError(f"{prog} needs a config file, e.g. {prog} configs/gpt2-124m.toml --nodes 2")
+
+    from tessel.config import Config
+    from tessel.parallel import launch
+
+    cfg = Config.load(config_path, overrides)  # what `tessel train` would load: fail now
+    if args.target == "slurm":
+        text = launch.slurm_script(
+            config_path, overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            partition=args.partition, time=args.time, job_name=args.job_name,
+            account=args.account, port=args.port)
+    else:
+        text = launch.k8s_manifest(
+            config_path, overrides, nodes=args.nodes, image=args.image,
+            gpus_per_node=args.gpus_per_node, name=args.name, namespace=args.namespace)
+    from tessel.parallel.dims import ParallelDims
+
+    # ... and the layout against the job's world size (after the builders checked the counts).
+    ParallelDims.from_config(cfg.parallel, args.nodes * args.gpus_per_node).validate(cfg)
+    print(text, end="")
+    return 0
+
+
+def cmd_checkpoint(argv: list[str]) -> int:
+    p = _Parser(prog="tessel checkpoint", description="Work with checkpoints.")
+    sub = p.add_subparsers(dest="action", required=True, metavar="{consolidate}")
+    c = sub.add_parser(
+        "consolidate", help="write the full model of a (sharded) checkpoint as one safetensors file",
+        description="Gather the model tensors of a checkpoint saved under any parallel layout "
+                    "into one safetensors file.")
+    c.add_argument("path", help="a checkpoint directory, or a run directory (its latest checkpoint)")
+    c.add_argument("--output", help="file to write (default: RUN_DIR/model.safetensors)")
+    args = p.parse_args(argv)
+
+    from pathlib import Path
+
+    from tessel.checkpoint.consolidate import consolidate, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(Path(args.path))
+    output = Path(args.output) if args.output else ckpt.parent.parent / "model.safetensors"
+    n, size = consolidate(ckpt, output)
+    print(f"wrote {output}: {n} tensors, {size / 2**20:.1f} MiB, from {ckpt}")
+    return 0
+
+
 COMMANDS = {
     "train": cmd_train,
+    "launch": cmd_launch,
+    "checkpoint": cmd_checkpoint,
     "generate": cmd_generate,
     "presets": cmd_presets,
     "config": cmd_config,
@@ -233,8 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         return command(argv[1:])
     except TesselError as exc:
-        print(f"tessel: error: {exc}", file=sys.stderr)
-        return 2
+        # Under torchrun every rank hits the same input error: one of them says it.
+        if os.environ.get("RANK", "0") == "0" or exc.exit_code != 2:
+            print(f"tessel: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except OSError as exc:  # unwritable run dir, disk full: say which file, no traceback
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"tessel: error: {exc.strerror or exc}{where}", file=sys.stderr)

@@ -215,7 +215,8 @@ class TrainConfig(_Section):
     eval_interval: int = Field(100, ge=0)
     """Evaluate on the validation split every N steps and at the end (0: only at the end)."""
     eval_iters: int = Field(10, gt=0)
-    """Validation micro-batches per evaluation."""
+    """Validation micro-batches per evaluation, counted over all data-parallel ranks (rounded
+    up to whole micro-batches per rank, and to whole steps under pipeline parallelism)."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0 disables clipping)."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -250,36 +251,76 @@ class OptimConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    """Degrees multiply to the world size: dp_replicate * dp_shard * cp * tp * pp. Applied in a
+    fixed order: pipeline split -> tensor parallel -> activation checkpointing -> compile ->
+    data parallel (DDP or FSDP2)."""
+
     dp_replicate: int = Field(1, gt=0)
-    """Data-parallel replicas (DDP, or the replicate dimension of HSDP)."""
-    dp_shard: int = Field(1, ge=-1)
-    """Data-parallel sharding degree (ZeRO/FSDP); -1 means all remaining processes."""
+    """Data-parallel replicas: the replicate dimension of HSDP (zero >= 1) or more DDP
+    replicas (zero = 0)."""
+    dp_shard: int = Field(-1, ge=-1)
+    """Data-parallel ranks that shard ZeRO state among themselves (with zero = 0 they are
+    plain DDP replicas); -1 means all processes the other degrees leave."""
     tp: int = Field(1, gt=0)
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (Megatron column/row split of attention and MLP, vocab-parallel
+    embedding and loss); divides heads, key/value heads, ffn_hidden and vocab_size."""
     pp: int = Field(1, gt=0)
-    """Pipeline-parallel degree."""
+    """Pipeline-parallel degree: the layers are split into pp (x pp_virtual_stages) stages."""
     cp: int = Field(1, gt=0)
-    """Context-parallel degree."""
+    """Context-parallel degree: each sequence is split over cp ranks (ring attention; CUDA
+    only)."""
+    zero: int = Field(0, ge=0, le=3)
+    """ZeRO stage over the dp_shard ranks: 0 = DDP (bucketed all-reduce overlapped with the
+    backward pass); 1 = optimizer state sharded (gradients reduce-scattered once per step);
+    2 = + gradients sharded (reduce-scattered every micro-batch); 3 = + parameters sharded
+    (FSDP2: gathered for each block's forward and backward)."""
+    dp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    """Gradient compression for DDP (zero = 0): all-reduce in bf16/fp16, or PowerSGD rank 2."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """Pipeline schedule; interleaved-1f1b and zero-bubble (PyTorch's interleaved zero-bubble)
+    use pp_virtual_stages stages per rank."""
+    pp_virtual_stages: int = Field(1, gt=0)
+    """Stages per pipeline rank (> 1 only with interleaved-1f1b or zero-bubble)."""
+    pp_layers_first: int = Field(0, ge=0)
+    """Layers in the first pipeline stage, which also holds the embeddings (0: an even
+    split)."""
+    pp_layers_last: int = Field(0, ge=0)
+    """Layers in the last pipeline stage, which also holds the final norm, head and loss (0:
+    an even split)."""
+    sequence_parallel: bool = True
+    """With tp > 1, also shard norms and dropout along the sequence (Megatron SP): less
+    activation memory, same communication volume."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in the backward pass: full = every block's; selective = keep the
+    matmul outputs, recompute the cheap element-wise ops."""
+    offload: Literal["none", "optimizer", "params"] = "none"
+    """Keep state in host memory (CUDA only): params = FSDP2 CPU offload of parameters,
+    gradients and the optimizer step (needs zero = 3); optimizer (optimizer state only) is
+    part of the interface but refused by this build."""
+    timeout_s: int = Field(600, gt=0)
+    """Seconds a collective may wait before the job is ended as hung."""
 
     @model_validator(mode="after")
-    def _single_process_only(self) -> ParallelConfig:
-        # This build trains in one process; the degrees are part of the fixed interface so
-        # configs written today keep working when multi-process layouts land.
-        for name in ("dp_replicate", "tp", "pp", "cp"):
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"{name}={getattr(self, name)} is not supported by this build (single "
-                    f"process only); set parallel.{name}=1"
-                )
-        if self.dp_shard not in (1, -1):
+    def _combinations(self) -> ParallelConfig:
+        if self.pp_virtual_stages > 1 and self.pp_schedule in ("gpipe", "1f1b"):
             raise ValueError(
-                f"dp_shard={self.dp_shard} is not supported by this build (single process "
-                "only); set parallel.dp_shard=1"
+                f"pp_virtual_stages={self.pp_virtual_stages} needs an interleaved schedule; set "
+                "parallel.pp_schedule='interleaved-1f1b' or 'zero-bubble'"
+            )
+        if self.dp_comm_hook != "none" and self.zero != 0:
+            raise ValueError(
+                f"dp_comm_hook={self.dp_comm_hook!r} compresses DDP's all-reduce and needs "
+                "zero=0; set parallel.dp_comm_hook='none' to use ZeRO"
+            )
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError(
+                "offload='params' is FSDP2's CPU offload and needs parallel.zero=3"
             )
         return self
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel degree when dp_shard is explicit (a lower bound when it is -1)."""
         return self.dp_replicate * max(self.dp_shard, 1)
 
 
@@ -288,6 +329,10 @@ class CheckpointConfig(_Section):
     """Save every N steps (0: only at the end and on SIGTERM/SIGINT)."""
     keep_last: int = Field(3, gt=0)
     """Checkpoints to keep; older ones are deleted after a newer one is complete."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (torch.distributed.checkpoint.async_save):
+    training continues while the files are written; the checkpoint counts (state.json,
+    `latest`) only once every rank has finished."""
 
 
 class MetricsConfig(_Section):

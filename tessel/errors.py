@@ -9,6 +9,15 @@ class TesselError(ValueError):
     """Bad input (config, data, checkpoint, run directory); the message is one line that
     says what is wrong and how to fix it."""
 
+    exit_code = 2
+
 
 class DataError(TesselError):
     """Unusable data (missing, corrupt, or not matching the model or tokenizer)."""
+
+
+class CollectiveTimeout(TesselError):
+    """A collective failed or hung (a peer process died or stopped responding). Not bad
+    input: the CLI exits with code 3 so job scripts can tell it apart and restart."""
+
+    exit_code = 3

@@ -1,37 +1,66 @@
-"""Atomic checkpoints in safetensors + JSON.
+"""Atomic, sharded checkpoints through torch.distributed.checkpoint (DCP).
 
 Layout of `RUN/checkpoints/`:
 
-    step_00000200/  model.safetensors  optimizer.safetensors  rng.safetensors  state.json
+    step_00000200/  __0_0.distcp ... .metadata  state.json
     latest -> step_00000200
 
-A save writes everything into `.tmp-step_…` , fsyncs it, writes `state.json` last (it lists
-the files and their sizes), then renames the directory into place and repoints `latest`.
-A crash at any moment leaves either the old set of checkpoints or the old set plus a complete
-new one; leftovers of a killed save are hidden temporary directories that loading ignores.
-Loading reads only safetensors and JSON, so it never unpickles anything.
+Every rank writes its own shards of the model and optimizer state (DCP), keyed by the
+parameter's name in the whole model; DCP records which slice of each global tensor every
+file holds, so a checkpoint saved under one layout loads under any other (tp2 x pp2 -> dp4,
+8 ranks -> 1): each rank reads exactly the slices it now owns. Optimizer state is saved
+flattened by parameter name, so it reshards the same way.
+
+A save writes everything into `.tmp-step_...`, then rank 0 writes `state.json` last (the
+loader position, config, and each file's size), renames the directory into place and
+repoints `latest`. A crash at any moment leaves either the old set of checkpoints or the old
+set plus a complete new one. Before loading, the DCP `.metadata` file (a pickle written by
+PyTorch) is vetted with an unpickler that admits only DCP's own metadata classes, so
+loading a checkpoint cannot execute code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from tessel.errors import TesselError
 from tessel.fileio import fsync_dir
 
-FORMAT_VERSION = 1
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """DCP warns when no process group exists; one process is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+FORMAT_VERSION = 2  # 1 was single-file safetensors (before sharded layouts)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_SEP = "::"  # between a parameter name and an optimizer-state key
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(TesselError):
@@ -62,67 +91,112 @@ def latest_checkpoint(root: Path) -> Path | None:
 # ---- save -------------------------------------------------------------------------------
 
 
+Models = nn.Module | Sequence[nn.Module]
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _state_dict(models: Models, optimizers: Optimizers) -> dict[str, Any]:
+    """{"model": name -> tensor, "optim": flattened name -> state} over this rank's parts.
+    Tensors may be DTensors (their global shape and this rank's slice are both recorded)."""
+    ms, opts = _as_list(models), _as_list(optimizers)
+    sd: dict[str, Any] = {"model": {}}
+    for m in ms:
+        sd["model"].update(get_model_state_dict(m))
+    if opts:
+        sd["optim"] = {}
+        for m, o in zip(ms, opts):
+            sd["optim"].update(get_optimizer_state_dict(m, o, options=_OPTIM))
+    return sd
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save in flight; `finish()` waits for it and publishes it."""
+
+    future: Future | None
+    publish: Any  # () -> Path
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def finish(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+        return self.publish()
+
+
 def save_checkpoint(
     root: Path,
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    models: Models,
+    optimizers: Optimizers,
     state: dict[str, Any],
     tensors: dict[str, torch.Tensor] | None = None,
     keep_last: int = 3,
-) -> Path:
-    """Write checkpoint `step` atomically; returns its directory."""
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(root)
+    async_save: bool = False,
+    async_group: dist.ProcessGroup | None = None,
+) -> Path | PendingSave:
+    """Write checkpoint `step` atomically from every rank; returns its directory, or with
+    `async_save` a PendingSave whose `finish()` publishes it once all ranks have written.
+
+    `state` (JSON) is written by rank 0 only; `tensors` (e.g. RNG states) are saved as
+    replicated tensors. An asynchronous save runs collectives from a background thread while
+    training runs its own: give it a process group of its own (`async_group`, gloo)."""
     name = step_dir_name(step)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    tmp.mkdir()
-    files = {
-        "model.safetensors": model_tensors(model),
-        "rng.safetensors": dict(tensors or {}),
-    }
-    if optimizer is not None:
-        files["optimizer.safetensors"] = optimizer_tensors(model, optimizer)
-    sizes = {}
-    for fname, content in files.items():
-        path = tmp / fname
-        save_file({k: v.detach().contiguous().cpu() for k, v in content.items()}, str(path))
-        _fsync_file(path)
-        sizes[fname] = path.stat().st_size
-    meta = {"format": FORMAT_VERSION, "step": step, "files": sizes, **state}
-    _write_json(tmp / "state.json", meta)  # written last: its presence marks completeness
-    fsync_dir(tmp)
+    tmp = root / f".tmp-{name}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(root)
+        tmp.mkdir()
+    _barrier()
+    sd = _state_dict(models, optimizers)
+    sd["extra"] = dict(tensors or {})
 
-    final = root / name
-    if final.exists():  # same step saved before (e.g. a timeline we went back from)
-        trash = root / f".trash-{name}-{os.getpid()}"
-        final.rename(trash)
-        tmp.rename(final)
-        shutil.rmtree(trash)
-    else:
-        tmp.rename(final)
-    fsync_dir(root)
-    _point_latest(root, name)
-    _prune(root, keep_last)
-    return final
+    def publish() -> Path:
+        final = root / name
+        if _rank() == 0:
+            sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+            meta = {"format": FORMAT_VERSION, "step": step, "files": sizes, **state}
+            _write_json(tmp / "state.json", meta)  # written last: its presence marks completeness
+            fsync_dir(tmp)
+            if final.exists():  # same step saved before (e.g. a timeline we went back from)
+                trash = root / f".trash-{name}-{os.getpid()}"
+                final.rename(trash)
+                tmp.rename(final)
+                shutil.rmtree(trash)
+            else:
+                tmp.rename(final)
+            fsync_dir(root)
+            _point_latest(root, name)
+            _prune(root, keep_last)
+        return final
 
-
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    # named_parameters lists a tied weight once, which safetensors requires.
-    out = {n: p for n, p in model.named_parameters()}
-    out.update({n: b for n, b in model.named_buffers() if _is_persistent(model, n)})
-    return out
-
-
-def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Optimizer state keyed by parameter name (`layers.0.attention.wq.weight::exp_avg`)."""
-    names = _index_to_name(model, optimizer)
-    out = {}
-    for idx, entry in optimizer.state_dict()["state"].items():
-        for key, value in entry.items():
-            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            out[f"{names[idx]}{_SEP}{key}"] = t
-    return out
+    if async_save:
+        # Tensors are staged to host memory before this returns; writing continues in the
+        # background. Only rank 0 publishes, once its future (which waits for all) is done.
+        with quiet_single_process():
+            future = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group)
+        return PendingSave(future, publish)
+    with quiet_single_process():
+        dcp.save(sd, checkpoint_id=str(tmp))
+    path = publish()
+    _barrier()  # nobody reads `latest` before it points at the new checkpoint
+    return path
 
 
 # ---- load -------------------------------------------------------------------------------
@@ -154,65 +228,142 @@ def read_state(path: Path) -> dict[str, Any]:
     return meta
 
 
-def read_tensors(path: Path, fname: str) -> dict[str, torch.Tensor]:
+def _check_metadata(path: Path) -> None:
+    """Refuse a `.metadata` pickle that holds anything but DCP's metadata classes."""
+    meta = path / ".metadata"
     try:
-        return load_file(str(path / fname))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint file {str(path / fname)!r} is unreadable: {exc}") from None
+        data = meta.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} is unreadable: {exc}") from None
+    try:
+        _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as exc:
+        raise CheckpointError(f"refusing to load {str(meta)!r}: {exc}") from None
+    except Exception as exc:  # truncated or garbled
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {exc}") from None
 
 
-def load_model(path: Path, model: nn.Module) -> None:
-    """Copy checkpointed weights into `model` (same names and shapes required)."""
-    saved = read_tensors(path, "model.safetensors")
-    expected = model_tensors(model)
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    if missing or unexpected:
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    _ALLOWED_MODULES = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+        "torch.distributed.checkpoint._extension",
+        "torch.distributed.checkpoint._hf_utils",
+    )
+    _ALLOWED = {
+        ("torch", "Size"), ("torch", "device"), ("torch", "dtype"), ("torch", "layout"),
+        ("torch", "memory_format"), ("collections", "OrderedDict"), ("builtins", "set"),
+        ("builtins", "frozenset"), ("builtins", "slice"), ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+    _DTYPES = {str(getattr(torch, n)).removeprefix("torch.") for n in dir(torch)
+               if isinstance(getattr(torch, n, None), torch.dtype)}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED or (
+            module == "torch" and (name in self._DTYPES or name.endswith("Storage"))
+        ):
+            return super().find_class(module, name)
+        raise _Refused(f"it names {module}.{name}, which a checkpoint never holds")
+
+
+def _dcp_load(path: Path, sd: dict[str, Any]) -> None:
+    _check_metadata(path)
+    try:
+        with quiet_single_process():
+            dcp.load(sd, checkpoint_id=str(path))
+    except Exception as exc:  # DCP wraps per-rank failures; keep the first line
+        first = str(exc).strip().splitlines()
         raise CheckpointError(
-            f"checkpoint {str(path)!r} does not match the model: "
-            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    with torch.no_grad():
-        for name, target in expected.items():
-            src = saved[name]
-            if src.shape != target.shape:
+            f"checkpoint {str(path)!r} does not match this model: "
+            f"{_short(first[-1] if first else type(exc).__name__)}"
+        ) from None
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every saved model tensor, from the checkpoint's metadata."""
+    _check_metadata(path)
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    out = {}
+    for key, md in meta.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(md, "size"):
+            out[key.removeprefix("model.")] = tuple(md.size)
+    return out
+
+
+def read_full(path: Path, section: str, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor saved under `section` ("model", "optim" or "extra"), unsharded, in this
+    process's memory (e.g. to consolidate or compare checkpoints of any layout)."""
+    _check_metadata(path)
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = section + "."
+    templates = {
+        key.removeprefix(prefix): torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in meta.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(md, "size") and key.removeprefix(prefix) not in skip
+    }
+    holder = {section: templates}
+    _dcp_load(path, holder)
+    return holder[section]
+
+
+def load_model(path: Path, models: Models) -> None:
+    """Load the checkpointed weights into `models` (a model, or this rank's stages/shards of
+    one), whatever layout the checkpoint was saved under."""
+    parts = _as_list(models)
+    saved = checkpoint_shapes(path)
+    for m in parts:
+        sd = get_model_state_dict(m)
+        missing = sorted(set(sd) - set(saved))
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not match the model: missing {missing[:3]}"
+            )
+        for name, t in sd.items():
+            if tuple(t.shape) != saved[name]:
                 raise CheckpointError(
-                    f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model "
-                    f"expects {tuple(target.shape)}"
+                    f"checkpoint tensor {name!r} has shape {saved[name]}, the model expects "
+                    f"{tuple(t.shape)}"
                 )
-            target.copy_(src)
+        holder = {"model": sd}
+        _dcp_load(path, holder)
+        set_model_state_dict(m, holder["model"])
 
 
-def load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    saved = read_tensors(path, "optimizer.safetensors")
-    names = _index_to_name(model, optimizer)
-    by_name: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in saved.items():
-        pname, _, skey = key.partition(_SEP)
-        by_name.setdefault(pname, {})[skey] = value
-    unknown = sorted(set(by_name) - set(names.values()))
-    if unknown:
-        raise CheckpointError(
-            f"optimizer state in {str(path)!r} names parameters the model lacks: {unknown[:3]}"
-        )
-    sd = optimizer.state_dict()
-    sd["state"] = {idx: by_name[n] for idx, n in names.items() if n in by_name}
-    optimizer.load_state_dict(sd)
+def load_optimizer(path: Path, models: Models, optimizers: Optimizers) -> None:
+    """Load optimizer state saved under any layout into this rank's optimizers."""
+    for m, o in zip(_as_list(models), _as_list(optimizers)):
+        holder = {"optim": get_optimizer_state_dict(m, o, options=_OPTIM)}
+        _dcp_load(path, holder)
+        set_optimizer_state_dict(m, o, holder["optim"], options=_OPTIM)
+
+
+def load_tensors(path: Path, templates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Replicated extra tensors (RNG states) saved with the checkpoint, shaped like
+    `templates`; keys absent from the checkpoint are left out."""
+    saved = {k.removeprefix("extra.") for k in _metadata_keys(path) if k.startswith("extra.")}
+    holder = {"extra": {k: v.clone() for k, v in templates.items() if k in saved}}
+    if holder["extra"]:
+        _dcp_load(path, holder)
+    return holder["extra"]
+
+
+def _metadata_keys(path: Path) -> list[str]:
+    _check_metadata(path)
+    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 # ---- internals --------------------------------------------------------------------------
-
-
-def _index_to_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return {i: by_id[id(p)] for i, p in enumerate(params)}
-
-
-def _is_persistent(model: nn.Module, name: str) -> bool:
-    owner_name, _, buf = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    return buf not in owner._non_persistent_buffers_set
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

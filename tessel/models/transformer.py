@@ -12,6 +12,7 @@ instantiated without memory.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +49,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
@@ -60,15 +61,17 @@ class Attention(nn.Module):
         self, x: torch.Tensor, freqs: torch.Tensor | None, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if freqs is not None:
-            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        if self.n_kv_heads != self.n_heads:
+        # Head counts come from the shapes (-1), not the config: under tensor parallelism
+        # each rank holds n_heads/tp query heads and n_kv_heads/tp key/value heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if freqs is not None:  # the whole table: slice it to this (gathered) sequence length
+            q, k = apply_rope(q, freqs[:T]), apply_rope(k, freqs[:T])
+        if k.shape[2] != q.shape[2]:
             # Repeat K/V per query group explicitly: every SDPA backend (flash included)
             # accepts equal head counts.
-            rep = self.n_heads // self.n_kv_heads
+            rep = q.shape[2] // k.shape[2]
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
@@ -130,7 +133,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the output projection when configured. `to_empty`
         materialises each module's parameters separately and so unties them: call again."""
-        if self.cfg.tie_embeddings:
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
     def _rope_table(self) -> torch.Tensor | None:
@@ -139,20 +142,33 @@ class Transformer(nn.Module):
             return None
         return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
+    def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+        """The initial value of parameter `name` (full, unsharded, float32, on CPU).
+
+        Each parameter draws from its own generator seeded by (seed, name), so its value does
+        not depend on which other parameters a process holds: a pipeline stage or a shard
+        gets exactly the weights of the single-process model (GPT-2 scheme).
+        """
+        cfg = self.cfg
+        if len(shape) == 1:  # norm weights and biases
+            return torch.full(shape, 1.0 if name.endswith("norm.weight") else 0.0)
+        gen = torch.Generator(device="cpu").manual_seed(
+            (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+        )
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        std = resid_std if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation from `seed` (GPT-2 scheme), on whatever device the
+        """Deterministic initialisation from `seed` on whatever device the (plain, unsharded)
         parameters are. Call after `to_empty` when the model was built on meta."""
-        cfg = self.cfg
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         for name, p in self.named_parameters():
-            if p.ndim == 1:  # norm weights and biases
-                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-                continue
-            std = resid_std if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
-            # Draw on CPU with a private generator: the same weights on every device.
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            p.copy_(self.initial_value(name, p.shape, seed))
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent buffers (the RoPE table) on their device."""
         if self.rope_freqs is not None:
             self.rope_freqs = self._rope_table().to(self.rope_freqs.device)
 
@@ -162,16 +178,24 @@ class Transformer(nn.Module):
         doc_ids: optional (B, T) document index of each position; attention then stays
         inside each document of a packed sequence.
         """
-        _, T = tokens.shape
-        h = self.tok_embeddings(tokens)  # (B, T, C)
-        if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))
-        h = self.emb_dropout(h)
-        freqs = self.rope_freqs[:T] if self.rope_freqs is not None else None
+        T = tokens.shape[1]
+        # A pipeline stage lacks the parts other stages hold (see tessel.parallel.pipeline):
+        # without embeddings its input is the previous stage's hidden state (B, T, C); without
+        # the head it returns its hidden state.
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)  # (B, T, C)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))
+            h = self.emb_dropout(h)
+        else:
+            h = tokens
+        freqs = self.rope_freqs  # sliced in attention, where the full sequence length is known
         mask = document_causal_mask(doc_ids) if doc_ids is not None else None
         for block in self.layers.values():
             h = block(h, freqs, mask)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -11,16 +11,23 @@ from tessel.config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; never norms, biases or embeddings (GPT-2/Megatron convention)."""
-    decay, no_decay = [], []
+    """Decay matrices; never norms, biases or embeddings (GPT-2/Megatron convention).
+
+    Parameters are also grouped by the device mesh they are sharded over (plain tensors
+    apart): the multi-tensor kernels run per group and cannot mix plain tensors with
+    DTensors, or DTensors of different meshes."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         is_embedding = name.startswith(("tok_embeddings.", "pos_embeddings."))
-        (no_decay if p.ndim < 2 or is_embedding else decay).append(p)
+        decay = not (p.ndim < 2 or is_embedding)
+        mesh = getattr(p, "device_mesh", None)
+        groups.setdefault((decay, id(mesh) if mesh is not None else None), []).append(p)
+    # Decayed groups first, then the rest (stable order: the optimizer state follows it).
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": weight_decay if decay else 0.0}
+        for (decay, _), params in sorted(groups.items(), key=lambda kv: not kv[0][0])
     ]
 
 

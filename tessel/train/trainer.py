@@ -1,9 +1,11 @@
-"""The single-process training loop.
+"""The training loop, for one process or one rank of any parallel layout.
 
 `Trainer(cfg).train()` runs a whole job: checks the run directory, builds data, model and
 optimizer, trains with gradient accumulation and mixed precision, evaluates, logs, saves
 atomic checkpoints (periodically, at the end and on SIGTERM/SIGINT) and resumes from them
-bit-exactly.
+bit-exactly. Under torchrun every rank runs it; the layout (tessel.parallel) decides which
+part of the model and which data each rank holds, and rank 0 alone prints and writes
+metrics.
 """
 
 from __future__ import annotations
@@ -16,25 +18,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tessel.checkpoint import (
     CheckpointError,
+    PendingSave,
     latest_checkpoint,
     load_model,
     load_optimizer,
+    load_tensors,
     read_state,
-    read_tensors,
     save_checkpoint,
 )
 from tessel.config import Config
 from tessel.data import Batch, build_data, load_tokenizer
-from tessel.errors import DataError, TesselError
+from tessel.errors import CollectiveTimeout, DataError, TesselError
 from tessel.fileio import write_text_atomic
 from tessel.generate import sample
-from tessel.models import build_model, flops_per_token, param_count
+from tessel.models import flops_per_token, param_count
 from tessel.observe.console import ConsoleDisplay
 from tessel.observe.metrics import MetricsWriter
 from tessel.observe.mfu import device_peak_flops
+from tessel.parallel.apply import build_parallel_model
+from tessel.parallel.context import check_context_parallel, context_parallel_step
+from tessel.parallel.dims import ParallelDims, ParallelError
+from tessel.parallel.dist import all_reduce_sum, init_distributed, process_info, shutdown
+from tessel.parallel.fsdp import check_offload
+from tessel.parallel.grad_norm import clip_grad_norm
+from tessel.parallel.pipeline import build_schedule
+from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.loss import token_loss_sum
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
@@ -79,37 +91,86 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.display = ConsoleDisplay(cfg.train.steps, enabled=console)
+        self.proc = process_info()
+        self.display = ConsoleDisplay(cfg.train.steps, enabled=console and self.proc.is_main)
 
         # Everything that can reject the input happens before anything is written.
+        self.dims = ParallelDims.from_config(cfg.parallel, self.proc.world_size)
+        self.dims.validate(cfg)
         resume_from = self._check_run_dir(resume)
         self.device = pick_device(cfg.train.device)
-        self.peak_flops = device_peak_flops(self.device)
+        self._check_layout_on_device()
         self.precision = resolve_precision(cfg.train.precision, self.device)
-        self.data = build_data(cfg, console=self.display.print)
+        self.mesh = None
+        if self.proc.distributed:
+            self.device = init_distributed(self.proc, self.device, cfg.parallel.timeout_s)
+            self.mesh = self.dims.build_mesh(self.device.type)
+        self.peak_flops = device_peak_flops(self.device)
+        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        # The ranks that report the loss: in each data-parallel replica, the last pipeline
+        # stage's first tensor-parallel rank, once per context-parallel part of the sequence.
+        self.reports_loss = self._holds_last_stage() and (
+            self.mesh is None or self.mesh["tp"].get_local_rank() == 0
+        )
+        self.cp_mesh = self.mesh["cp"] if self.mesh is not None and self.dims.cp > 1 else None
+        self.data = self._build_data()
         self.tokenizer = self.data.tokenizer
         if resume_from is not None:
             self._check_tokenizer()
 
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model, self.device, seed=cfg.train.seed)
-        if cfg.train.compile:
-            # Regional compilation: one graph per block keeps start-up short and the
-            # parameter names (and so the checkpoints) unchanged.
-            for block in self.model.layers.values():
-                block.compile()
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        self.accum = cfg.train.global_batch_size // (
-            cfg.train.micro_batch_size * cfg.parallel.dp_size
-        )
+        param_dtype = torch.bfloat16 if self.precision.name == "bf16" else None
+        self.model = build_parallel_model(cfg, self.dims, self.mesh, self.device, param_dtype)
+        self.optimizers = [build_optimizer(m, cfg.optim, self.device) for m in self.model.inner]
+        self.accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dims.dp)
+        self._loss_tokens = 1  # the divisor of the pipeline's loss function (see _train_step)
+        self.schedule = None
+        if self.dims.pp > 1:
+            assert self.mesh is not None
+            stages = list(zip(self.model.stage_ids, self.model.parts))
+            self.schedule = build_schedule(stages, cfg.parallel, self.mesh["pp"], self.device,
+                                           self.accum, self._pipeline_loss)
         self.step = 0
         self.tokens_seen = 0
         self.elapsed_prev = 0.0
         self.last_saved_step = -1
         self.last_val_loss: float | None = None
+        self._pending_save: PendingSave | None = None
         if resume_from is not None:
             self._restore(*resume_from)
         self._stop_signal: int | None = None
+
+    def _check_layout_on_device(self) -> None:
+        p = self.cfg.parallel
+        check_offload(p, self.device)
+        if p.dp_comm_hook == "bf16" and self.device.type != "cuda":
+            raise ParallelError(
+                "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"
+            )
+        check_context_parallel(self.cfg, self.device)
+        if self.cfg.train.precision == "fp16" and (self.dims.world_size > 1 and (
+            p.zero > 0 or self.dims.tp > 1 or self.dims.pp > 1
+        )):
+            raise ParallelError(
+                "fp16 loss scaling is supported for one process or DDP (zero=0) only; use "
+                "train.precision='bf16' (no loss scaling needed) for sharded layouts"
+            )
+
+    def _holds_last_stage(self) -> bool:
+        if self.mesh is None or self.dims.pp == 1:
+            return True
+        n_stages = self.dims.pp * self.cfg.parallel.pp_virtual_stages
+        pp_rank = self.mesh["pp"].get_local_rank()
+        return (n_stages - 1) % self.dims.pp == pp_rank
+
+    def _build_data(self):  # noqa: ANN202
+        """Rank 0 builds any corpus cache first; the others then read it."""
+        build = lambda: build_data(self.cfg, self.dp_rank, self.dims.dp, console=self.display.print)
+        if not self.proc.distributed:
+            return build()
+        data = build() if self.proc.is_main else None
+        dist.barrier()
+        return data if data is not None else build()
 
     # ---- setup ----------------------------------------------------------------------------
 
@@ -154,13 +215,13 @@ class Trainer:
             )
 
     def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
-        load_model(ckpt, self.model)
-        load_optimizer(ckpt, self.model, self.optimizer)
+        load_model(ckpt, self.model.inner)
+        load_optimizer(ckpt, self.model.inner, self.optimizers)
         try:
             self.data.train.load_state_dict(state["loader"])
             if self.precision.scaler is not None and state.get("scaler"):
                 self.precision.scaler.load_state_dict(state["scaler"])
-            rng = read_tensors(ckpt, "rng.safetensors")
+            rng = load_tensors(ckpt, self._rng_state())
             torch.set_rng_state(rng["torch_cpu"])
             if self.device.type == "cuda" and "torch_cuda" in rng:
                 torch.cuda.set_rng_state(rng["torch_cuda"], self.device)
@@ -184,11 +245,12 @@ class Trainer:
             return self._result(None, None)
         # Written only now that the run really starts: a refused or no-op call leaves the
         # run directory as it was.
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.run_dir / "config.toml", cfg.to_toml())
-        self.tokenizer.save(self.run_dir / "tokenizer.json")
+        if self.proc.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.run_dir / "config.toml", cfg.to_toml())
+            self.tokenizer.save(self.run_dir / "tokenizer.json")
         self._announce()
-        metrics = MetricsWriter(self.run_dir, cfg.metrics.tensorboard)
+        metrics = MetricsWriter(self.run_dir, cfg.metrics.tensorboard) if self.proc.is_main else None
         previous_handlers = self._install_signal_handlers()
         loss = grad_norm = None
         start = time.perf_counter()
@@ -197,8 +259,9 @@ class Trainer:
         self.display.start(self.step)
         self.model.train()  # evaluate() puts it back after each evaluation
         try:
-            while self.step < t.steps and self._stop_signal is None:
+            while self.step < t.steps and not self._should_stop():
                 loss, grad_norm = self._train_step()
+                self._publish_finished_save()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 window_steps += 1
@@ -217,10 +280,18 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
             if self.step != self.last_saved_step:
                 self._save(start)
+            self._publish_finished_save(wait=True)
+        except dist.DistBackendError as exc:
+            raise self._collective_failure(exc) from None
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            raise self._collective_failure(exc) from None
         finally:
             self.display.stop()
             self._restore_signal_handlers(previous_handlers)
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
 
         stopped_by = signal.Signals(self._stop_signal).name if self._stop_signal else None
         if stopped_by:
@@ -232,10 +303,50 @@ class Trainer:
             self._finish_message()
         return self._result(loss, stopped_by)
 
+    def _collective_failure(self, exc: BaseException) -> CollectiveTimeout:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return CollectiveTimeout(
+            f"rank {self.proc.rank}: a collective failed or did not complete within "
+            f"parallel.timeout_s={self.cfg.parallel.timeout_s}s (a peer process died or hangs: "
+            f"{first}); resume from the last checkpoint with `tessel train --resume "
+            f"{self.run_dir}`"
+        )
+
+    def close(self) -> None:
+        """Release the process group (the trainer cannot train again afterwards)."""
+        shutdown()
+
+    def _should_stop(self) -> bool:
+        """Whether a signal asked to stop; under torchrun all ranks agree, so they all stop
+        (and checkpoint) at the same step even if the signal reached them at different
+        times. A one-element all-reduce on the CPU group: no device synchronisation."""
+        if not self.proc.distributed:
+            return self._stop_signal is not None
+        flag = torch.tensor([self._stop_signal or 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
+        if flag.item() and self._stop_signal is None:
+            self._stop_signal = int(flag.item())
+        return bool(flag.item())
+
+    def _cpu_group(self) -> dist.ProcessGroup | None:
+        if self.device.type != "cuda":
+            return None  # the default (gloo) group
+        if not hasattr(self, "_gloo"):
+            self._gloo = dist.new_group(backend="gloo")
+        return self._gloo
+
+    def _async_group(self) -> dist.ProcessGroup | None:
+        """A gloo group used only by asynchronous checkpoint saves (created on every rank)."""
+        if not (self.proc.distributed and self.cfg.checkpoint.async_save):
+            return None
+        if not hasattr(self, "_async_pg"):
+            self._async_pg = dist.new_group(backend="gloo")
+        return self._async_pg
+
     def _result(self, loss: torch.Tensor | None, stopped_by: str | None) -> TrainResult:
         return TrainResult(
             step=self.step,
-            loss=loss.item() if loss is not None else None,
+            loss=self._global_loss(loss) if loss is not None else None,
             val_loss=self.last_val_loss,
             unigram_baseline=self.data.unigram_baseline,
             stopped_by=stopped_by,
@@ -244,7 +355,7 @@ class Trainer:
 
     def _log_train(
         self,
-        metrics: MetricsWriter,
+        metrics: MetricsWriter | None,
         loss: torch.Tensor,
         grad_norm: torch.Tensor,
         window: float,
@@ -258,8 +369,8 @@ class Trainer:
         tps = window_steps * tokens_per_step / window
         rec = {
             "step": self.step,
-            "loss": loss.item(),  # host syncs happen here, at log steps only
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "loss": self._global_loss(loss),  # host syncs happen here, at log steps only
+            "lr": self.optimizers[0].param_groups[0]["lr"],
             "grad_norm": grad_norm.item(),
             "tokens_per_s": tps,
             "tokens_seen": self.tokens_seen,
@@ -272,40 +383,83 @@ class Trainer:
             rec["loss_scale"] = float(self.precision.scaler.get_scale())
         if self.device.type == "cuda":
             rec["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        metrics.write(rec)
+        if metrics is not None:
+            metrics.write(rec)
         eta = elapsed / (self.step - first_step) * (t.steps - self.step)
         self.display.log(rec, t.steps, eta, 100 * self.step / t.steps)
 
+    def _global_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss averaged over data-parallel replicas (a host sync)."""
+        if not self.proc.distributed:
+            return loss.item()
+        mine = loss.detach().float().reshape(1) if self.reports_loss else torch.zeros(1, device=self.device)
+        return all_reduce_sum(mine.to(self.device)).item() / (self.dims.dp * self.dims.cp)
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, targets) / self._loss_tokens
+
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over `accum` micro-batches; returns device tensors (no sync)."""
+        """One optimizer step over `accum` micro-batches; returns device tensors (no sync).
+        The loss is this replica's (on the rank that reports it; zero elsewhere)."""
         cfg = self.cfg
         lr = lr_at(self.step, cfg.train.steps, cfg.optim)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
         batches = [self.data.train.next_batch() for _ in range(self.accum)]
         # The loss is a mean over every target token of the step, not a mean of
         # micro-batch means, so accumulation never changes its value.
         n_tokens = sum(b.targets.numel() for b in batches)
         scaler = self.precision.scaler
         total = torch.zeros((), device=self.device)
-        for batch in batches:
-            x, y, docs = self._on_device(batch)
-            with self.precision.autocast():
-                logits = self.model(x, docs)  # (B, T, V)
-            loss = token_loss_sum(logits, y) / n_tokens
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            total += loss.detach()
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
-        clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if scaler is not None:
-            scaler.step(self.optimizer)
-            scaler.update()
+        if self.schedule is not None:
+            total = self._pipeline_step(batches, n_tokens)
         else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            model = self.model.parts[0]
+            # Under context parallelism each rank holds 1/cp of every sequence's tokens and
+            # gradients are averaged over the cp ranks too: scale so they sum instead.
+            divisor = n_tokens / self.dims.cp
+            for i, batch in enumerate(batches):
+                x, y, docs = self._on_device(batch)
+                last = i == len(batches) - 1
+                with (self.model.dp.micro_batch(self.model.parts, last), loss_context(self.dims.tp > 1),
+                      context_parallel_step(self.model.inner[0], self.cp_mesh, x, y)):
+                    with self.precision.autocast():
+                        logits = model(x, docs)  # (B, T, V)
+                    loss = token_loss_sum(logits, y) / divisor
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                total += local_value(loss.detach())
+        if scaler is not None:
+            for opt in self.optimizers:
+                scaler.unscale_(opt)
+        clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 and self.mesh is not None else None
+        grad_norm = clip_grad_norm(self.model.parameters(), clip, pp_group)
+        for opt in self.optimizers:
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update()
         return total, grad_norm
+
+    def _pipeline_step(self, batches: list[Batch], n_tokens: int) -> torch.Tensor:
+        """All micro-batches of the step through the pipeline schedule (which interleaves
+        their forward and backward passes); the loss lives on the last stage."""
+        x, y, docs = self._on_device(_concat(batches))
+        self._loss_tokens = n_tokens
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.model.has_first else ()
+        kwargs = {"doc_ids": docs} if docs is not None else {}
+        target = y if self.model.has_last else None
+        assert self.schedule is not None
+        with loss_context(self.dims.tp > 1), self.precision.autocast():
+            self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([local_value(v.detach()).float() for v in losses]).sum()
 
     def _on_device(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         if self.device.type != "cuda":
@@ -318,24 +472,52 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Token-mean cross-entropy over `train.eval_iters` validation micro-batches."""
+        """Token-mean cross-entropy over `train.eval_iters` validation micro-batches of every
+        data-parallel rank."""
         val = self.data.val
         assert val is not None
         val.reset()
-        iters = max(1, min(self.cfg.train.eval_iters, val.n_samples // (val.mbs * val.dp_size)))
+        # eval_iters micro-batches in total over the data-parallel ranks (never past the end
+        # of the split), so every layout evaluates the same sequences.
+        available = max(1, val.n_samples // val.mbs)
+        iters = math.ceil(min(self.cfg.train.eval_iters, available) / self.dims.dp)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = 0
-        self.model.eval()
-        for _ in range(iters):
-            x, y, docs = self._on_device(val.next_batch())
-            with self.precision.autocast():
-                logits = self.model(x, docs)
-            total += token_loss_sum(logits, y)
-            count += y.numel()
-        self.model.train()
-        return total.item() / count
+        self.model.train(False)
+        if self.schedule is not None:
+            # The schedule runs whole steps of `accum` micro-batches.
+            for _ in range(math.ceil(iters / self.accum)):
+                batches = [val.next_batch() for _ in range(self.accum)]
+                x, y, docs = self._on_device(_concat(batches))
+                self._loss_tokens = 1  # sums
+                losses: list[torch.Tensor] = []
+                with loss_context(self.dims.tp > 1), self.precision.autocast():
+                    self.schedule.eval(*((x,) if self.model.has_first else ()),
+                                       target=y if self.model.has_last else None,
+                                       losses=losses, **({"doc_ids": docs} if docs is not None else {}))
+                for v in losses:
+                    total += local_value(v).double()
+                count += y.numel()
+        else:
+            model = self.model.parts[0]
+            for _ in range(iters):
+                x, y, docs = self._on_device(val.next_batch())
+                with (loss_context(self.dims.tp > 1), self.precision.autocast(),
+                      context_parallel_step(self.model.inner[0], self.cp_mesh, x, y)):
+                    logits = model(x, docs)
+                    total += local_value(token_loss_sum(logits, y)).double()
+                    count += y.numel()  # this rank's share under context parallelism
+        self.model.train(True)
+        if not self.proc.distributed:
+            return total.item() / count
+        # Each replica's loss-reporting rank contributes its sum; all replicas count equally.
+        sums = torch.stack([total if self.reports_loss else torch.zeros_like(total),
+                            torch.tensor(float(count) if self.reports_loss else 0.0,
+                                         dtype=torch.float64, device=self.device)])
+        sums = all_reduce_sum(sums)
+        return (sums[0] / sums[1]).item()
 
-    def _log_eval(self, metrics: MetricsWriter, start: float) -> None:
+    def _log_eval(self, metrics: MetricsWriter | None, start: float) -> None:
         if self.data.val is None:
             return
         val_loss = self.evaluate()
@@ -347,30 +529,47 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_prev + time.perf_counter() - start,
         }
-        metrics.write(rec)
+        if metrics is not None:
+            metrics.write(rec)
         self.display.log(rec, self.cfg.train.steps, 0.0, 0.0)
 
     # ---- checkpoints and signals ---------------------------------------------------------
 
-    def _save(self, start: float) -> Path:
+    def _rng_state(self) -> dict[str, torch.Tensor]:
         rng = {"torch_cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["torch_cuda"] = torch.cuda.get_rng_state(self.device)
+        return rng
+
+    def _save(self, start: float) -> None:
+        self._publish_finished_save(wait=True)  # one save in flight at a time
         state: dict[str, Any] = {
             "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_prev + time.perf_counter() - start,
             "loader": self.data.train.state_dict(),
             "val_loss": self.last_val_loss,
             "config": self.cfg.to_dict(),
+            "layout": self.dims.describe(),
         }
         if self.precision.scaler is not None:
             state["scaler"] = self.precision.scaler.state_dict()
-        path = save_checkpoint(
-            self.ckpt_root, self.step, self.model, self.optimizer, state, rng,
-            keep_last=self.cfg.checkpoint.keep_last,
+        result = save_checkpoint(
+            self.ckpt_root, self.step, self.model.inner, self.optimizers, state, self._rng_state(),
+            keep_last=self.cfg.checkpoint.keep_last, async_save=self.cfg.checkpoint.async_save,
+            async_group=self._async_group(),
         )
+        if isinstance(result, PendingSave):
+            self._pending_save = result
         self.last_saved_step = self.step
-        return path
+
+    def _publish_finished_save(self, wait: bool = False) -> None:
+        """Publish an asynchronous save once it has been written (or wait for it)."""
+        pending = self._pending_save
+        if pending is not None and (wait or pending.done()):
+            pending.finish()
+            self._pending_save = None
+            if self.proc.distributed:
+                dist.barrier(group=self._cpu_group())
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         def on_signal(signum: int, _frame: Any) -> None:
@@ -399,7 +598,8 @@ class Trainer:
         verb = f"resuming at step {self.step}" if self.step else "training"
         self.display.print(
             f"tessel: {verb} {param_count(cfg.model):,}-parameter model "
-            f"({cfg.model.preset or 'custom'}) on {self.device.type} ({self.precision.name}), "
+            f"({cfg.model.preset or 'custom'}) on {self.proc.world_size} x {self.device.type} "
+            f"({self.precision.name}; {self.dims.describe()}), "
             f"{t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens = {planned:,} tokens "
             f"(accumulation {self.accum}); run dir {self.run_dir}"
         )
@@ -413,9 +613,14 @@ class Trainer:
             )
         self.display.print(msg + f"; checkpoint in {self.ckpt_root / 'latest'}")
         n = self.cfg.run.sample_tokens
-        if n:
+        if n and self.proc.distributed:
+            self.display.print(
+                f"(no sample under a parallel layout; `tessel generate {self.run_dir}` samples "
+                "from the checkpoint)"
+            )
+        elif n:
             prompt = self.cfg.run.sample_prompt
-            ids = sample(self.model, self.tokenizer.encode(prompt), n, seed=self.cfg.train.seed,
+            ids = sample(self.model.inner[0], self.tokenizer.encode(prompt), n, seed=self.cfg.train.seed,
                          stop_id=self.tokenizer.eod_id)
             self.display.print("sample:\n" + prompt + self.tokenizer.decode(ids))
 
@@ -433,3 +638,13 @@ def _first_difference(key: str, old: Any, new: Any) -> str:
             if old[k] != new.get(k):
                 return f"{key}.{k} was {old[k]!r} in the run, now {new.get(k)!r}"
     return f"{key} was {old!r} in the run, now {new!r}"
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    """Micro-batches stacked into one batch (the pipeline schedule splits it again)."""
+    docs = [b.doc_ids for b in batches]
+    return Batch(
+        torch.cat([b.inputs for b in batches]),
+        torch.cat([b.targets for b in batches]),
+        torch.cat(docs) if docs[0] is not None else None,  # type: ignore[arg-type]
+    )

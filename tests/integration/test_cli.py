@@ -139,7 +139,7 @@ def test_incompatible_or_damaged_resume_is_refused_and_changes_nothing(tmp_path,
     snapshot = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert_one_line_error(tessel("train", "--resume", str(run), "--model.n_layers=3"),
                           "model.n_layers was 2 in the run, now 3")
-    weights = (run / "checkpoints/latest").resolve() / "model.safetensors"
+    weights = (run / "checkpoints/latest").resolve() / "__0_0.distcp"
     weights.write_bytes(weights.read_bytes()[:100])
     snapshot[weights] = weights.read_bytes()
     assert_one_line_error(tessel("train", "--resume", str(run)), "is damaged")
@@ -204,3 +204,15 @@ def test_sigkill_during_saves_never_leaves_a_damaged_checkpoint(tmp_path, corpus
             load_optimizer(path, model, build_optimizer(model, cfg.optim, model.output.weight.device))
         assert (ckpts / "latest").resolve().parent == ckpts.resolve()
         assert (ckpts / "latest" / "state.json").is_file()
+
+
+def test_auto_resume_starts_then_continues_the_run(tmp_path, corpus):
+    run = tmp_path / "run"
+    first = tessel(*train_args(run, corpus, "--train.steps=2", "--auto-resume"))
+    assert first.returncode == 0, first.stderr
+    assert "tessel: training" in first.stdout
+    again = tessel(*train_args(run, corpus, "--train.steps=4", "--auto-resume"))
+    assert again.returncode == 0, again.stderr
+    assert "resuming at step 2" in again.stdout
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")][-1] == 4
+    assert_one_line_error(tessel("train", "--auto-resume", "--resume", str(run)), "exclude each other")

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tessel import Config, TesselError, Trainer
-from tessel.checkpoint import CheckpointError, list_checkpoints
+from tessel.checkpoint import CheckpointError, list_checkpoints, read_full
 from tessel.observe.metrics import read_metrics
 
 
@@ -50,7 +49,7 @@ def test_compiled_blocks_match_eager(tiny_config):
     le, lc = _losses(Path(eager.run.dir)), _losses(Path(compiled.run.dir))
     for step in le:
         assert lc[step] == pytest.approx(le[step], rel=1e-4)
-    names = load_file(str(Path(compiled.run.dir) / "checkpoints/latest/model.safetensors"))
+    names = read_full(Path(compiled.run.dir) / "checkpoints/latest", "model")
     assert not any("_orig_mod" in k for k in names)  # checkpoints keep plain names
 
 
@@ -64,8 +63,8 @@ def test_gradient_accumulation_does_not_change_the_step(tiny_config):
     la, lb = _losses(Path(a.run.dir)), _losses(Path(b.run.dir))
     for step in la:
         assert la[step] == pytest.approx(lb[step], rel=1e-5)
-    wa = load_file(str(Path(a.run.dir) / "checkpoints/latest/model.safetensors"))
-    wb = load_file(str(Path(b.run.dir) / "checkpoints/latest/model.safetensors"))
+    wa = read_full(Path(a.run.dir) / "checkpoints/latest", "model")
+    wb = read_full(Path(b.run.dir) / "checkpoints/latest", "model")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
@@ -111,11 +110,11 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_config, monkey
     resumed.train()
 
     assert _losses(Path(full.run.dir)) == _losses(Path(stopped.run.dir))  # to the bit
-    wa = load_file(str(Path(full.run.dir) / "checkpoints/latest/model.safetensors"))
-    wb = load_file(str(Path(stopped.run.dir) / "checkpoints/latest/model.safetensors"))
+    wa = read_full(Path(full.run.dir) / "checkpoints/latest", "model")
+    wb = read_full(Path(stopped.run.dir) / "checkpoints/latest", "model")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    oa = load_file(str(Path(full.run.dir) / "checkpoints/latest/optimizer.safetensors"))
-    ob = load_file(str(Path(stopped.run.dir) / "checkpoints/latest/optimizer.safetensors"))
+    oa = read_full(Path(full.run.dir) / "checkpoints/latest", "optim")
+    ob = read_full(Path(stopped.run.dir) / "checkpoints/latest", "optim")
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
 
 

@@ -90,9 +90,9 @@ def test_failure_during_save_leaves_previous_checkpoint_intact(tmp_path: Path, m
 def test_damaged_checkpoints_are_refused_in_one_line(tmp_path: Path):
     model, opt = _model_and_opt()
     path = save_checkpoint(tmp_path, 1, model, opt, {})
-    f = path / "model.safetensors"
+    f = path / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[:-10])
-    with pytest.raises(CheckpointError, match="is damaged: model.safetensors has"):
+    with pytest.raises(CheckpointError, match="is damaged: __0_0.distcp has"):
         read_state(path)
     (path / "state.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="unreadable"):
@@ -111,18 +111,52 @@ def test_shape_mismatch_names_the_tensor(tmp_path: Path):
         load_model(path, other)
 
 
-def test_loading_never_unpickles(tmp_path: Path, monkeypatch):
+def test_metadata_that_could_run_code_is_refused(tmp_path: Path):
+    """DCP's .metadata is a pickle: it is vetted before DCP reads it."""
+    import os
     import pickle
 
     model, opt = _model_and_opt()
     path = save_checkpoint(tmp_path, 1, model, opt, {})
 
-    def forbidden(*a, **k):
-        raise AssertionError("unpickling during checkpoint load")
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
 
-    monkeypatch.setattr(pickle, "load", forbidden)
-    monkeypatch.setattr(pickle, "loads", forbidden)
-    monkeypatch.setattr(torch, "load", forbidden)
-    load_model(path, model)
-    load_optimizer(path, model, opt)
-    assert {p.suffix for p in path.iterdir()} == {".safetensors", ".json"}
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="refusing to load .*names posix.system"):
+        load_model(path, model)
+    assert not (tmp_path / "pwned").exists()
+    (path / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_model(path, model)
+
+
+def test_files_are_dcp_shards_plus_json(tmp_path: Path):
+    model, opt = _model_and_opt()
+    path = save_checkpoint(tmp_path, 1, model, opt, {})
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "state.json"]
+
+
+def test_consolidate_writes_the_whole_model_once(tmp_path: Path):
+    from safetensors import safe_open
+
+    from tessel.checkpoint.consolidate import consolidate
+    from tessel.cli import main
+
+    model = build_model(ModelConfig(preset="tiny"), seed=0)  # tied embeddings
+    cfg = {"model": {"tie_embeddings": True}}
+    path = save_checkpoint(tmp_path / "checkpoints", 5, model, None, {"config": cfg})
+    out = tmp_path / "model.safetensors"
+    n, _ = consolidate(path, out)
+    with safe_open(str(out), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+        assert f.metadata()["step"] == "5"
+    expected = {k: v for k, v in model.state_dict().items() if k != "output.weight"}
+    assert n == len(expected) and saved.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(saved[k], expected[k])
+    # the command: a run directory means its latest checkpoint
+    out.unlink()
+    assert main(["checkpoint", "consolidate", str(tmp_path)]) == 0 and out.is_file()
+    assert main(["checkpoint", "consolidate", str(tmp_path / "nothing")]) == 2

@@ -67,7 +67,10 @@ def test_resolved_toml_round_trips(tmp_path: Path):
         ({"data.source": "indexed", "data.paths": ["0.7 a", "b"]}, "a weight for every dataset or for none"),
         ({"data.source": "indexed", "data.paths": ["-1 a"]}, "the weight must be a positive number"),
         ({"data.source": "indexed", "data.paths": ["1 a b"]}, 'must be "PREFIX" or "WEIGHT PREFIX"'),
-        ({"parallel.tp": 2}, "tp=2 is not supported by this build"),
+        ({"parallel.pp_virtual_stages": 2}, "needs an interleaved schedule"),
+        ({"parallel.zero": 1, "parallel.dp_comm_hook": "fp16"}, "needs zero=0"),
+        ({"parallel.offload": "params"}, "needs parallel.zero=3"),
+        ({"parallel.zero": 4}, "parallel.zero"),
         ({"train.precision": "fp8"}, "train.precision: input should be"),
     ],
 )

@@ -1,0 +1,1 @@
+"""Placing a model on a device mesh: degrees, TP/PP/DP, launch."""

@@ -1,0 +1,178 @@
+"""Build the model for one rank of a layout, in the one fixed order:
+
+    build on meta -> pipeline split -> tensor parallel -> activation checkpointing
+    -> compile -> FSDP (ZeRO 1-3) -> materialise + initialise -> DDP (zero 0)
+
+Tensor parallelism comes first because the later steps must see the DTensor parameters it
+creates; activation checkpointing wraps the block forward that compile then traces; FSDP
+shards whatever the blocks hold by then. DDP wraps real tensors, so it comes after
+initialisation. Weights are initialised per parameter from its full, unsharded value
+(`Transformer.initial_value`), so every layout starts from exactly the single-process weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from tessel.config import Config
+from tessel.models.transformer import Transformer
+from tessel.parallel.dims import ParallelDims
+from tessel.parallel.fsdp import DataParallel, apply_ddp, apply_fsdp, data_parallel_kind
+from tessel.parallel.pipeline import split_model
+from tessel.parallel.tensor import apply_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model."""
+
+    parts: list[nn.Module]
+    """Modules to run: the whole model, or this rank's pipeline stages (DDP-wrapped for zero 0)."""
+    inner: list[Transformer]
+    """The same modules unwrapped: parameter names, optimizer groups, checkpoints."""
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    dp: DataParallel = field(default_factory=lambda: DataParallel("none", 0))
+    has_first: bool = True
+    """This rank holds the embeddings (it feeds the token ids)."""
+    has_last: bool = True
+    """This rank holds the head (it computes the loss)."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for m in self.inner:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.parts:
+            m.train(mode)
+
+
+def build_parallel_model(
+    cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
+    param_dtype: torch.dtype | None,
+) -> ParallelModel:
+    p = cfg.parallel
+    with torch.device("meta"):
+        whole = Transformer(cfg.model)
+    if dims.pp > 1:
+        assert mesh is not None
+        stages = split_model(whole, p, mesh["pp"].get_local_rank())
+    else:
+        stages = [(0, whole)]
+    n_stages = dims.pp * p.pp_virtual_stages
+    kind = data_parallel_kind(p, dims.dp * dims.cp)
+    for _, stage in stages:
+        if dims.tp > 1:
+            assert mesh is not None
+            apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel)
+        if p.activation_checkpointing != "none":
+            apply_activation_checkpointing(stage, p.activation_checkpointing)
+        if cfg.train.compile:
+            # Regional compilation: one graph per block keeps start-up short and the
+            # parameter names (and so the checkpoints) unchanged.
+            for block in stage.layers.values():
+                block.compile()
+        if kind == "fsdp":
+            assert mesh is not None
+            shard_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
+                          else mesh["dp_shard_cp"])
+            apply_fsdp(stage, shard_mesh, p.zero, param_dtype, p.offload == "params")
+    for _, stage in stages:
+        materialise(stage, device, cfg.train.seed)
+    inner = [stage for _, stage in stages]
+    parts: list[nn.Module] = list(inner)
+    if kind == "ddp":
+        assert mesh is not None
+        parts = [apply_ddp(m, mesh["dp_cp"], p.dp_comm_hook) for m in inner]
+    ids = [s for s, _ in stages]
+    return ParallelModel(
+        parts=parts, inner=inner, stage_ids=ids, dp=DataParallel(kind, p.zero),
+        has_first=0 in ids, has_last=n_stages - 1 in ids,
+    )
+
+
+@torch.no_grad()
+def materialise(model: Transformer, device: torch.device, seed: int) -> None:
+    """Allocate `model`'s (possibly sharded) parameters on `device` and give each its slice
+    of the full initial value."""
+    # FSDP2's CPU offload keeps the sharded parameters in host memory (it requires them there
+    # at its first use); buffers still live on the compute device.
+    offloaded = _fsdp_offloaded(model)
+    model.to_empty(device=torch.device("cpu") if offloaded else device)
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        full = model.initial_value(name, param.shape, seed)
+        if isinstance(param, DTensor):
+            # Replicate -> the parameter's placements is a local slice: no communication.
+            local_device = param.to_local().device
+            src = distribute_tensor(full.to(local_device), param.device_mesh,
+                                    [Replicate()] * param.device_mesh.ndim, src_data_rank=None)
+            param.copy_(src.redistribute(param.device_mesh, param.placements))
+        else:
+            param.copy_(full)
+    if offloaded:
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(device)
+    model.init_buffers()
+
+
+def _fsdp_offloaded(model: nn.Module) -> bool:
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is None:
+        return False
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    group = state()._fsdp_param_group
+    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+
+
+# ---- activation checkpointing ----------------------------------------------------------------
+
+# Selective: keep what is expensive to recompute (matrix multiplies and attention), recompute
+# the cheap element-wise ops (norms, activations, RoPE, residual adds) in the backward pass.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """Recompute each block's activations in backward. Overrides `forward` on the block
+    instance rather than wrapping the module, so parameter names do not change."""
+    for block in model.layers.values():
+        inner = block.forward
+        if mode == "selective":
+            context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+        else:
+            context_fn = None
+
+        def forward(*args, _inner=inner, _ctx=context_fn, **kwargs):  # noqa: ANN002, ANN003
+            extra = {"context_fn": _ctx} if _ctx is not None else {}
+            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
+
+        block.forward = forward  # type: ignore[method-assign]

@@ -1,0 +1,168 @@
+"""ParallelDims: the degrees of one run, checked against the world, the model and the batch,
+and the one DeviceMesh every parallel mechanism takes its sub-meshes from.
+
+Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is
+innermost so that its frequent collectives stay between neighbouring ranks (one node);
+pipeline parallelism is outermost because it only sends point-to-point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tessel.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessel.errors import TesselError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class ParallelError(TesselError):
+    """A layout that cannot run; the message says which degree to change."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve dp_shard = -1 and check that the degrees multiply to the world size."""
+        others = p.dp_replicate * p.cp * p.tp * p.pp
+        dp_shard = p.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ParallelError(
+                    f"dp_replicate*cp*tp*pp = {others} does not divide the {world_size} "
+                    f"processes started; start a multiple of {others} processes or change the "
+                    "degrees"
+                )
+            dp_shard = world_size // others
+        product = others * dp_shard
+        if product != world_size:
+            raise ParallelError(
+                f"tp*pp*dp*cp = {product} (tp={p.tp}, pp={p.pp}, dp_replicate={p.dp_replicate}, "
+                f"dp_shard={dp_shard}, cp={p.cp}) but {world_size} process"
+                f"{'es were' if world_size != 1 else ' was'} started; start {product} "
+                f"(tessel train --nproc {product}) or set parallel.dp_shard=-1"
+            )
+        return cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def describe(self) -> str:
+        return (f"dp={self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
+                f"tp={self.tp}, pp={self.pp}, cp={self.cp}")
+
+    def validate(self, cfg: Config) -> None:
+        """Every check that needs only the config: divisibility of the model and the batch."""
+        _check_model(self, cfg.model, cfg.parallel)
+        _check_batch(self, cfg.train, cfg.parallel)
+        p = cfg.parallel
+        if p.zero == 0 and self.tp > 1 and self.dp > 1:
+            raise ParallelError(
+                "parallel.zero=0 (DDP) cannot wrap tensor-parallel parameters; use "
+                "parallel.zero=1 (DDP's memory for parameters and gradients, optimizer state "
+                "sharded) with tp > 1"
+            )
+        if p.zero == 0 and self.pp > 1 and self.dp > 1:
+            raise ParallelError(
+                "parallel.zero=0 (DDP) cannot wrap pipeline stages; use parallel.zero=1 (DDP's "
+                "memory for parameters and gradients, optimizer state sharded) with pp > 1"
+            )
+        if p.zero == 0 and self.cp > 1:
+            raise ParallelError("context parallelism shards with FSDP; set parallel.zero >= 1")
+        if self.pp > 1 and cfg.model.tie_embeddings:
+            raise ParallelError(
+                "tied embeddings cannot be split across pipeline stages (the first stage holds "
+                "the embedding, the last the output projection); set model.tie_embeddings=false "
+                "or parallel.pp=1"
+            )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The one mesh of the run, with the flattened groups the mechanisms need:
+        `dp` (all data-parallel ranks: the loader and DDP), `dp_shard_cp` (FSDP's shard
+        group: context-parallel ranks hold the same parameters) and `dp_cp` (gradient
+        all-reduce and loss averaging)."""
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh
+
+
+def stage_layer_counts(n_layers: int, n_stages: int, first: int, last: int) -> list[int]:
+    """Layers per pipeline stage, first to last; raises ParallelError when impossible."""
+    hint = "set parallel.pp_layers_first/last"
+    if n_stages == 1:
+        return [n_layers]
+    fixed = [first or None] + [None] * (n_stages - 2) + [last or None]
+    given = sum(c for c in fixed if c)
+    free = sum(1 for c in fixed if c is None)
+    rest = n_layers - given
+    if rest < 0 or (free and (rest % free or rest // free == 0)) or (not free and rest):
+        raise ParallelError(
+            f"{n_layers} layers cannot be split into {n_stages} pipeline stages"
+            + (f" (first {first}, last {last})" if first or last else "")
+            + f"; {hint}, or change parallel.pp / pp_virtual_stages"
+        )
+    each = rest // free if free else 0
+    return [c if c else each for c in fixed]
+
+
+def _check_model(d: ParallelDims, m: ModelConfig, p: ParallelConfig) -> None:
+    if d.tp > 1:
+        for label, value in (
+            ("hidden size", m.d_model), ("attention heads", m.n_heads),
+            ("key/value heads", m.n_kv_heads), ("ffn_hidden", m.ffn_hidden),
+            ("vocab_size", m.vocab_size),
+        ):
+            if value % d.tp:
+                raise ParallelError(
+                    f"{label} {value} is not divisible by tp={d.tp}; choose a tp that divides it"
+                )
+    stage_layer_counts(m.n_layers, d.pp * p.pp_virtual_stages, p.pp_layers_first,
+                       p.pp_layers_last)
+
+
+def _check_batch(d: ParallelDims, t: TrainConfig, p: ParallelConfig) -> None:
+    per_step = t.micro_batch_size * d.dp
+    if t.global_batch_size % per_step:
+        raise ParallelError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"micro_batch_size*dp = {t.micro_batch_size}*{d.dp}; use a multiple of {per_step}"
+        )
+    micro_batches = t.global_batch_size // per_step
+    if d.pp > 1 and micro_batches < d.pp:
+        raise ParallelError(
+            f"{micro_batches} micro-batches per step cannot fill {d.pp} pipeline stages; raise "
+            f"train.global_batch_size to at least {d.pp * per_step} or lower "
+            "train.micro_batch_size"
+        )
+    if d.pp > 1 and p.pp_virtual_stages > 1 and micro_batches % d.pp:
+        raise ParallelError(
+            f"interleaved pipeline schedules need micro-batches per step ({micro_batches}) to be "
+            f"a multiple of pp={d.pp}; change train.global_batch_size or micro_batch_size"
+        )
+    if d.tp > 1 and p.sequence_parallel and t.seq_len % d.tp:
+        raise ParallelError(
+            f"sequence parallelism splits train.seq_len={t.seq_len} over tp={d.tp}; use a "
+            "multiple of tp or set parallel.sequence_parallel=false"
+        )
+    if d.cp > 1 and t.seq_len % (2 * d.cp):
+        raise ParallelError(
+            f"context parallelism needs train.seq_len={t.seq_len} divisible by 2*cp={2 * d.cp}"
+        )

@@ -1,0 +1,71 @@
+"""Process-group start-up and shutdown for runs launched by torchrun.
+
+A run is distributed when torchrun's WORLD_SIZE is above 1; otherwise no process group is
+created at all and the single-process path stays free of collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    world_size: int
+    rank: int
+    local_rank: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that prints and writes metrics and run-level files."""
+        return self.rank == 0
+
+
+def process_info() -> ProcessInfo:
+    """This process's place in the job, from torchrun's environment."""
+    return ProcessInfo(
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: int) -> torch.device:
+    """Start the process group (NCCL on CUDA, gloo on CPU) and return this rank's device.
+
+    `timeout_s` bounds every collective: a rank that waits longer (a peer died or hangs)
+    fails instead of hanging the job forever.
+    """
+    if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"  # gloo for CPU tensors (async checkpoint staging)
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over every rank (no-op in a single process)."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t

@@ -1,0 +1,297 @@
+"""Starting training processes: `tessel train --nproc N` on this machine (through torchrun), and
+the job files `tessel launch` prints for SLURM (an sbatch script) and Kubernetes (a Kubeflow
+PyTorchJob).
+
+Every launcher runs the same worker command, `torchrun ... -m tessel train ARGS`, so a run
+behaves the same however it was started. The builders here are pure (text in, text out) so
+that tests can check them without a cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tessel.errors import TesselError
+
+# torchrun restarts a failed worker group this many times before giving up on the job.
+MAX_RESTARTS = 3
+
+# torchrun sets these in every worker; seeing one means we are already a launched worker.
+_TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_SLURM_LIST = re.compile(r"[A-Za-z0-9._,-]+")  # partitions may be a comma-separated list
+_SLURM_TIME = re.compile(r"(\d+-)?\d+:[0-5]\d:[0-5]\d")
+
+
+# ---- tessel train --nproc N -----------------------------------------------------------------
+
+
+def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """(N from `--nproc N` / `--nproc=N`, or None; the other arguments unchanged)."""
+    nproc: int | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--nproc" or arg.startswith("--nproc="):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                i += 1
+                value = argv[i]
+            else:
+                value = ""
+            try:
+                nproc = int(value)
+            except ValueError:
+                nproc = 0
+            if nproc < 1:
+                raise TesselError(f"--nproc needs a whole number >= 1 (got {value!r}), e.g. --nproc 2")
+        else:
+            rest.append(arg)
+        i += 1
+    if nproc is not None and any(os.environ.get(name) for name in _TORCHRUN_ENV):
+        raise TesselError("--nproc starts processes itself; drop it when launching with torchrun")
+    return nproc, rest
+
+
+def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
+    """The command that runs `tessel train TRAIN_ARGS` as `nproc` processes on this machine.
+
+    torchrun is run as a module of this Python so it is the torch tessel was installed with,
+    whatever is on PATH; --standalone gives a private rendezvous on a free local port.
+    """
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "-m", "tessel", "train", *train_args]
+
+
+def run_local(nproc: int, train_args: list[str]) -> int:
+    """Run `tessel train TRAIN_ARGS` as `nproc` local processes; the exit code of torchrun.
+
+    torchrun runs in its own process group, so a Ctrl-C in the terminal reaches only us and
+    each worker sees exactly one SIGINT (torchrun forwards what it gets to the workers, which
+    save a checkpoint). SIGINT and SIGTERM sent to us are passed on to that group.
+
+    torchrun itself exits 1 with a traceback after forwarding a signal, whatever the workers
+    did; after a Ctrl-C we return 130 instead, as `tessel train` does in one process.
+    """
+    child: subprocess.Popen[bytes] | None = None
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signum)
+
+    # Installed before the child exists so that no signal can slip between start and wait.
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child = subprocess.Popen(torchrun_command(nproc, train_args), start_new_session=True)
+        while True:
+            # A timed wait, not one blocking waitpid: a signal that the kernel hands to another
+            # thread (torch starts some) must still get our handler run promptly.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = child.wait(timeout=0.5)
+                break
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code != 0 and signal.SIGINT in forwarded:
+        return 130
+    return code if code >= 0 else 128 - code  # killed by signal S: 128 + S, like a shell
+
+
+# ---- tessel launch slurm / k8s ----------------------------------------------------------------
+
+
+def _check_count(flag: str, value: int) -> None:
+    if value < 1:
+        raise TesselError(f"{flag} must be >= 1 (got {value})")
+
+
+def _check_text(what: str, text: str) -> None:
+    # Job files are line-based (sbatch directives, YAML blocks): a control character would
+    # silently change their meaning rather than fail.
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise TesselError(f"{what} {text!r} contains a control character (e.g. a newline); remove it")
+
+
+def _train_args(
+    config_path: str, overrides: list[str], quote: Callable[[str], str] = shlex.quote
+) -> list[str]:
+    """Bash lines that set TRAIN to the `tessel train` arguments. `--auto-resume` makes every
+    start of the job (the first, a requeue, a resubmission, a pod restart, and torchrun's own
+    --max-restarts) continue the run when its directory already holds one. `quote` makes
+    one argument a bash word."""
+    for text in (config_path, *overrides):
+        _check_text("argument", text)
+    return [
+        "# Start the run, or continue it from its latest checkpoint when it exists already.",
+        "TRAIN=(" + " ".join([*map(quote, [config_path, *overrides]), "--auto-resume"]) + ")",
+    ]
+
+
+def default_name(config_path: str) -> str:
+    """`tessel-<config file stem>`, made a valid DNS-1123 label (and SLURM job name)."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", Path(config_path).stem.lower()).strip("-")
+    return ("tessel-" + stem)[:63].rstrip("-")
+
+
+def slurm_script(
+    config_path: str,
+    overrides: list[str],
+    *,
+    nodes: int,
+    gpus_per_node: int = 8,
+    partition: str | None = None,
+    time: str | None = None,
+    job_name: str | None = None,
+    account: str | None = None,
+    port: int = 29500,
+) -> str:
+    """An sbatch script that trains CONFIG (with OVERRIDES) on `nodes` nodes: one torchrun per
+    node, `gpus_per_node` processes each, rendezvous on the job's first node."""
+    _check_count("--nodes", nodes)
+    _check_count("--gpus-per-node", gpus_per_node)
+    if not 1 <= port <= 65535:
+        raise TesselError(f"--port must be between 1 and 65535 (got {port})")
+    if time is not None and not _SLURM_TIME.fullmatch(time):
+        raise TesselError(f"--time must be HH:MM:SS or D-HH:MM:SS (got {time!r}), e.g. --time 48:00:00")
+    job_name = job_name if job_name is not None else default_name(config_path)
+    for flag, value, pattern in (("--job-name", job_name, _SLURM_NAME),
+                                 ("--partition", partition, _SLURM_LIST),
+                                 ("--account", account, _SLURM_NAME)):
+        if value is not None and not pattern.fullmatch(value):
+            raise TesselError(f"{flag} {value!r} is not a valid SLURM name; use letters, digits, "
+                              "'.', '_' and '-'")
+
+    optional = [f"#SBATCH --{key}={value}" for key, value in
+                (("partition", partition), ("account", account), ("time", time)) if value]
+    lines = [
+        "#!/bin/bash",
+        f"# tessel training job for {config_path} ({nodes} x {gpus_per_node} GPUs), written by",
+        "# `tessel launch slurm`. Submit from the directory the paths below are relative to",
+        "# (the job starts there) after `mkdir -p logs` (SLURM does not create it):",
+        "#   sbatch THIS_FILE",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "# One task per node: its torchrun starts that node's GPU processes.",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        "# CPUs for data loading depend on the cluster; uncomment and set to a node's cores:",
+        "##SBATCH --cpus-per-task=32",
+        *optional,
+        "# SIGTERM 120 s before the time limit: tessel saves a checkpoint and exits 0; a",
+        "# resubmitted (or requeued) job resumes from it (--auto-resume).",
+        "#SBATCH --signal=TERM@120",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --output=logs/%x-%j.out",
+        "",
+        "set -euo pipefail",
+        "# Activate the environment tessel is installed in here if the job does not inherit it.",
+        "",
+        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        *_train_args(config_path, overrides),
+        "",
+        f'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\',
+        f'  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$HEAD:{port}" \\',
+        f'  --max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def k8s_manifest(
+    config_path: str,
+    overrides: list[str],
+    *,
+    nodes: int,
+    image: str,
+    gpus_per_node: int = 8,
+    name: str | None = None,
+    namespace: str | None = None,
+) -> str:
+    """A Kubeflow PyTorchJob (kubeflow.org/v1) that trains CONFIG on `nodes` pods of
+    `gpus_per_node` GPUs: one Master and nodes - 1 Workers. With one node the Worker replica
+    spec is left out, as the training operator accepts a Master-only job."""
+    _check_count("--nodes", nodes)
+    _check_count("--gpus-per-node", gpus_per_node)
+    name = name if name is not None else default_name(config_path)
+    for flag, value in (("--name", name), ("--namespace", namespace)):
+        if value is not None and not _DNS_LABEL.fullmatch(value):
+            raise TesselError(f"{flag} {value!r} is not a DNS-1123 label; use at most 63 lower-case "
+                              "letters, digits and '-', starting and ending with a letter or digit")
+    if not image or any(c.isspace() for c in image):
+        raise TesselError(f"--image {image!r} is not an image reference, e.g. --image ghcr.io/org/tessel:1.0")
+
+    # Kubernetes expands `$(VAR)` and `$$` in args before bash runs them, so a `$` in the
+    # user's text is doubled to reach bash unchanged. The operator sets MASTER_ADDR and
+    # MASTER_PORT in every pod; bash reads them.
+    script = _train_args(config_path, overrides,
+                         quote=lambda text: shlex.quote(text).replace("$", "$$"))
+    script.append(
+        f"exec torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --rdzv-id {name} "
+        '--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
+        f'--max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"'
+    )
+
+    def replica(kind: str, count: int) -> list[str]:
+        return [
+            f"    {kind}:",
+            f"      replicas: {count}",
+            "      restartPolicy: OnFailure",
+            "      template:",
+            "        spec:",
+            "          containers:",
+            "            - name: pytorch  # the name the training operator looks for",
+            f"              image: {_yaml_str(image)}",
+            '              command: ["bash", "-c"]',
+            "              args:",
+            "                - |-",
+            *("                  " + line for line in script),
+            "              resources:",
+            "                limits:",
+            f"                  nvidia.com/gpu: {gpus_per_node}",
+            "              volumeMounts:",
+            "                - name: dshm",
+            "                  mountPath: /dev/shm",
+            "          volumes:",
+            "            # Shared memory for data-loader workers and NCCL (the default is 64 MiB).",
+            "            - name: dshm",
+            "              emptyDir:",
+            "                medium: Memory",
+        ]
+
+    lines = [
+        f"# tessel training job for {config_path} ({nodes} x {gpus_per_node} GPUs), written by",
+        "# `tessel launch k8s`. The run directory must be on storage every pod mounts (add a",
+        "# volume) so that a restarted pod resumes from the latest checkpoint.",
+        "#   kubectl apply -f THIS_FILE",
+        "apiVersion: kubeflow.org/v1",
+        "kind: PyTorchJob",
+        "metadata:",
+        f"  name: {name}",
+        *([f"  namespace: {namespace}"] if namespace else []),
+        "spec:",
+        f'  nprocPerNode: "{gpus_per_node}"',
+        "  pytorchReplicaSpecs:",
+        *replica("Master", 1),
+        *(replica("Worker", nodes - 1) if nodes > 1 else []),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_str(text: str) -> str:
+    import json
+
+    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar

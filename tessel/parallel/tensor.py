@@ -1,0 +1,96 @@
+"""Tensor parallelism (Megatron-style) with optional sequence parallelism, via DTensor.
+
+Per block: wq/wk/wv and w1/w3 are split by output columns (each rank holds n_heads/tp query
+heads, n_kv_heads/tp key/value heads, ffn_hidden/tp hidden units); wo and w2 by input rows,
+so each block needs one all-reduce in forward and one in backward per sub-layer. The
+embedding is split by vocabulary rows (vocab-parallel), the output projection by vocabulary
+columns, and the loss is computed on vocabulary-sharded logits (`loss_parallel`) without
+gathering them.
+
+With sequence parallelism the residual stream between sub-layers is sharded along the
+sequence: norms and dropout run on T/tp positions, and each all-reduce becomes a
+reduce-scatter + all-gather pair of the same volume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from tessel.models.transformer import Transformer
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` (a whole model or a pipeline stage of one) over `tp_mesh` in place."""
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()  # layout of the residual stream between sub-layers
+    plan: dict = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        if model.pos_embeddings is not None and sp:
+            # Position embeddings (T, C) are small and stay replicated; under SP each rank
+            # keeps the rows of its own part of the sequence (a local slice, no communication).
+            plan["pos_embeddings"] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=True
+            )
+    if model.output is not None:
+        if sp:
+            plan["norm"] = SequenceParallel()
+        # Logits stay sharded over the vocabulary (a DTensor) for the vocab-parallel loss.
+        plan["output"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        )
+    parallelize_module(model, tp_mesh, plan)
+
+    for block in model.layers.values():
+        block_plan: dict = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.feed_forward.w3 is not None:
+            block_plan["feed_forward.w3"] = ColwiseParallel()
+        if sp:
+            block_plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                # Gather the sequence before attention / the MLP (x, freqs, mask).
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            })
+        parallelize_module(block, tp_mesh, block_plan)
+    # parallelize_module replaced the embedding and the output weight separately: tie again.
+    model.tie_weights()
+
+
+@contextlib.contextmanager
+def loss_context(enabled: bool) -> Iterator[None]:
+    """Where the loss is computed and differentiated on vocabulary-sharded logits."""
+    with loss_parallel() if enabled else contextlib.nullcontext():
+        yield
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the vocab-parallel loss) as a plain tensor; others unchanged."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

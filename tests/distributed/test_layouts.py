@@ -1,0 +1,255 @@
+"""Every parallel layout against the single-process reference, on CPU with gloo.
+
+Same initial weights, same data, same steps: the losses, gradient norms, validation loss and
+final weights of each layout must equal the single-process run's to float32 tolerance. The
+layouts of one world size run one after another in one torchrun job (tests/distributed/
+worker.py), since starting a process group costs seconds on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model
+from tessel.config import Config
+from tessel.models import build_model
+from tessel.observe.metrics import read_metrics
+from tessel.train import Trainer
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("worker.py")
+STEPS = 4
+
+
+def base(run_dir: Path, corpus: Path, **extra) -> dict:
+    cfg = {
+        "model.preset": "tiny-llama",  # RoPE, RMSNorm, SwiGLU, grouped-query attention
+        "model.n_layers": 4,
+        "model.dropout": 0.0,
+        "data.source": "files",
+        "data.paths": [str(corpus)],
+        "data.tokenizer": "bytes",
+        "data.split": "90,10",
+        "data.document_mask": True,  # exercises the doc_ids path through every layout
+        "train.steps": STEPS,
+        "train.seq_len": 32,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,
+        "train.eval_interval": 0,
+        "train.eval_iters": 4,  # the same 4 validation micro-batches under every layout
+        "optim.lr": 3e-3,
+        "optim.warmup_steps": 2,
+        "checkpoint.interval": 2,
+        "metrics.log_interval": 1,
+        "metrics.tensorboard": False,
+        "run.dir": str(run_dir),
+        "run.sample_tokens": 0,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+GPT = {"model.preset": "tiny", "model.tie_embeddings": False}  # learned positions, LayerNorm, GELU
+
+# name -> overrides; world size 2
+LAYOUTS_2 = {
+    "ddp": {"parallel.zero": 0},
+    "zero1": {"parallel.zero": 1},
+    "zero2": {"parallel.zero": 2},
+    "zero3": {"parallel.zero": 3},
+    "tp2_sp": {"parallel.tp": 2},
+    "tp2_nosp": {"parallel.tp": 2, "parallel.sequence_parallel": False},
+    "pp2_1f1b": {"parallel.pp": 2},
+    "pp2_gpipe_uneven": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe",
+                         "parallel.pp_layers_first": 1, "parallel.pp_layers_last": 3},
+    "pp2_interleaved": {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
+                        "parallel.pp_virtual_stages": 2},
+    "pp2_zero_bubble": {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble",
+                        "parallel.pp_virtual_stages": 2},
+    "zero3_ac_full": {"parallel.zero": 3, "parallel.activation_checkpointing": "full"},
+    "zero2_ac_selective_async": {"parallel.zero": 2, "parallel.activation_checkpointing": "selective",
+                                 "checkpoint.async_save": True},
+    "gpt_tp2_sp": {**GPT, "parallel.tp": 2},
+    "gpt_zero3": {**GPT, "parallel.zero": 3},
+}
+# Compressed DDP all-reduce: close to the reference, not equal.
+COMPRESSED_2 = {
+    "ddp_fp16_hook": {"parallel.dp_comm_hook": "fp16"},
+    "ddp_powersgd_hook": {"parallel.dp_comm_hook": "powersgd"},  # rank 2 from step 3 on
+}
+LAYOUTS_4 = {
+    "tp2_pp2": {"parallel.tp": 2, "parallel.pp": 2},
+    "tp2_zero3": {"parallel.tp": 2, "parallel.zero": 3},
+    "hsdp_2x2": {"parallel.dp_replicate": 2, "parallel.zero": 3},
+    "pp2_zero1_interleaved": {"parallel.pp": 2, "parallel.zero": 1,
+                              "parallel.pp_schedule": "interleaved-1f1b",
+                              "parallel.pp_virtual_stages": 2},
+}
+
+
+def torchrun(nproc: int, spec: dict, tmp_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    spec_path = tmp_path / f"spec-{nproc}-{len(list(tmp_path.glob('spec-*')))}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         str(WORKER), str(spec_path)],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+
+
+def train_metrics(run_dir: Path) -> tuple[dict[int, dict], float]:
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    steps = {r["step"]: r for r in recs if "loss" in r}
+    val = [r["val_loss"] for r in recs if "val_loss" in r][-1]
+    return steps, val
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    cfg = Config.load(run_dir / "config.toml")
+    model = build_model(cfg.model, seed=123)  # different init: everything must come from disk
+    load_model(latest_checkpoint(run_dir / "checkpoints"), model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_run(run: Path, ref: Path, first_step: int = 1) -> None:
+    got, got_val = train_metrics(run)
+    want, want_val = train_metrics(ref)
+    assert sorted(got) == list(range(first_step, STEPS + 1)), f"{run.name}: steps {sorted(got)}"
+    for step in got:
+        for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+            assert got[step][key] == pytest.approx(want[step][key], rel=rtol), (
+                f"{run.name}: {key} at step {step}: {got[step][key]} vs {want[step][key]}"
+            )
+    assert got_val == pytest.approx(want_val, rel=1e-5), f"{run.name}: val loss"
+    w_got, w_want = final_weights(run), final_weights(ref)
+    assert w_got.keys() == w_want.keys()
+    for name in w_want:
+        if name.endswith("wk.bias"):
+            # Softmax ignores a shift shared by all keys, so this bias's gradient is exactly
+            # zero in exact arithmetic: float noise that Adam scales up to +-lr. Not comparable.
+            continue
+        # Adam moves each weight by about lr = 3e-3 per step whatever the gradient's size, so
+        # an element whose gradient is ~0 may move either way on float noise: bound every
+        # element well below one update, and the tensor as a whole tightly.
+        diff = (w_got[name] - w_want[name]).abs()
+        assert diff.max() < 1e-4, f"{run.name}: weight {name} differs by {diff.max():.2e}"
+        rel = diff.norm() / w_want[name].norm()
+        assert rel < 1e-4, f"{run.name}: weight {name} differs by {rel:.2e} (relative norm)"
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Single-process reference runs: Llama-shaped and GPT-shaped."""
+    from conftest import write_corpus
+
+    root = tmp_path_factory.mktemp("ref")
+    os.environ.setdefault("TESSEL_CACHE", str(root / "cache"))
+    corpus = write_corpus(root / "corpus")
+    out = {"corpus": corpus}
+    for name, extra in (("llama", {}), ("gpt", GPT)):
+        Trainer(Config.load(None, base(root / name, corpus, **extra)), console=False).train()
+        out[name] = root / name
+    return out
+
+
+def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict]) -> dict:
+    return {"runs": [{"overrides": base(tmp_path / name, corpus, **extra)}
+                     for name, extra in layouts.items()]}
+
+
+def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
+    proc = torchrun(2, _spec(tmp_path, refs["corpus"], {**LAYOUTS_2, **COMPRESSED_2}), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in LAYOUTS_2:
+        assert_same_run(tmp_path / name, refs["gpt" if name.startswith("gpt") else "llama"])
+    want, _ = train_metrics(refs["llama"])
+    for name, (exact_until, rel) in {"ddp_fp16_hook": (1, 1e-3), "ddp_powersgd_hook": (3, 0.05)}.items():
+        got, _ = train_metrics(tmp_path / name)
+        for step in range(1, STEPS + 1):  # the first step's loss precedes any reduction
+            tol = 1e-5 if step <= exact_until else rel
+            assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=tol), (name, step)
+    # The asynchronous save published both checkpoints, complete.
+    assert [s for s, _ in list_checkpoints(tmp_path / "zero2_ac_selective_async/checkpoints")] == [2, 4]
+
+
+def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
+    corpus = refs["corpus"]
+    spec = _spec(tmp_path, corpus, LAYOUTS_4)
+    # Resharding: resume tp2 x pp2's step-2 checkpoint as dp4 (ZeRO-3), in the same job.
+    spec["runs"].append({"overrides": base(tmp_path / "reshard_dp4", corpus, **{"parallel.zero": 3}),
+                         "copy_from": str(tmp_path / "tp2_pp2"), "copy_step": 2, "resume": True})
+    proc = torchrun(4, spec, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in LAYOUTS_4:
+        assert_same_run(tmp_path / name, refs["llama"])
+    assert_same_run(tmp_path / "reshard_dp4", refs["llama"], first_step=3)
+
+    # One safetensors file from the 4-rank tp2 x pp2 checkpoint = the single-process model.
+    from safetensors.torch import load_file
+
+    from tessel.cli import main
+
+    for run in (tmp_path / "tp2_pp2", refs["llama"]):
+        assert main(["checkpoint", "consolidate", str(run), "--output", str(run / "m.safetensors")]) == 0
+    got, want = load_file(tmp_path / "tp2_pp2/m.safetensors"), load_file(refs["llama"] / "m.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert (got[k] - want[k]).abs().max() < 1e-4, k
+
+    # ... and the same 4-rank checkpoint resumed by one process.
+    single = tmp_path / "reshard_single"
+    _copy_run(tmp_path / "tp2_pp2", single, step=2)
+    cfg = Config.load(single / "config.toml", {"run.dir": str(single), "parallel.tp": 1, "parallel.pp": 1})
+    Trainer(cfg, resume=True, console=False).train()
+    assert_same_run(single, refs["llama"], first_step=3)
+
+
+def _copy_run(src: Path, dst: Path, step: int) -> None:
+    """A run directory as it was after checkpoint `step` (no metrics)."""
+    dst.mkdir(parents=True)
+    for name in ("config.toml", "tokenizer.json"):
+        shutil.copy(src / name, dst / name)
+    shutil.copytree(src / "checkpoints" / f"step_{step:08d}", dst / "checkpoints" / f"step_{step:08d}")
+
+
+def test_a_hung_rank_ends_the_job_with_a_clear_message(refs, tmp_path: Path):
+    spec = _spec(tmp_path, refs["corpus"], {"hang": {"parallel.timeout_s": 5}})
+    spec["hang"] = {"rank": 1, "step": 2}
+    proc = torchrun(2, spec, tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert "did not complete within parallel.timeout_s=5s" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split("did not complete")[0][-2000:]
+    assert [s for s, _ in list_checkpoints(tmp_path / "hang/checkpoints")] == [2]
+
+
+def test_sigterm_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(refs, tmp_path: Path):
+    spec = _spec(tmp_path, refs["corpus"], {"term": {"checkpoint.interval": 0}})
+    spec["sigterm"] = {"rank": 1, "step": 1}
+    proc = torchrun(2, spec, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The signal reached rank 1 during step 2: both ranks finished it, saved, and stopped.
+    assert [s for s, _ in list_checkpoints(tmp_path / "term/checkpoints")] == [2]
+    steps = [r["step"] for r in read_metrics(tmp_path / "term/metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2]
+
+
+def test_tessel_train_nproc_runs_torchrun_end_to_end(refs, tmp_path: Path):
+    run = tmp_path / "cli"
+    args = [f"--{k}={json.dumps(v)}" for k, v in base(run, refs["corpus"], **{"parallel.tp": 2}).items()]
+    proc = subprocess.run([sys.executable, "-m", "tessel", "train", "--nproc", "2", *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "CI": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("tessel: training") == 1  # rank 0 alone prints
+    assert "tp=2" in proc.stdout
+    assert_same_run(run, refs["llama"])

@@ -1,0 +1,276 @@
+"""Launching: `tessel train --nproc N` (torchrun on this machine) and the job files that
+`tessel launch slurm|k8s` prints. No test here starts more than one tiny Python child."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tessel.cli import main
+from tessel.errors import TesselError
+from tessel.parallel import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs/tiny.toml")
+# An override whose value has a space, quotes and shell syntax that must reach tessel verbatim.
+NASTY = """--data.paths=["my corpus/it's $(HOME) $$"]"""
+# configs/tiny.toml's global batch of 16 split over 8 data-parallel ranks.
+MB2 = "--train.micro_batch_size=2"
+
+
+def assert_one_line_error(code: int, err: str, needle: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tessel: error: "), err
+    assert needle in lines[0], lines[0]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def train_array(script: str, cwd: Path) -> list[str]:
+    """The `tessel train` arguments a job script passes, as bash parses them."""
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("TRAIN=("))
+    block = lines[start] + '\nprintf "%s\\0" "${TRAIN[@]}"\n'
+    out = subprocess.run(["bash", "-c", block], cwd=cwd, capture_output=True, text=True, check=True)
+    return out.stdout.split("\0")[:-1]
+
+
+def k8s_expand(arg: str) -> str:
+    """What Kubernetes does to a container arg before running it: `$$` becomes `$`, and
+    `$(VAR)` becomes VAR's value (here a marker)."""
+    return re.sub(r"\$(\$|\(\w+\))", lambda m: "$" if m[1] == "$" else "<expanded>", arg)
+
+
+# ---- tessel train --nproc -----------------------------------------------------------------
+
+
+def test_torchrun_command_runs_tessel_train_with_the_arguments_unchanged():
+    assert launch.torchrun_command(4, ["cfg.toml", "--train.steps", "5"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "-m", "tessel", "train", "cfg.toml", "--train.steps", "5",
+    ]
+
+
+@pytest.mark.parametrize("argv, nproc", [
+    (["cfg.toml", "--nproc", "2", "--x.y=1"], 2),
+    (["--nproc=3", "cfg.toml", "--x.y=1"], 3),
+    (["cfg.toml", "--x.y=1"], None),
+])
+def test_split_nproc_takes_out_only_the_nproc_flag(argv: list[str], nproc: int | None):
+    assert launch.split_nproc(argv) == (nproc, ["cfg.toml", "--x.y=1"])
+
+
+@pytest.mark.parametrize("args", [["--nproc", "two"], ["--nproc=0"], ["--nproc", "-1"], ["--nproc"],
+                                  ["--nproc=1.5"]])
+def test_bad_nproc_is_one_line_and_exit_2(capsys, monkeypatch, args: list[str]):
+    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    code, _, err = run_cli(capsys, "train", *args)
+    assert_one_line_error(code, err, "--nproc needs a whole number >= 1")
+
+
+@pytest.mark.parametrize("var", ["TORCHELASTIC_RUN_ID", "LOCAL_RANK"])
+def test_nproc_is_refused_inside_torchrun(capsys, monkeypatch, var: str):
+    monkeypatch.setenv(var, "0")
+    code, _, err = run_cli(capsys, "train", "--nproc", "2")
+    assert_one_line_error(code, err, "drop it when launching with torchrun")
+
+
+def test_nproc_validates_the_config_in_the_parent_before_spawning(capsys, monkeypatch):
+    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    code, _, err = run_cli(capsys, "train", CONFIG, "--nproc", "2", "--train.steps=-1")
+    assert_one_line_error(code, err, "train.steps")
+    code, _, err = run_cli(capsys, "train", "--nproc", "2", "--resume", "/nonexistent/run")
+    assert_one_line_error(code, err, "not a tessel run directory")
+
+
+def test_nproc_passes_the_other_arguments_to_the_workers(capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "run_local", lambda n, args: calls.append((n, args)) or 7)
+    assert main(["train", CONFIG, "--nproc", "2", "--train.steps", "5", "--quiet"]) == 7
+    assert calls == [(2, [CONFIG, "--train.steps", "5", "--quiet"])]
+
+
+def test_nproc_1_trains_in_this_process(monkeypatch):
+    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    trained = []
+
+    class FakeTrainer:
+        def __init__(self, cfg, resume, console):
+            trained.append(cfg.train.steps)
+
+        def train(self):
+            return SimpleNamespace(exit_code=0)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("tessel.train.Trainer", FakeTrainer)
+    assert main(["train", CONFIG, "--nproc=1", "--train.steps=3"]) == 0
+    assert trained == [3]
+
+
+@pytest.mark.parametrize("sig, child_code, code", [
+    (signal.SIGTERM, 7, 7),     # torchrun's exit code is ours
+    (signal.SIGINT, 1, 130),    # torchrun exits 1 after a forwarded Ctrl-C; tessel's code is 130
+])
+def test_run_local_forwards_signals_and_returns_the_exit_code(tmp_path: Path, monkeypatch, sig,
+                                                              child_code: int, code: int):
+    # A stand-in for torchrun that exits with child_code on `sig`, once it can receive it.
+    ready = tmp_path / "ready"
+    child = ("import signal, sys, time, pathlib\n"
+             f"signal.signal({int(sig)}, lambda *a: sys.exit({child_code}))\n"
+             f"pathlib.Path({str(ready)!r}).touch()\n"
+             "time.sleep(60)\n")
+    monkeypatch.setattr(launch, "torchrun_command", lambda n, args: [sys.executable, "-c", child])
+
+    def signal_us_when_ready() -> None:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        signal.raise_signal(sig)  # handled by the main thread, inside run_local
+
+    before = signal.getsignal(sig)
+    threading.Thread(target=signal_us_when_ready, daemon=True).start()
+    assert launch.run_local(2, []) == code
+    assert signal.getsignal(sig) is before  # our handlers are put back
+
+
+# ---- tessel launch slurm ------------------------------------------------------------------
+
+
+def test_slurm_script_is_valid_bash_with_rendezvous_restarts_and_resume(capsys, tmp_path: Path):
+    code, script, err = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes", "4", "--gpus-per-node",
+                                "2", "--time", "1-12:00:00", "--partition", "gpu", "--port", "29555",
+                                "--run.dir", "runs/a b", NASTY, MB2)
+    assert code == 0, err
+    (tmp_path / "job.sh").write_text(script)
+    subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], check=True)
+    for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=2", "--time=1-12:00:00",
+                      "--partition=gpu", "--signal=TERM@120", "--open-mode=append",
+                      "--output=logs/%x-%j.out", "--job-name=tessel-tiny"):
+        assert f"#SBATCH {directive}\n" in script
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in script
+    assert '--rdzv-endpoint "$HEAD:29555"' in script and '--rdzv-id "$SLURM_JOB_ID"' in script
+    assert "--max-restarts 3" in script and "--nproc-per-node 2" in script
+    assert re.search(r"srun torchrun .*-m tessel train \"\$\{TRAIN\[@\]\}\"", script, re.S)
+
+    # Every start of the job (and every torchrun restart) continues the run if it exists.
+    overrides = ["--run.dir=runs/a b", NASTY, MB2]
+    assert train_array(script, tmp_path) == [CONFIG, *overrides, "--auto-resume"]
+
+
+def test_slurm_optional_directives_are_left_out(capsys):
+    code, script, _ = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes=1", MB2)
+    assert code == 0
+    assert "--partition" not in script and "--time=" not in script
+
+
+# ---- tessel launch k8s --------------------------------------------------------------------
+
+
+def _manifest(capsys, *args: str) -> tuple[str, dict]:
+    yaml = pytest.importorskip("yaml")
+    code, text, err = run_cli(capsys, "launch", "k8s", CONFIG, "--image", "ghcr.io/o/tessel:1", MB2, *args)
+    assert code == 0, err
+    return text, yaml.safe_load(text)
+
+
+def test_k8s_manifest_for_one_node_has_only_a_master(capsys):
+    _, job = _manifest(capsys, "--nodes", "1")
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    assert job["metadata"] == {"name": "tessel-tiny"}
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert list(specs) == ["Master"] and specs["Master"]["replicas"] == 1
+
+
+def test_k8s_manifest_for_four_nodes(capsys, tmp_path: Path):
+    _, job = _manifest(capsys, "--nodes", "4", "--gpus-per-node", "2", "--name", "gpt-run",
+                          "--namespace", "ml", NASTY)
+    assert job["metadata"] == {"name": "gpt-run", "namespace": "ml"}
+    assert job["spec"]["nprocPerNode"] == "2"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert {kind: spec["replicas"] for kind, spec in specs.items()} == {"Master": 1, "Worker": 3}
+    for spec in specs.values():
+        assert spec["restartPolicy"] == "OnFailure"
+        pod = spec["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["name"] == "pytorch" and container["image"] == "ghcr.io/o/tessel:1"
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 2}
+        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+        assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        assert container["command"] == ["bash", "-c"]
+        script = k8s_expand(container["args"][0])
+        assert "<expanded>" not in script  # user text cannot become a Kubernetes $(VAR)
+        subprocess.run(["bash", "-n", "-c", script], check=True)
+        assert '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' in script
+        assert "--nnodes 4 --nproc-per-node 2" in script and "--max-restarts 3" in script
+        assert train_array(script, tmp_path) == [CONFIG, MB2, NASTY, "--auto-resume"]
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["slurm", CONFIG], "required: --nodes"),
+    (["slurm", CONFIG, "--nodes", "0"], "--nodes must be >= 1"),
+    (["slurm", CONFIG, "--nodes", "two"], "invalid int value"),
+    (["slurm", CONFIG, "--nodes", "1", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+    (["slurm", CONFIG, "--nodes", "1", "--time", "90m"], "--time must be HH:MM:SS"),
+    (["slurm", CONFIG, "--nodes", "1", "--time", "1:75:00"], "--time must be HH:MM:SS"),
+    (["slurm", CONFIG, "--nodes", "1", "--job-name", "my job"], "not a valid SLURM name"),
+    (["slurm", CONFIG, "--nodes", "1", "--port", "70000"], "--port must be between"),
+    (["slurm", CONFIG, "--nodes", "1", "--frobnicate"], "unknown option '--frobnicate'"),
+    (["slurm", CONFIG, "--nodes", "1", "--resume", "runs/x"], "unknown option '--resume'"),
+    (["slurm", "--nodes", "1"], "needs a config file"),
+    (["slurm", CONFIG, CONFIG, "--nodes", "1"], "more than one config file"),
+    (["slurm", CONFIG, "--nodes", "1", "--train.steps=-1"], "train.steps"),
+    (["slurm", CONFIG, "--nodes", "1", "--train.steps"], "--train.steps needs a value"),
+    (["k8s", CONFIG, "--nodes", "2"], "required: --image"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--name", "Tessel_Run"], "not a DNS-1123 label"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--namespace=ml-"], "not a DNS-1123 label"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--run.dir=a\nb"], "control character"),
+    (["pbs", CONFIG], "invalid choice: 'pbs'"),
+])
+def test_bad_launch_input_is_one_line_and_exit_2(capsys, args: list[str], needle: str):
+    code, out, err = run_cli(capsys, "launch", *args)
+    assert_one_line_error(code, err, needle)
+    assert out == ""
+
+
+def test_builders_check_their_own_arguments():
+    with pytest.raises(TesselError, match="--nodes must be >= 1"):
+        launch.k8s_manifest("c.toml", [], nodes=0, image="i")
+    assert launch.default_name("configs/GPT2_124M.toml") == "tessel-gpt2-124m"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nproc", "3", "--parallel.tp=3"], "not divisible by tp=3"),
+    (["--nproc", "3", "--parallel.tp=2"], "does not divide the 3 processes"),
+    (["--nproc", "4", "--parallel.tp=2", "--parallel.dp_shard=1"], "tp*pp*dp*cp = 2 (tp=2"),
+    (["--nproc", "8"], "not divisible by micro_batch_size*dp = 8*8"),
+    (["--nproc", "2", "--parallel.pp=2"], "tied embeddings cannot be split across pipeline stages"),
+])
+def test_nproc_checks_the_layout_in_the_parent(capsys, monkeypatch, args, needle):
+    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    code, _, err = run_cli(capsys, "train", CONFIG, *args)
+    assert_one_line_error(code, err, needle)
+
+
+def test_launch_checks_the_layout_against_nodes_times_gpus(capsys):
+    code, out, err = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes", "2", "--gpus-per-node", "4",
+                             "--parallel.tp=3")
+    assert_one_line_error(code, err, "does not divide the 8 processes")
+    assert out == ""
