@@ -379,5 +379,28 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The `tessel` command and `python -m tessel` (what torchrun starts): main(), then an
+    exit that is safe for a process holding a process group (see `exit_process`)."""
+    import faulthandler
+
+    from tessel.parallel.dist import exit_process
+
+    # A native crash (a collective library aborting) still shows each thread's Python stack.
+    faulthandler.enable(all_threads=True)
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's --help and usage errors
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # a bug: keep the traceback, then leave as cleanly as any run
+        code = 1
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

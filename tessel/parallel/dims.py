@@ -8,6 +8,7 @@ pipeline parallelism is outermost because it only sends point-to-point.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -47,10 +48,10 @@ class ParallelDims:
         product = others * dp_shard
         if product != world_size:
             raise ParallelError(
-                f"tp*pp*dp*cp = {product} (tp={p.tp}, pp={p.pp}, dp_replicate={p.dp_replicate}, "
-                f"dp_shard={dp_shard}, cp={p.cp}) but {world_size} process"
-                f"{'es were' if world_size != 1 else ' was'} started; start {product} "
-                f"(tessel train --nproc {product}) or set parallel.dp_shard=-1"
+                f"tp*pp*dp*cp = {product} but {world_size} process"
+                f"{'es were' if world_size != 1 else ' was'} started (tp={p.tp}, pp={p.pp}, "
+                f"dp_replicate={p.dp_replicate}, dp_shard={dp_shard}, cp={p.cp}); start "
+                f"{product} (tessel train --nproc {product}) or set parallel.dp_shard=-1"
             )
         return cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, world_size)
 
@@ -104,8 +105,10 @@ class ParallelDims:
         return mesh
 
 
-def stage_layer_counts(n_layers: int, n_stages: int, first: int, last: int) -> list[int]:
-    """Layers per pipeline stage, first to last; raises ParallelError when impossible."""
+def stage_layer_counts(n_layers: int, n_stages: int, first: int, last: int,
+                       virtual: int = 1) -> list[int]:
+    """Layers per pipeline stage, first to last (`n_stages` = pp x `virtual` stages per
+    rank); raises ParallelError when impossible."""
     hint = "set parallel.pp_layers_first/last"
     if n_stages == 1:
         return [n_layers]
@@ -114,8 +117,10 @@ def stage_layer_counts(n_layers: int, n_stages: int, first: int, last: int) -> l
     free = sum(1 for c in fixed if c is None)
     rest = n_layers - given
     if rest < 0 or (free and (rest % free or rest // free == 0)) or (not free and rest):
+        pp = n_stages // virtual
+        stages = f"pp={pp} stages" if virtual == 1 else f"pp={pp} x {virtual} virtual = {n_stages} stages"
         raise ParallelError(
-            f"{n_layers} layers cannot be split into {n_stages} pipeline stages"
+            f"{n_layers} layers cannot be split into {stages}"
             + (f" (first {first}, last {last})" if first or last else "")
             + f"; {hint}, or change parallel.pp / pp_virtual_stages"
         )
@@ -130,12 +135,21 @@ def _check_model(d: ParallelDims, m: ModelConfig, p: ParallelConfig) -> None:
             ("key/value heads", m.n_kv_heads), ("ffn_hidden", m.ffn_hidden),
             ("vocab_size", m.vocab_size),
         ):
+            if value % d.tp and label == "vocab_size":
+                # Megatron's --make-vocab-size-divisible-by: extra rows are never targets.
+                step = math.lcm(128, d.tp)
+                padded = -(-value // step) * step
+                raise ParallelError(
+                    f"vocab_size {value} is not divisible by tp={d.tp}; pad it: "
+                    f"--model.vocab_size={padded} (a multiple of {step}; the extra ids are never "
+                    "produced by the tokenizer)"
+                )
             if value % d.tp:
                 raise ParallelError(
                     f"{label} {value} is not divisible by tp={d.tp}; choose a tp that divides it"
                 )
     stage_layer_counts(m.n_layers, d.pp * p.pp_virtual_stages, p.pp_layers_first,
-                       p.pp_layers_last)
+                       p.pp_layers_last, p.pp_virtual_stages)
 
 
 def _check_batch(d: ParallelDims, t: TrainConfig, p: ParallelConfig) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,28 @@ def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: int) ->
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code`. A process that started a process group leaves through
+    `os._exit` after destroying it and flushing its output.
+
+    Why: gloo's worker threads belong to C++ process-group objects that Python may still
+    reference (meshes, FSDP and pipeline state) when the interpreter shuts down; destroying
+    them during finalization sometimes aborts the process ("terminate called without an
+    active exception", SIGABRT) after training succeeded, which torchrun then reports as a
+    failed job (and, with --max-restarts, restarts). Everything tessel writes is complete
+    and fsynced before this point, so skipping finalization loses nothing.
+    """
+    if not dist.is_initialized():
+        sys.exit(code)
+    shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said anyway
+            pass
+    os._exit(code)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

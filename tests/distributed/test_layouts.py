@@ -60,7 +60,9 @@ def base(run_dir: Path, corpus: Path, **extra) -> dict:
 
 GPT = {"model.preset": "tiny", "model.tie_embeddings": False}  # learned positions, LayerNorm, GELU
 
-# name -> overrides; world size 2
+# name -> overrides; world size 2. Each runs for the Llama/GQA model and (gpt_ prefix) for the
+# GPT one: the GPT shape adds biases (row-parallel biases under TP) and learned positions
+# (sharded along the sequence under SP, held by the first pipeline stage).
 LAYOUTS_2 = {
     "ddp": {"parallel.zero": 0},
     "zero1": {"parallel.zero": 1},
@@ -75,25 +77,45 @@ LAYOUTS_2 = {
                         "parallel.pp_virtual_stages": 2},
     "pp2_zero_bubble": {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble",
                         "parallel.pp_virtual_stages": 2},
+}
+LAYOUTS_2 = {**LAYOUTS_2, **{f"gpt_{k}": {**GPT, **v} for k, v in LAYOUTS_2.items()}}
+LAYOUTS_2.update({
     "zero3_ac_full": {"parallel.zero": 3, "parallel.activation_checkpointing": "full"},
     "zero2_ac_selective_async": {"parallel.zero": 2, "parallel.activation_checkpointing": "selective",
                                  "checkpoint.async_save": True},
-    "gpt_tp2_sp": {**GPT, "parallel.tp": 2},
-    "gpt_zero3": {**GPT, "parallel.zero": 3},
-}
+})
 # Compressed DDP all-reduce: close to the reference, not equal.
 COMPRESSED_2 = {
     "ddp_fp16_hook": {"parallel.dp_comm_hook": "fp16"},
     "ddp_powersgd_hook": {"parallel.dp_comm_hook": "powersgd"},  # rank 2 from step 3 on
 }
 LAYOUTS_4 = {
+    "zero1_dp4": {"parallel.zero": 1},
+    "zero2_dp4": {"parallel.zero": 2},
+    "zero3_dp4": {"parallel.zero": 3},
     "tp2_pp2": {"parallel.tp": 2, "parallel.pp": 2},
+    "dp2_tp2": {"parallel.tp": 2, "parallel.zero": 1},
     "tp2_zero3": {"parallel.tp": 2, "parallel.zero": 3},
     "hsdp_2x2": {"parallel.dp_replicate": 2, "parallel.zero": 3},
     "pp2_zero1_interleaved": {"parallel.pp": 2, "parallel.zero": 1,
                               "parallel.pp_schedule": "interleaved-1f1b",
                               "parallel.pp_virtual_stages": 2},
+    "dp2_pp2_zero2": {"parallel.pp": 2, "parallel.zero": 2},
+    "gpt_tp2_pp2": {**GPT, "parallel.tp": 2, "parallel.pp": 2},
+    "gpt_dp2_tp2": {**GPT, "parallel.tp": 2, "parallel.zero": 1},
 }
+
+
+def ref_for(name: str) -> str:
+    return "gpt" if name.startswith("gpt") else "llama"
+
+
+def job_output(proc: subprocess.CompletedProcess) -> str:
+    """What to show when a torchrun job failed: a native crash's Python stacks (from
+    faulthandler) if there are any, then the end of the output."""
+    err = proc.stderr
+    crash = err.find("Fatal Python error")
+    return (err[crash:crash + 4000] + "\n[...]\n" if crash >= 0 else "") + err[-3000:]
 
 
 def torchrun(nproc: int, spec: dict, tmp_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -169,9 +191,9 @@ def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict]) -> dict:
 
 def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
     proc = torchrun(2, _spec(tmp_path, refs["corpus"], {**LAYOUTS_2, **COMPRESSED_2}), tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, job_output(proc)
     for name in LAYOUTS_2:
-        assert_same_run(tmp_path / name, refs["gpt" if name.startswith("gpt") else "llama"])
+        assert_same_run(tmp_path / name, refs[ref_for(name)])
     want, _ = train_metrics(refs["llama"])
     for name, (exact_until, rel) in {"ddp_fp16_hook": (1, 1e-3), "ddp_powersgd_hook": (3, 0.05)}.items():
         got, _ = train_metrics(tmp_path / name)
@@ -189,9 +211,9 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     spec["runs"].append({"overrides": base(tmp_path / "reshard_dp4", corpus, **{"parallel.zero": 3}),
                          "copy_from": str(tmp_path / "tp2_pp2"), "copy_step": 2, "resume": True})
     proc = torchrun(4, spec, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, job_output(proc)
     for name in LAYOUTS_4:
-        assert_same_run(tmp_path / name, refs["llama"])
+        assert_same_run(tmp_path / name, refs[ref_for(name)])
     assert_same_run(tmp_path / "reshard_dp4", refs["llama"], first_step=3)
 
     # One safetensors file from the 4-rank tp2 x pp2 checkpoint = the single-process model.
@@ -227,7 +249,7 @@ def test_a_hung_rank_ends_the_job_with_a_clear_message(refs, tmp_path: Path):
     spec["hang"] = {"rank": 1, "step": 2}
     proc = torchrun(2, spec, tmp_path, timeout=300)
     assert proc.returncode != 0
-    assert "did not complete within parallel.timeout_s=5s" in proc.stderr, proc.stderr[-3000:]
+    assert "did not complete within parallel.timeout_s=5s" in proc.stderr, job_output(proc)
     assert "Traceback" not in proc.stderr.split("did not complete")[0][-2000:]
     assert [s for s, _ in list_checkpoints(tmp_path / "hang/checkpoints")] == [2]
 
@@ -236,11 +258,45 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(refs, 
     spec = _spec(tmp_path, refs["corpus"], {"term": {"checkpoint.interval": 0}})
     spec["sigterm"] = {"rank": 1, "step": 1}
     proc = torchrun(2, spec, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, job_output(proc)
     # The signal reached rank 1 during step 2: both ranks finished it, saved, and stopped.
     assert [s for s, _ in list_checkpoints(tmp_path / "term/checkpoints")] == [2]
     steps = [r["step"] for r in read_metrics(tmp_path / "term/metrics.jsonl") if "loss" in r]
     assert steps == [1, 2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_train_like_one_process(refs, tmp_path: Path):
+    """Two torchrun agents ("nodes") meet through the c10d rendezvous on loopback and train
+    HSDP: parameters sharded within each node, replicated across the two."""
+    run = tmp_path / "two_nodes"
+    overrides = base(run, refs["corpus"], **{"parallel.dp_replicate": 2, "parallel.zero": 3})
+    args = [f"--{k}={json.dumps(v)}" for k, v in overrides.items()]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CI": "true"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
+             "-m", "tessel", "train", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for _ in range(2)
+    ]
+    results = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+    printed = "".join(out for out, _ in results)
+    assert printed.count("tessel: training") == 1  # global rank 0 alone prints
+    assert "dp=4 (replicate 2 x shard 2)" in printed
+    assert_same_run(run, refs["llama"])
 
 
 def test_tessel_train_nproc_runs_torchrun_end_to_end(refs, tmp_path: Path):
@@ -249,7 +305,7 @@ def test_tessel_train_nproc_runs_torchrun_end_to_end(refs, tmp_path: Path):
     proc = subprocess.run([sys.executable, "-m", "tessel", "train", "--nproc", "2", *args],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "CI": "true"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, job_output(proc)
     assert proc.stdout.count("tessel: training") == 1  # rank 0 alone prints
     assert "tp=2" in proc.stdout
     assert_same_run(run, refs["llama"])

@@ -10,6 +10,7 @@ like the CLI.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import shutil
@@ -21,10 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.cli import main as cli_main
 from tessel.config import Config
 from tessel.errors import TesselError
-from tessel.parallel.dist import shutdown
+from tessel.parallel.dist import exit_process
 from tessel.train import Trainer
 
 
@@ -55,6 +55,7 @@ def _copy_run(src: Path, dst: Path, step: int) -> None:
 
 
 def main() -> int:
+    faulthandler.enable(all_threads=True)  # as `tessel` does: a native abort shows the stacks
     spec = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(1)
     _install_faults(spec)
@@ -67,12 +68,8 @@ def main() -> int:
     except TesselError as exc:
         print(f"tessel: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
-    finally:
-        shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--cli":  # the real command line, for the end-to-end test
-        sys.exit(cli_main(sys.argv[2:]))
-    sys.exit(main())
+    exit_process(main())  # as `tessel` itself leaves a torchrun worker

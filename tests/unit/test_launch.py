@@ -259,7 +259,8 @@ def test_builders_check_their_own_arguments():
 @pytest.mark.parametrize("args, needle", [
     (["--nproc", "3", "--parallel.tp=3"], "not divisible by tp=3"),
     (["--nproc", "3", "--parallel.tp=2"], "does not divide the 3 processes"),
-    (["--nproc", "4", "--parallel.tp=2", "--parallel.dp_shard=1"], "tp*pp*dp*cp = 2 (tp=2"),
+    (["--nproc", "4", "--parallel.tp=2", "--parallel.dp_shard=1"],
+     "tp*pp*dp*cp = 2 but 4 processes were started"),
     (["--nproc", "8"], "not divisible by micro_batch_size*dp = 8*8"),
     (["--nproc", "2", "--parallel.pp=2"], "tied embeddings cannot be split across pipeline stages"),
 ])

@@ -1,0 +1,99 @@
+"""ParallelDims: degrees checked against the world size, the model and the batch, with
+messages that say what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessel.config import Config
+from tessel.parallel.dims import ParallelDims, ParallelError, stage_layer_counts
+
+
+def dims(world: int, **overrides) -> tuple[ParallelDims, Config]:
+    cfg = Config.load(None, {"model.preset": "gpt2-124m", "model.tie_embeddings": False,
+                             "model.vocab_size": 50304,  # padded, as nanoGPT and Megatron do
+                             "train.seq_len": 1024, "train.micro_batch_size": 1,
+                             "train.global_batch_size": 64, **overrides})
+    return ParallelDims.from_config(cfg.parallel, world), cfg
+
+
+def rejected(world: int, **overrides) -> str:
+    with pytest.raises(ParallelError) as info:
+        d, cfg = dims(world, **overrides)
+        d.validate(cfg)
+    return str(info.value)
+
+
+def test_degrees_resolve_and_the_rest_goes_to_dp_shard():
+    d, _ = dims(16, **{"parallel.tp": 2, "parallel.pp": 2, "parallel.dp_replicate": 2})
+    assert (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp) == (2, 2, 2, 1, 2)
+    assert d.dp == 4 and d.shape == (2, 2, 2, 1, 2)
+    d, _ = dims(8, **{"parallel.dp_shard": 8})
+    assert d.dp == 8
+
+
+def test_degrees_that_do_not_multiply_to_the_world_size():
+    msg = rejected(4, **{"parallel.tp": 3, "parallel.pp": 2, "parallel.dp_shard": 1})
+    assert msg.startswith("tp*pp*dp*cp = 6 but 4 processes were started")
+    assert "tessel train --nproc 6" in msg
+    msg = rejected(6, **{"parallel.tp": 4})
+    assert "dp_replicate*cp*tp*pp = 4 does not divide the 6 processes" in msg
+
+
+def test_model_dimensions_must_divide_by_tp():
+    assert rejected(5, **{"parallel.tp": 5}).startswith("hidden size 768 is not divisible by tp=5")
+    msg = rejected(8, **{"parallel.tp": 8, "model.preset": "tiny-llama",
+                         "train.seq_len": 256})
+    assert "heads" in msg and "tp=8" in msg
+    # GPT-2's 50257 ids divide by no tp: the message gives the padded size that does.
+    msg = rejected(2, **{"parallel.tp": 2, "model.vocab_size": 50257})
+    assert "pad it: --model.vocab_size=50304" in msg
+    d, cfg = dims(2, **{"parallel.tp": 2, "model.vocab_size": 50304})
+    d.validate(cfg)
+
+
+def test_layers_that_cannot_be_split_into_stages():
+    msg = rejected(5, **{"parallel.pp": 5, "model.n_layers": 24, "train.global_batch_size": 80})
+    assert msg.startswith("24 layers cannot be split into pp=5 stages; set parallel.pp_layers_first/last")
+    # Lighter first and last stages make it possible: 3 + 6 + 6 + 6 + 3.
+    d, cfg = dims(5, **{"parallel.pp": 5, "model.n_layers": 24, "train.global_batch_size": 80,
+                        "parallel.pp_layers_first": 3, "parallel.pp_layers_last": 3})
+    d.validate(cfg)
+    assert stage_layer_counts(24, 5, 3, 3) == [3, 6, 6, 6, 3]
+    msg = rejected(2, **{"parallel.pp": 2, "parallel.pp_virtual_stages": 4, "model.n_layers": 6,
+                         "parallel.pp_schedule": "interleaved-1f1b"})
+    assert "pp=2 x 4 virtual = 8 stages" in msg
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"train.global_batch_size": 12},  # dp_shard = -1: the config alone cannot tell
+     "global_batch_size=12 is not divisible by micro_batch_size*dp = 1*8; use a multiple of 8"),
+    ({"parallel.pp": 4, "parallel.dp_shard": 2, "train.global_batch_size": 4},
+     "2 micro-batches per step cannot fill 4 pipeline stages"),
+    ({"parallel.pp": 2, "parallel.dp_shard": 4, "parallel.pp_virtual_stages": 2,
+      "parallel.pp_schedule": "interleaved-1f1b", "train.global_batch_size": 12},
+     "need micro-batches per step (3) to be a multiple of pp=2"),
+    ({"parallel.tp": 4, "parallel.dp_shard": 2, "train.seq_len": 1022},
+     "sequence parallelism splits train.seq_len=1022 over tp=4"),
+    ({"parallel.cp": 8, "parallel.zero": 1, "train.seq_len": 1000},
+     "needs train.seq_len=1000 divisible by 2*cp=16"),
+])
+def test_batch_and_sequence_must_divide(overrides, needle):
+    assert needle in rejected(8, **overrides)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"parallel.tp": 2, "parallel.zero": 0}, "use parallel.zero=1"),
+    ({"parallel.pp": 2, "parallel.zero": 0}, "use parallel.zero=1"),
+    ({"parallel.cp": 2, "parallel.zero": 0}, "set parallel.zero >= 1"),
+    ({"parallel.pp": 2, "parallel.zero": 1, "model.tie_embeddings": True},
+     "set model.tie_embeddings=false or parallel.pp=1"),
+])
+def test_combinations_this_build_cannot_run(overrides, needle):
+    assert needle in rejected(4, **overrides)
+
+
+def test_one_process_accepts_the_defaults():
+    d, cfg = dims(1)
+    d.validate(cfg)
+    assert d.describe() == "dp=1 (replicate 1 x shard 1), tp=1, pp=1, cp=1"
