@@ -294,9 +294,9 @@ class ParallelConfig(_Section):
     """Recompute activations in the backward pass: full = every block's; selective = keep the
     matmul outputs, recompute the cheap element-wise ops."""
     offload: Literal["none", "optimizer", "params"] = "none"
-    """Keep state in host memory (CUDA only): params = FSDP2 CPU offload of parameters,
-    gradients and the optimizer step (needs zero = 3); optimizer (optimizer state only) is
-    part of the interface but refused by this build."""
+    """Keep state in host memory: optimizer = AdamW's moments and update on the host
+    (ZeRO-Offload; any layout; parameters and gradients stay on the device); params =
+    FSDP2 CPU offload of parameters, gradients and the optimizer step (needs zero = 3, CUDA)."""
     timeout_s: int = Field(600, gt=0)
     """Seconds a collective may wait before the job is ended as hung."""
 

@@ -31,7 +31,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, offload: bool = False,
+) -> torch.optim.Optimizer:
+    """AdamW over `model`'s parameters; with `offload`, its state and update in host memory
+    (`tessel.train.offload.HostAdamW`)."""
+    if offload:
+        from tessel.train.offload import HostAdamW
+
+        return HostAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # Fused kernels on CUDA, multi-tensor (foreach) elsewhere: both are bitwise deterministic
     # for a fixed device, which is what the resume test relies on.
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}

@@ -121,7 +121,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         param_dtype = torch.bfloat16 if self.precision.name == "bf16" else None
         self.model = build_parallel_model(cfg, self.dims, self.mesh, self.device, param_dtype)
-        self.optimizers = [build_optimizer(m, cfg.optim, self.device) for m in self.model.inner]
+        offload_optimizer = cfg.parallel.offload == "optimizer"
+        self.optimizers = [build_optimizer(m, cfg.optim, self.device, offload_optimizer)
+                           for m in self.model.inner]
         self.accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dims.dp)
         self._loss_tokens = 1  # the divisor of the pipeline's loss function (see _train_step)
         self.schedule = None

@@ -83,6 +83,9 @@ LAYOUTS_2.update({
     "zero3_ac_full": {"parallel.zero": 3, "parallel.activation_checkpointing": "full"},
     "zero2_ac_selective_async": {"parallel.zero": 2, "parallel.activation_checkpointing": "selective",
                                  "checkpoint.async_save": True},
+    # AdamW's state and update in host memory (on CPU: the same code without copies).
+    "zero3_offload_optimizer": {"parallel.zero": 3, "parallel.offload": "optimizer"},
+    "tp2_offload_optimizer": {"parallel.tp": 2, "parallel.offload": "optimizer"},
 })
 # Compressed DDP all-reduce: close to the reference, not equal.
 COMPRESSED_2 = {
@@ -210,11 +213,16 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     # Resharding: resume tp2 x pp2's step-2 checkpoint as dp4 (ZeRO-3), in the same job.
     spec["runs"].append({"overrides": base(tmp_path / "reshard_dp4", corpus, **{"parallel.zero": 3}),
                          "copy_from": str(tmp_path / "tp2_pp2"), "copy_step": 2, "resume": True})
+    # ... and as dp2 x tp2 with the optimizer state offloaded to host memory.
+    offloaded = {"parallel.tp": 2, "parallel.zero": 2, "parallel.offload": "optimizer"}
+    spec["runs"].append({"overrides": base(tmp_path / "reshard_offload", corpus, **offloaded),
+                         "copy_from": str(tmp_path / "tp2_pp2"), "copy_step": 2, "resume": True})
     proc = torchrun(4, spec, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     for name in LAYOUTS_4:
         assert_same_run(tmp_path / name, refs[ref_for(name)])
     assert_same_run(tmp_path / "reshard_dp4", refs["llama"], first_step=3)
+    assert_same_run(tmp_path / "reshard_offload", refs["llama"], first_step=3)
 
     # One safetensors file from the 4-rank tp2 x pp2 checkpoint = the single-process model.
     from safetensors.torch import load_file
