@@ -138,6 +138,7 @@ class Trainer:
         self.last_saved_step = -1
         self.last_val_loss: float | None = None
         self._pending_save: PendingSave | None = None
+        self._save_written = True
         if resume_from is not None:
             self._restore(*resume_from)
         self._stop_signal: int | None = None
@@ -321,14 +322,22 @@ class Trainer:
     def _should_stop(self) -> bool:
         """Whether a signal asked to stop; under torchrun all ranks agree, so they all stop
         (and checkpoint) at the same step even if the signal reached them at different
-        times. A one-element all-reduce on the CPU group: no device synchronisation."""
+        times. The same all-reduce settles whether an asynchronous save has been written on
+        every rank (`_save_written`): publishing it ends in a barrier, so the ranks must
+        decide together, not each by its own thread's progress. A two-element all-reduce on
+        the CPU group: no device synchronisation."""
+        pending = self._pending_save
+        written_here = pending is None or pending.done()
         if not self.proc.distributed:
+            self._save_written = written_here
             return self._stop_signal is not None
-        flag = torch.tensor([self._stop_signal or 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
-        if flag.item() and self._stop_signal is None:
-            self._stop_signal = int(flag.item())
-        return bool(flag.item())
+        flags = torch.tensor([self._stop_signal or 0, 0 if written_here else 1], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._cpu_group())
+        signum, unwritten = int(flags[0]), int(flags[1])
+        self._save_written = not unwritten
+        if signum and self._stop_signal is None:
+            self._stop_signal = signum
+        return bool(signum)
 
     def _cpu_group(self) -> dist.ProcessGroup | None:
         if self.device.type != "cuda":
@@ -562,12 +571,13 @@ class Trainer:
         )
         if isinstance(result, PendingSave):
             self._pending_save = result
+            self._save_written = False  # until all ranks say otherwise (_should_stop)
         self.last_saved_step = self.step
 
     def _publish_finished_save(self, wait: bool = False) -> None:
-        """Publish an asynchronous save once it has been written (or wait for it)."""
+        """Publish an asynchronous save once every rank has written it (or wait for it)."""
         pending = self._pending_save
-        if pending is not None and (wait or pending.done()):
+        if pending is not None and (wait or self._save_written):
             pending.finish()
             self._pending_save = None
             if self.proc.distributed:

@@ -27,7 +27,7 @@ from tessel.train import Trainer
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("worker.py")
-STEPS = 4
+STEPS = 6
 
 
 def base(run_dir: Path, corpus: Path, **extra) -> dict:
@@ -61,8 +61,8 @@ def base(run_dir: Path, corpus: Path, **extra) -> dict:
 GPT = {"model.preset": "tiny", "model.tie_embeddings": False}  # learned positions, LayerNorm, GELU
 
 # name -> overrides; world size 2. Each runs for the Llama/GQA model and (gpt_ prefix) for the
-# GPT one: the GPT shape adds biases (row-parallel biases under TP) and learned positions
-# (sharded along the sequence under SP, held by the first pipeline stage).
+# GPT one (`with_gpt`): the GPT shape adds biases (row-parallel biases under TP) and learned
+# positions (sharded along the sequence under SP, held by the first pipeline stage).
 LAYOUTS_2 = {
     "ddp": {"parallel.zero": 0},
     "zero1": {"parallel.zero": 1},
@@ -78,7 +78,6 @@ LAYOUTS_2 = {
     "pp2_zero_bubble": {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble",
                         "parallel.pp_virtual_stages": 2},
 }
-LAYOUTS_2 = {**LAYOUTS_2, **{f"gpt_{k}": {**GPT, **v} for k, v in LAYOUTS_2.items()}}
 LAYOUTS_2.update({
     "zero3_ac_full": {"parallel.zero": 3, "parallel.activation_checkpointing": "full"},
     "zero2_ac_selective_async": {"parallel.zero": 2, "parallel.activation_checkpointing": "selective",
@@ -104,9 +103,15 @@ LAYOUTS_4 = {
                               "parallel.pp_schedule": "interleaved-1f1b",
                               "parallel.pp_virtual_stages": 2},
     "dp2_pp2_zero2": {"parallel.pp": 2, "parallel.zero": 2},
-    "gpt_tp2_pp2": {**GPT, "parallel.tp": 2, "parallel.pp": 2},
-    "gpt_dp2_tp2": {**GPT, "parallel.tp": 2, "parallel.zero": 1},
 }
+
+
+def with_gpt(layouts: dict[str, dict]) -> dict[str, dict]:
+    """Each layout for the Llama/GQA model and, prefixed gpt_, for the GPT one."""
+    return {**layouts, **{f"gpt_{k}": {**GPT, **v} for k, v in layouts.items()}}
+
+
+LAYOUTS_2, LAYOUTS_4 = with_gpt(LAYOUTS_2), with_gpt(LAYOUTS_4)
 
 
 def ref_for(name: str) -> str:
@@ -204,7 +209,7 @@ def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
             tol = 1e-5 if step <= exact_until else rel
             assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=tol), (name, step)
     # The asynchronous save published both checkpoints, complete.
-    assert [s for s, _ in list_checkpoints(tmp_path / "zero2_ac_selective_async/checkpoints")] == [2, 4]
+    assert [s for s, _ in list_checkpoints(tmp_path / "zero2_ac_selective_async/checkpoints")] == [2, 4, 6]
 
 
 def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
@@ -271,6 +276,18 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(refs, 
     assert [s for s, _ in list_checkpoints(tmp_path / "term/checkpoints")] == [2]
     steps = [r["step"] for r in read_metrics(tmp_path / "term/metrics.jsonl") if "loss" in r]
     assert steps == [1, 2]
+
+
+def test_async_saves_that_finish_at_different_times_on_each_rank(refs, tmp_path: Path):
+    """Publishing an async save ends in a barrier: ranks must agree that every rank has
+    written it, not each act when its own writer is done (which deadlocked)."""
+    async_save = {"parallel.zero": 2, "checkpoint.async_save": True, "parallel.timeout_s": 60}
+    spec = _spec(tmp_path, refs["corpus"], {"lagging": async_save})
+    spec["slow_async_save"] = {"rank": 1}
+    proc = torchrun(2, spec, tmp_path, timeout=300)
+    assert proc.returncode == 0, job_output(proc)
+    assert [s for s, _ in list_checkpoints(tmp_path / "lagging/checkpoints")] == [2, 4, 6]
+    assert_same_run(tmp_path / "lagging", refs["llama"])
 
 
 def _free_port() -> int:

@@ -3,7 +3,8 @@ another in one process group (starting a process group costs seconds on two core
 
 spec = {"runs": [{"overrides": {...}, "resume": false}, ...],
         "hang": {"rank": 1, "step": 2},        # optional: that rank stops responding
-        "sigterm": {"rank": 0, "step": 2}}     # optional: only that rank gets SIGTERM
+        "sigterm": {"rank": 0, "step": 2},     # optional: only that rank gets SIGTERM
+        "slow_async_save": {"rank": 1}}        # optional: that rank's async saves lag
 Each run's metrics and checkpoints land in its run.dir; errors print one line and exit 2/3,
 like the CLI.
 """
@@ -41,6 +42,12 @@ def _install_faults(spec: dict) -> None:
         return original(self)
 
     Trainer._train_step = faulty  # type: ignore[method-assign]
+    slow = spec.get("slow_async_save")
+    if slow and slow["rank"] == rank:
+        from tessel.checkpoint import PendingSave
+
+        # This rank's background writer never reports done before it is waited for.
+        PendingSave.done = lambda self: False  # type: ignore[method-assign]
 
 
 def _copy_run(src: Path, dst: Path, step: int) -> None:
