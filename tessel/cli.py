@@ -6,6 +6,7 @@
     tessel launch slurm CONFIG.toml --nodes N [--gpus-per-node G] [...]   print an sbatch script
     tessel launch k8s CONFIG.toml --nodes N --image IMAGE [...]           print a Kubeflow PyTorchJob
     tessel checkpoint consolidate RUN_DIR|CHECKPOINT [--output FILE]   one-file model
+    tessel plan [CONFIG.toml] --gpus N [--gpu NAME] [--json]   predict memory/speed, pick a layout
     tessel generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     tessel presets                                          model shapes and parameter counts
     tessel config [CONFIG.toml] [--section.key=value ...]   print the resolved config
@@ -41,6 +42,7 @@ options:
   --quiet              no console output (metrics still go to RUN_DIR/metrics.jsonl)
   --auto-resume        continue run.dir from its latest checkpoint if it holds a run, else
                        start it (what job scripts and torchrun restarts use)
+  --force              train even if the planner predicts the layout does not fit in GPU memory
   --nproc N            train as N processes on this machine, started through torchrun
                        (on several machines use torchrun yourself, or `tessel launch`)
   --section.key=value  set any config field, e.g. --train.steps=2000 --optim.lr=6e-4
@@ -71,15 +73,15 @@ def _config_keys() -> str:
 
 def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, set[str], list[str]]:
     """(config path, resume dir, flags, overrides) from `tessel train` arguments; flags are
-    the set of --quiet / --auto-resume given."""
+    the set of --quiet / --auto-resume / --force given."""
     config = resume = None
     flags: set[str] = set()
     overrides: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("--resume", "--quiet", "--auto-resume") or arg.startswith("--resume="):
-            if arg in ("--quiet", "--auto-resume"):
+        if arg in ("--resume", "--quiet", "--auto-resume", "--force") or arg.startswith("--resume="):
+            if arg in ("--quiet", "--auto-resume", "--force"):
                 flags.add(arg)
             elif "=" in arg:
                 resume = arg.split("=", 1)[1]
@@ -163,7 +165,8 @@ def cmd_train(argv: list[str]) -> int:
 
     trainer = None
     try:
-        trainer = Trainer(cfg, resume=resume is not None, console="--quiet" not in flags)
+        trainer = Trainer(cfg, resume=resume is not None, console="--quiet" not in flags,
+                          force="--force" in flags)
         return trainer.train().exit_code
     finally:
         if trainer is not None:
@@ -338,6 +341,7 @@ COMMANDS = {
     "train": cmd_train,
     "launch": cmd_launch,
     "checkpoint": cmd_checkpoint,
+    "plan": lambda argv: __import__("tessel.planner.command").planner.command.cmd_plan(argv),
     "generate": cmd_generate,
     "presets": cmd_presets,
     "config": cmd_config,

@@ -297,6 +297,10 @@ class ParallelConfig(_Section):
     """Keep state in host memory: optimizer = AdamW's moments and update on the host
     (ZeRO-Offload; any layout; parameters and gradients stay on the device); params =
     FSDP2 CPU offload of parameters, gradients and the optimizer step (needs zero = 3, CUDA)."""
+    auto: bool = False
+    """Let the planner choose the layout (degrees, ZeRO stage, micro-batch, activation
+    checkpointing, offload) for the actual world size and device memory before the model is
+    built; the run logs what it chose and why."""
     timeout_s: int = Field(600, gt=0)
     """Seconds a collective may wait before the job is ended as hung."""
 

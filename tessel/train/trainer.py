@@ -10,7 +10,9 @@ metrics.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -87,18 +89,19 @@ def pick_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False, console: bool = True):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, resume: bool = False, console: bool = True,
+                 force: bool = False):
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.proc = process_info()
         self.display = ConsoleDisplay(cfg.train.steps, enabled=console and self.proc.is_main)
 
         # Everything that can reject the input happens before anything is written.
+        self.device = pick_device(cfg.train.device)
+        self.cfg = cfg = self._plan(cfg, force)
         self.dims = ParallelDims.from_config(cfg.parallel, self.proc.world_size)
         self.dims.validate(cfg)
         resume_from = self._check_run_dir(resume)
-        self.device = pick_device(cfg.train.device)
         self._check_layout_on_device()
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.mesh = None
@@ -142,6 +145,33 @@ class Trainer:
         if resume_from is not None:
             self._restore(*resume_from)
         self._stop_signal: int | None = None
+
+    def _plan(self, cfg: Config, force: bool) -> Config:
+        """Ask the planner before anything is built: the layout when parallel.auto is set,
+        and whether the layout is predicted to fit in device memory (a GPU's; on a CPU the
+        memory is the host's, shared and swappable, so nothing is refused there)."""
+        from tessel.planner.prelaunch import MemoryRefusal, check_memory, choose_layout, device_profile
+
+        hw = device_profile(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        world = self.proc.world_size
+        if cfg.parallel.auto:
+            cfg, plan = choose_layout(cfg, world, hw, self.device.type)
+            self.display.print(
+                f"tessel: parallel.auto chose {plan.layout.short()} for {world} x {hw.name} "
+                f"({hw.memory_gib:.0f} GiB each): the fastest of the layouts predicted to fit "
+                f"(predicted {plan.memory.total / 2**30:.1f} GiB per device, "
+                f"{plan.tokens_per_s:,.0f} tokens/s)"
+            )
+            return cfg
+        ParallelDims.from_config(cfg.parallel, world).validate(cfg)
+        if self.device.type != "cuda":
+            return cfg
+        _, refusal = check_memory(cfg, world, hw)
+        if refusal is not None and not force:
+            raise MemoryRefusal(refusal)
+        if refusal is not None:
+            self.display.print(f"tessel: --force: {refusal.split('; layouts')[0]}; trying anyway")
+        return cfg
 
     def _check_layout_on_device(self) -> None:
         p = self.cfg.parallel
@@ -251,6 +281,7 @@ class Trainer:
         if self.proc.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", cfg.to_toml())
+            write_text_atomic(self.run_dir / "run.json", json.dumps(self._run_info(), indent=1))
             self.tokenizer.save(self.run_dir / "tokenizer.json")
         self._announce()
         metrics = MetricsWriter(self.run_dir, cfg.metrics.tensorboard) if self.proc.is_main else None
@@ -305,6 +336,13 @@ class Trainer:
         else:
             self._finish_message()
         return self._result(loss, stopped_by)
+
+    def _run_info(self) -> dict[str, Any]:
+        """Where this run (or its latest resumption) ran: what calibrating the planner from
+        the run directory needs besides config.toml and metrics.jsonl."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {"world_size": self.proc.world_size, "device": self.device.type,
+                "device_name": name, "layout": self.dims.describe(), "torch": torch.__version__}
 
     def _collective_failure(self, exc: BaseException) -> CollectiveTimeout:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

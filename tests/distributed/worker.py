@@ -4,7 +4,8 @@ another in one process group (starting a process group costs seconds on two core
 spec = {"runs": [{"overrides": {...}, "resume": false}, ...],
         "hang": {"rank": 1, "step": 2},        # optional: that rank stops responding
         "sigterm": {"rank": 0, "step": 2},     # optional: only that rank gets SIGTERM
-        "slow_async_save": {"rank": 1}}        # optional: that rank's async saves lag
+        "slow_async_save": {"rank": 1},        # optional: that rank's async saves lag
+        "measure_memory": true}                # optional: memory-rank*.json per run (planner)
 Each run's metrics and checkpoints land in its run.dir; errors print one line and exit 2/3,
 like the CLI.
 """
@@ -50,6 +51,50 @@ def _install_faults(spec: dict) -> None:
         PendingSave.done = lambda self: False  # type: ignore[method-assign]
 
 
+def _install_meter(spec: dict) -> None:
+    """With spec["measure_memory"]: the second step of each fresh run counts the bytes
+    autograd saves for backward (peak, tests/saved_memory.py), for the planner's check. Not
+    the first: PyTorch's pipeline stages infer shapes there with an extra real forward."""
+    if not spec.get("measure_memory"):
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from saved_memory import SavedTensorMeter, meter_selective_checkpointing
+
+    meter_selective_checkpointing()
+
+    original = Trainer._train_step
+
+    def measured(self):  # noqa: ANN001, ANN202
+        if self.step != 1:
+            return original(self)
+        meter = SavedTensorMeter.for_modules(self.model.inner)
+        with meter.measuring():
+            result = original(self)
+        self.measured_saved_peak = meter.peak
+        return result
+
+    Trainer._train_step = measured  # type: ignore[method-assign]
+
+
+def _record_memory(trainer: Trainer) -> None:
+    """What this rank holds (local shards): parameter and AdamW-state elements, and the
+    saved-activation peak of the second step, next to its pipeline rank."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> int:
+        return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+    mesh = trainer.mesh
+    record = {
+        "params": sum(local(p) for p in trainer.model.parameters()),
+        "exp_avg": sum(local(s["exp_avg"]) for o in trainer.optimizers for s in o.state.values()),
+        "saved_peak": getattr(trainer, "measured_saved_peak", None),
+        "pp_rank": mesh["pp"].get_local_rank() if mesh is not None and trainer.dims.pp > 1 else 0,
+    }
+    rank = int(os.environ["RANK"])
+    (Path(trainer.cfg.run.dir) / f"memory-rank{rank}.json").write_text(json.dumps(record))
+
+
 def _copy_run(src: Path, dst: Path, step: int) -> None:
     """Rank 0 makes `dst` the run `src` was after checkpoint `step` (metrics left out)."""
     if int(os.environ["RANK"]) == 0:
@@ -66,12 +111,16 @@ def main() -> int:
     spec = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(1)
     _install_faults(spec)
+    _install_meter(spec)
     try:
         for run in spec["runs"]:
             cfg = Config.load(None, run["overrides"])
             if "copy_from" in run:
                 _copy_run(Path(run["copy_from"]), Path(cfg.run.dir), run["copy_step"])
-            Trainer(cfg, resume=run.get("resume", False), console=False).train()
+            trainer = Trainer(cfg, resume=run.get("resume", False), console=False)
+            trainer.train()
+            if spec.get("measure_memory"):
+                _record_memory(trainer)
     except TesselError as exc:
         print(f"tessel: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)

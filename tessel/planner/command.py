@@ -1,0 +1,126 @@
+"""`tessel plan`: memory, speed and the best layouts, before launch."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tessel.cli import _Parser, _split_train_args
+from tessel.errors import TesselError
+
+PLAN_HELP = """\
+usage: tessel plan [CONFIG.toml] --gpus N [--gpu NAME] [--json] [--top K] [--hardware FILE]
+                   [--calibrate RUN_DIR|RUN.json] [--save-hardware FILE] [--section.key=value ...]
+
+Predict per-GPU memory, step time, tokens/s, MFU and the time to the configured token budget
+(train.steps x global batch) before launch, for the config and overrides `tessel train` would
+take. Without a layout in the config (no parallel degree or zero stage set, or
+parallel.auto = true) it searches every layout tessel can run on N GPUs and ranks those that
+fit by predicted tokens/s; with one (e.g. --parallel.tp=2 --parallel.pp=2) it evaluates that
+layout and, if it does not fit, names the nearest that do.
+
+options:
+  --gpus N             GPUs in the job (required)
+  --gpu NAME           hardware profile (default h100-sxm); --gpu list shows them
+  --json               machine-readable output
+  --top K              layouts to show (default 10)
+  --hardware FILE      extra or overriding profiles ([gpu.NAME] tables; also $TESSEL_HARDWARE)
+  --calibrate PATH     fit the profile's matmul efficiency to a measured run: a run directory
+                       of `tessel train`, or a JSON file with tokens_per_s, world_size, config
+  --save-hardware FILE write the (calibrated) profile as a TOML table for --hardware
+"""
+
+_DEGREES = {"dp_replicate", "dp_shard", "tp", "pp", "cp", "zero"}
+
+
+def cmd_plan(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(PLAN_HELP, end="")
+        return 0
+    p = _Parser(prog="tessel plan", add_help=False)
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--gpu", default="h100-sxm")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--hardware")
+    p.add_argument("--calibrate")
+    p.add_argument("--save-hardware")
+    args, rest = p.parse_known_args(argv)
+    config_path, resume, flags, overrides = _split_train_args(rest)
+    if resume is not None or flags:
+        raise TesselError("tessel plan takes a config and overrides, not train's flags; "
+                          "to plan a run, pass RUN_DIR/config.toml")
+    if args.top < 1:
+        raise TesselError("--top must be >= 1")
+
+    from tessel.config import Config
+    from tessel.planner import hardware, report, search
+
+    profiles = hardware.load_profiles(args.hardware)
+    if args.gpu == "list":
+        for name, prof in profiles.items():
+            fp8 = f"{prof.fp8_flops / 1e12:5.0f}" if prof.fp8_flops else "    -"
+            print(f"{name:12s} bf16 {prof.bf16_flops / 1e12:5.0f}  fp8 {fp8} TFLOP/s  "
+                  f"{prof.memory_gib:6.1f} GiB  {prof.gpus_per_node} per node  "
+                  f"{prof.intra_node_gbps:g}/{prof.inter_node_gbps:g} GB/s intra/inter")
+        return 0
+    if args.gpus is None or args.gpus < 1:
+        raise TesselError("tessel plan needs --gpus N (N >= 1), the number of GPUs of the job")
+    hw = hardware.get_profile(args.gpu, profiles)
+    cfg = Config.load(config_path, overrides)
+    if args.calibrate:
+        hw = _calibrated(hw, Path(args.calibrate))
+    if args.save_hardware:
+        from tessel.fileio import write_text_atomic
+
+        write_text_atomic(Path(args.save_hardware), hardware.profile_toml(hw))
+        print(f"wrote profile {hw.name!r} to {args.save_hardware}", file=sys.stderr)
+
+    searching = cfg.parallel.auto or not (cfg.parallel.model_fields_set & _DEGREES)
+    if searching:
+        start = time.perf_counter()
+        result = search.search(cfg, args.gpus, hw, keep=max(args.top, 10))
+        took = time.perf_counter() - start
+        if args.json:
+            out = report.as_json(cfg, args.gpus, hw, result.plans[: args.top],
+                                 result.too_big[: report.TOP_REJECTED], result.invalid)
+            print(json.dumps(out, indent=1))
+        else:
+            print(report.search_text(cfg, args.gpus, hw, result, took, config_path, args.top),
+                  end="")
+        return 0
+
+    from tessel.planner.layout import Layout
+
+    layout = Layout.from_config(cfg, args.gpus)
+    reason = search.check_layout(cfg, layout, full=True)
+    if reason is not None:
+        raise TesselError(reason)
+    plan = search.evaluate(cfg, layout, hw)
+    nearest = [] if plan.fits else search.nearest_fitting(cfg, layout, hw)
+    if args.json:
+        out = report.as_json(cfg, args.gpus, hw, [plan], [])
+        out["nearest_fitting"] = [q.as_dict() for q in nearest]
+        print(json.dumps(out, indent=1))
+    else:
+        print(report.single_text(cfg, args.gpus, hw, plan, nearest), end="")
+    return 0
+
+
+def _calibrated(hw, path: Path):  # noqa: ANN001, ANN202
+    """The profile with its matmul efficiency fitted to the measured run at `path`."""
+    from tessel.planner import hardware, search
+    from tessel.planner.layout import Layout
+    from tessel.planner.measured import read_measured
+
+    run = read_measured(path)
+    layout = Layout.from_config(run.config, run.world_size)
+    predict = lambda profile: search.evaluate(run.config, layout, profile).tokens_per_s  # noqa: E731
+    predicted = predict(hw)
+    tuned = hardware.calibrate(hw, predict, run.tokens_per_s)
+    print(f"calibrated {hw.name}: matmul efficiency {hw.matmul_efficiency:.3f} -> "
+          f"{tuned.matmul_efficiency:.3f} (measured {run.tokens_per_s:,.0f} tokens/s, predicted "
+          f"{predicted:,.0f}, from {run.source})", file=sys.stderr)
+    return tuned

@@ -1,0 +1,241 @@
+"""GPU profiles the planner predicts for: peak rates, memory and links, plus two efficiency
+factors that calibration fits.
+
+Built-in figures are the vendors' dense (no 2:4 sparsity) tensor-core peaks, HBM capacity
+and link bandwidths (sources in SOURCES). Users add or override profiles in a TOML file
+(`tessel plan --hardware FILE`, or $TESSEL_HARDWARE):
+
+    [gpu.my-h100]
+    bf16_tflops = 989
+    fp8_tflops = 1979
+    memory_gib = 80
+    intra_node_gbps = 450      # GB/s per GPU, one direction (NVLink)
+    inter_node_gbps = 50       # GB/s per GPU, one direction (400 Gb/s NIC)
+    gpus_per_node = 8
+    hbm_gbps = 3350            # optional: device memory bandwidth, GB/s
+    host_memory_gib = 2048     # optional: host memory per node (offload), GiB
+    matmul_efficiency = 0.605  # optional: fraction of peak that large matmuls reach
+    comm_efficiency = 0.75     # optional: fraction of link bandwidth collectives reach
+
+A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
+set to the value at which the planner's prediction for that run equals what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessel.errors import TesselError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Matmul efficiency: fitted to published runs (tessel/planner/validation.py; the README's
+# table). Communication efficiency: an assumption (bus bandwidth ~75% of the link's).
+MATMUL_EFFICIENCY = 0.605
+COMM_EFFICIENCY = 0.75
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    bf16_flops: float
+    """Dense BF16 tensor-core peak, FLOP/s."""
+    fp8_flops: float | None
+    """Dense FP8 peak, FLOP/s (None: no FP8 tensor cores)."""
+    memory_gib: float
+    """Device memory, GiB."""
+    intra_node_gbps: float
+    """Per-GPU bandwidth to GPUs of the same node, GB/s in one direction (NVLink, xGMI)."""
+    inter_node_gbps: float
+    """Per-GPU bandwidth to other nodes, GB/s in one direction (its NIC)."""
+    gpus_per_node: int
+    hbm_gbps: float = 2000.0
+    """Device memory bandwidth, GB/s (the optimizer step is bound by it)."""
+    host_memory_gib: float = 1024.0
+    """Host memory of one node, GiB (what offloading may fill, shared by its GPUs)."""
+    matmul_efficiency: float = MATMUL_EFFICIENCY
+    """Fraction of the dense peak that the step's large matmuls reach."""
+    comm_efficiency: float = COMM_EFFICIENCY
+    """Fraction of the link bandwidth that collectives reach (bus bandwidth / link)."""
+    device_names: tuple[str, ...] = ()
+    """Substrings of torch.cuda.get_device_name() that identify this GPU."""
+
+    def with_memory(self, memory_gib: float) -> GpuProfile:
+        return dataclasses.replace(self, memory_gib=memory_gib)
+
+
+BUILTIN: dict[str, GpuProfile] = {
+    p.name: p for p in (
+        GpuProfile("a100-40gb", 312e12, None, 40.0, 300.0, 25.0, 8, hbm_gbps=1555, host_memory_gib=1024,
+                   device_names=("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB")),
+        GpuProfile("a100-80gb", 312e12, None, 80.0, 300.0, 25.0, 8, hbm_gbps=2039, host_memory_gib=1024,
+                   device_names=("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB")),
+        GpuProfile("h100-sxm", 989e12, 1979e12, 80.0, 450.0, 50.0, 8, hbm_gbps=3350, host_memory_gib=2048,
+                   device_names=("H100 80GB HBM3", "H100 SXM")),
+        GpuProfile("h100-pcie", 756e12, 1513e12, 80.0, 64.0, 25.0, 8, hbm_gbps=2000,
+                   device_names=("H100 PCIe",)),
+        GpuProfile("h200", 989e12, 1979e12, 141.0, 450.0, 50.0, 8, hbm_gbps=4800,
+                   host_memory_gib=2048, device_names=("H200",)),
+        GpuProfile("b200", 2250e12, 4500e12, 180.0, 900.0, 50.0, 8, hbm_gbps=7700,
+                   host_memory_gib=4096, device_names=("B200",)),
+        GpuProfile("mi300x", 1307e12, 2615e12, 192.0, 448.0, 50.0, 8, hbm_gbps=5300, host_memory_gib=2048,
+                   device_names=("MI300X", "AMD Instinct MI300X")),
+    )
+}
+
+SOURCES = {
+    "a100-40gb": "NVIDIA A100 whitepaper: 312 dense BF16 TFLOP/s, 40 GB; NVLink3 600 GB/s "
+                 "bidirectional (300 per direction); DGX A100 8 x 200 Gb/s HDR IB",
+    "a100-80gb": "NVIDIA A100 product page: 312 dense BF16 TFLOP/s, 80 GB HBM2e; NVLink 600 "
+                 "GB/s bidirectional; 200 Gb/s HDR IB per GPU",
+    "h100-sxm": "NVIDIA H100 whitepaper: 989.4 dense BF16, 1979 dense FP8 TFLOP/s, 80 GB; "
+                "NVLink4 900 GB/s bidirectional (450 per direction); 400 Gb/s NDR per GPU",
+    "h100-pcie": "NVIDIA H100 whitepaper: 756 dense BF16, 1513 dense FP8 TFLOP/s, 80 GB; "
+                 "PCIe Gen5 128 GB/s bidirectional (64 per direction), no NVLink assumed",
+    "h200": "NVIDIA H200 product page: 989 dense BF16, 1979 dense FP8 TFLOP/s, 141 GB; NVLink4 "
+            "900 GB/s bidirectional; 400 Gb/s CX-7 per GPU",
+    "b200": "NVIDIA HGX B200: 2250 dense BF16, 4500 dense FP8 TFLOP/s, 180 GB HBM3e; NVLink5 "
+            "1.8 TB/s bidirectional; 400 Gb/s per GPU assumed",
+    "mi300x": "AMD ROCm MI300X page: 1307.4 BF16, 2614.9 FP8 TFLOP/s (matrix, dense), 192 GB "
+              "HBM3; 7 Infinity Fabric links, 896 GB/s aggregate (448 per direction); 400 "
+              "Gb/s per GPU assumed",
+}
+
+_FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
+           "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
+           "device_names"}
+
+
+def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuProfile:
+    unknown = set(table) - _FIELDS
+    if unknown:
+        raise TesselError(
+            f"hardware profile {name!r}: unknown key {sorted(unknown)[0]!r}; keys: "
+            + ", ".join(sorted(_FIELDS))
+        )
+    values = dataclasses.asdict(base) if base is not None else {}
+    values["name"] = name
+    for key, value in table.items():
+        if key == "bf16_tflops":
+            values["bf16_flops"] = float(value) * 1e12
+        elif key == "fp8_tflops":
+            values["fp8_flops"] = float(value) * 1e12 if value else None
+        elif key == "device_names":
+            values["device_names"] = tuple(value)
+        else:
+            values[key] = value
+    needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
+    missing = needed - set(values)
+    if missing:
+        raise TesselError(
+            f"hardware profile {name!r} lacks {sorted(missing)[0].replace('_flops', '_tflops')}; "
+            "a new profile needs bf16_tflops, memory_gib, intra_node_gbps, inter_node_gbps and "
+            "gpus_per_node"
+        )
+    values.setdefault("fp8_flops", None)
+    try:
+        profile = GpuProfile(**values)
+    except TypeError as exc:
+        raise TesselError(f"hardware profile {name!r}: {exc}") from None
+    for key in ("bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "hbm_gbps",
+                "host_memory_gib", "matmul_efficiency", "comm_efficiency"):
+        if not isinstance(getattr(profile, key), (int, float)) or getattr(profile, key) <= 0:
+            raise TesselError(f"hardware profile {name!r}: {key} must be a positive number")
+    if not isinstance(profile.gpus_per_node, int) or profile.gpus_per_node < 1:
+        raise TesselError(f"hardware profile {name!r}: gpus_per_node must be a whole number >= 1")
+    return profile
+
+
+def load_profiles(path: str | Path | None = None) -> dict[str, GpuProfile]:
+    """The built-in profiles, updated by the `[gpu.NAME]` tables of `path` (or of the file
+    $TESSEL_HARDWARE names). A table for a built-in name overrides only the keys it sets."""
+    profiles = dict(BUILTIN)
+    source = path or os.environ.get("TESSEL_HARDWARE")
+    if not source:
+        return profiles
+    file = Path(source)
+    try:
+        data = tomllib.loads(file.read_text())
+    except FileNotFoundError:
+        raise TesselError(f"hardware file {str(file)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TesselError(f"hardware file {str(file)!r} is not valid TOML: {exc}") from None
+    tables = data.get("gpu")
+    if not isinstance(tables, dict) or not tables:
+        raise TesselError(f"hardware file {str(file)!r} has no [gpu.NAME] tables")
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise TesselError(f"hardware file {str(file)!r}: gpu.{name} must be a table")
+        profiles[name] = _profile_from_table(name, table, profiles.get(name))
+    return profiles
+
+
+def get_profile(name: str, profiles: dict[str, GpuProfile] | None = None) -> GpuProfile:
+    profiles = profiles if profiles is not None else load_profiles()
+    if name not in profiles:
+        raise TesselError(
+            f"unknown GPU {name!r}; known: {', '.join(profiles)} (add one with --hardware FILE)"
+        )
+    return profiles[name]
+
+
+def profile_for_device(device_name: str, profiles: dict[str, GpuProfile] | None = None
+                       ) -> GpuProfile | None:
+    """The profile whose device_names match torch.cuda.get_device_name(), if any."""
+    for profile in (profiles or BUILTIN).values():
+        if any(s.lower() in device_name.lower() for s in profile.device_names):
+            return profile
+    return None
+
+
+def calibrate(profile: GpuProfile, predict: Callable[[GpuProfile], float],
+              measured_tokens_per_s: float) -> GpuProfile:
+    """The profile with the matmul efficiency at which `predict` (tokens/s of the measured
+    run under a profile) equals the measurement; bisection, as the prediction rises with
+    the efficiency. Clamped to [0.05, 1]."""
+    if measured_tokens_per_s <= 0:
+        raise TesselError("calibration needs a positive measured tokens/s")
+    lo, hi = 0.05, 1.0
+    at = lambda eff: predict(dataclasses.replace(profile, matmul_efficiency=eff))  # noqa: E731
+    if at(hi) <= measured_tokens_per_s:
+        lo = hi
+    elif at(lo) >= measured_tokens_per_s:
+        hi = lo
+    for _ in range(40):
+        if hi - lo < 1e-4:
+            break
+        mid = (lo + hi) / 2
+        if at(mid) < measured_tokens_per_s:
+            lo = mid
+        else:
+            hi = mid
+    return dataclasses.replace(profile, matmul_efficiency=round((lo + hi) / 2, 4))
+
+
+def profile_toml(profile: GpuProfile) -> str:
+    """A `[gpu.NAME]` table that load_profiles reads back to the same profile."""
+    lines = [f"[gpu.{profile.name}]",
+             f"bf16_tflops = {profile.bf16_flops / 1e12:g}"]
+    if profile.fp8_flops:
+        lines.append(f"fp8_tflops = {profile.fp8_flops / 1e12:g}")
+    lines += [
+        f"memory_gib = {profile.memory_gib:g}",
+        f"intra_node_gbps = {profile.intra_node_gbps:g}",
+        f"inter_node_gbps = {profile.inter_node_gbps:g}",
+        f"gpus_per_node = {profile.gpus_per_node}",
+        f"hbm_gbps = {profile.hbm_gbps:g}",
+        f"host_memory_gib = {profile.host_memory_gib:g}",
+        f"matmul_efficiency = {profile.matmul_efficiency:.4f}",
+        f"comm_efficiency = {profile.comm_efficiency:.4f}",
+    ]
+    if profile.device_names:
+        lines.append("device_names = [" + ", ".join(f'"{n}"' for n in profile.device_names) + "]")
+    return "\n".join(lines) + "\n"

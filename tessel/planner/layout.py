@@ -1,0 +1,75 @@
+"""A candidate parallel layout: exactly the `parallel.*` settings (and micro-batch) a run
+takes, so a plan can be launched as it is."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tessel.config import Config
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    zero: int
+    micro_batch: int
+    activation_checkpointing: str = "none"
+    offload: str = "none"
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_layers_first: int = 0
+    pp_layers_last: int = 0
+    sequence_parallel: bool = True
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> Layout:
+        from tessel.parallel.dims import ParallelDims
+
+        p = cfg.parallel
+        dims = ParallelDims.from_config(p, world_size)
+        return cls(
+            dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, p.zero,
+            cfg.train.micro_batch_size, p.activation_checkpointing, p.offload, p.pp_schedule,
+            p.pp_virtual_stages, p.pp_layers_first, p.pp_layers_last, p.sequence_parallel,
+        )
+
+    def overrides(self) -> dict[str, Any]:
+        """The config settings that select this layout."""
+        out = {f"parallel.{k}": v for k, v in asdict(self).items() if k != "micro_batch"}
+        out["train.micro_batch_size"] = self.micro_batch
+        return out
+
+    def short(self) -> str:
+        """One line, e.g. `dp=8 (hsdp 4x2) tp=4 pp=8 interleaved-1f1b/v2 zero=3 mbs=1 ac=full`."""
+        dp = f"dp={self.dp}"
+        if self.dp_replicate > 1:
+            dp += f" (hsdp {self.dp_replicate}x{self.dp_shard})"
+        parts = [dp, f"tp={self.tp}", f"pp={self.pp}"]
+        if self.pp > 1:
+            virtual = f"/v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
+            parts.append(self.pp_schedule + virtual)
+            if self.pp_layers_first or self.pp_layers_last:
+                parts.append(f"first/last {self.pp_layers_first}/{self.pp_layers_last} layers")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        parts += [f"zero={self.zero}", f"mbs={self.micro_batch}"]
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac={self.activation_checkpointing}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("no-sp")
+        return " ".join(parts)

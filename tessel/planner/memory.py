@@ -1,0 +1,348 @@
+"""Per-GPU memory of one layout, for the busiest pipeline rank.
+
+Exact (counted from the model's shapes as tessel shards them): parameters, gradients and
+optimizer state under every ZeRO stage and offload, and the compute copies of the weights
+(FSDP's gathered bf16 parameters, autocast's weight casts). Activations come from the
+tensors the model really saves (`probe.py`), times the micro-batches each pipeline schedule
+keeps in flight. The rest is stated as assumptions (ASSUMPTIONS, printed by `tessel plan`).
+
+`allocated` is what torch.cuda.max_memory_allocated() would show; `total` adds the CUDA
+context, communicator buffers and allocator fragmentation, and is what must fit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from tessel.config import ModelConfig
+from tessel.parallel.dims import stage_layer_counts
+from tessel.planner.layout import Layout
+from tessel.planner.probe import ActivationProfile, activation_profile
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = 0.75 * GIB  # the CUDA context and kernel images, outside the allocator
+NCCL_BYTES = 0.5 * GIB  # communicator buffers, outside the allocator
+FRAGMENTATION = 0.05  # caching allocator: reserved above allocated
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4  # parameters are fp32; bf16 exists only as compute copies
+GRAD_BYTES = 4  # gradients are fp32 (FSDP reduces in fp32)
+# The head's transient during the loss: logits in the compute dtype, their fp32 copy and the
+# fp32 gradient, per vocabulary entry of a token.
+HEAD_TRANSIENT_FP32_COPIES = 2
+MAX_SIMULATED_CHUNKS = 128  # longer schedules use in_flight's formula
+ZERO_BUBBLE_MEMORY = 1.75  # in-flight chunks over the warm-up count (see in_flight)
+
+ASSUMPTIONS = (
+    "parameters and gradients fp32, AdamW state 8 bytes per parameter, all sharded over "
+    "dp_shard x cp under ZeRO >= 1; compute copies: FSDP gathers bf16 parameters (ZeRO-1/2: "
+    "all, kept from forward to backward; ZeRO-3: the root module and two blocks), DDP's "
+    "autocast keeps one bf16 copy of the matmul weights",
+    "activations: the tensors tessel's model saves for backward, measured on a probe of the "
+    "real code (flash-style attention: no seq x seq matrix without a document mask), times "
+    "the micro-batches in flight: gpipe all, 1f1b pp - rank, interleaved 1F1B the peak of "
+    "PyTorch's own action order (each stage's chunk weighed by its size); zero-bubble 1.75 x "
+    "its warm-up count (a rough bound: deferred weight passes keep graphs longer; not "
+    "proposed by the search)",
+    "activation checkpointing: full keeps each block's input and recomputes one block at a "
+    "time; selective keeps matmul and attention outputs",
+    f"outside the allocator: {CUDA_CONTEXT_BYTES / GIB:.2f} GiB CUDA context + "
+    f"{NCCL_BYTES / GIB:.2f} GiB communicators; fragmentation {FRAGMENTATION:.0%} of allocated",
+)
+
+
+@dataclass
+class Memory:
+    """Bytes on the busiest GPU of the layout (`stage`: its pipeline rank)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    communication: float
+    margin: float
+    stage: int = 0
+    saved: float = 0.0
+    """Of `activations`, the tensors saved for backward (the rest is transient)."""
+    host: float = 0.0
+    """Bytes this rank keeps in host memory (offload)."""
+
+    @property
+    def allocated(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer + self.activations
+                + self.communication)
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.margin
+
+    def gib(self) -> dict[str, float]:
+        keys = ("parameters", "gradients", "optimizer", "activations", "communication", "margin")
+        out = {k: round(getattr(self, k) / GIB, 3) for k in keys}
+        out["allocated"] = round(self.allocated / GIB, 3)
+        out["total"] = round(self.total / GIB, 3)
+        if self.host:
+            out["host"] = round(self.host / GIB, 3)
+        return out
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter counts on one tensor-parallel rank of a pipeline rank's stages."""
+
+    total: int
+    block: int
+    """One block."""
+    root: int
+    """Outside the blocks: embeddings, final norm, head (FSDP's root unit)."""
+    matmul: int
+    """Matmul weights (what autocast casts): the blocks' and the head's."""
+    layers: int
+    head_matmul: int = 0
+    """The head's matmul weights (0 off the last stage)."""
+
+
+def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: int) -> StageParams:
+    """Parameters held by one tensor-parallel rank of a pipeline rank with `layers` blocks,
+    the embeddings if `first`, the final norm and head if `last`. Column-parallel weights
+    and biases and row-parallel weights are split by tp; row-parallel biases and norms are
+    replicated; the embedding and the head are split over the vocabulary."""
+    d, f, kv = m.d_model, m.ffn_hidden, m.n_kv_heads * m.head_dim
+    n_in = 2 if m.mlp == "swiglu" else 1  # w1 (and w3)
+    matmul = (d * d + 2 * d * kv + n_in * d * f) // tp + (d * d + f * d) // tp
+    col_bias = (d + 2 * kv + n_in * f) // tp if m.bias else 0
+    row_bias = 2 * d if m.bias else 0
+    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
+    block = matmul + col_bias + row_bias + 2 * norm
+    root = 0
+    head_matmul = 0
+    if first:
+        root += m.vocab_size * d // tp + (m.max_seq_len * d if m.position == "learned" else 0)
+    if last:
+        root += norm
+        head_matmul = m.vocab_size * d // tp
+        if not (m.tie_embeddings and first):
+            root += head_matmul
+    return StageParams(layers * block + root, block, root, layers * matmul + head_matmul, layers,
+                       head_matmul)
+
+
+def in_flight(layout: Layout, rank: int, micro_batches: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of
+    all its layers (an interleaved chunk is 1/v of them)."""
+    pp, v = layout.pp, layout.pp_virtual_stages
+    if pp == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(micro_batches)
+    if layout.pp_schedule == "1f1b":
+        return float(min(pp - rank, micro_batches))
+    # PyTorch's interleaved schedules: warm-up forwards before the first backward.
+    rounds = max(1, micro_batches // pp)
+    per_round = micro_batches // rounds
+    zero_bubble = layout.pp_schedule == "zero-bubble"
+    factor = 1 if zero_bubble else 2
+    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), micro_batches * v)
+    chunks = min(warmup + 1, micro_batches * v)
+    if zero_bubble:
+        # Deferred weight gradients keep each graph until its weight pass, and the last
+        # stage's loss graphs until the step ends: measured up to 70% above the warm-up
+        # count with pp = 2. A rough bound; the search does not propose zero-bubble.
+        chunks = min(chunks * ZERO_BUBBLE_MEMORY, micro_batches * v)
+    return chunks / v
+
+
+def precision_regime(precision: str, layout: Layout) -> str:
+    """How the trainer runs `precision` under `layout` (see probe.REGIMES)."""
+    if precision == "bf16":
+        return "bf16_params" if fsdp_active(layout) else "bf16"
+    return precision
+
+
+def fsdp_active(layout: Layout) -> bool:
+    """The trainer shards with FSDP when zero >= 1 and there is more than one replica."""
+    return layout.zero >= 1 and layout.dp * layout.cp > 1
+
+
+def estimate_memory(
+    m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
+    document_mask: bool = False,
+) -> Memory:
+    """Memory of the busiest pipeline rank."""
+    ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask)
+    return max(ranks, key=lambda mem: mem.total)
+
+
+def memory_by_rank(
+    m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
+    document_mask: bool = False,
+) -> list[Memory]:
+    """Memory of each pipeline rank (every data- and tensor-parallel rank of it alike)."""
+    n_stages = layout.pp * layout.pp_virtual_stages
+    counts = stage_layer_counts(m.n_layers, n_stages, layout.pp_layers_first,
+                                layout.pp_layers_last, layout.pp_virtual_stages)
+    micro_batches = global_batch // (layout.micro_batch * layout.dp)
+    acts = activation_profile(m, precision_regime(precision, layout), document_mask)
+    out = []
+    for rank in range(layout.pp):
+        ids = [rank + v * layout.pp for v in range(layout.pp_virtual_stages)]
+        first, last = 0 in ids, n_stages - 1 in ids
+        params = stage_parameters(m, sum(counts[s] for s in ids), first, last, layout.tp)
+        stages = {s: counts[s] for s in ids}
+        mem = rank_memory(m, layout, seq_len, precision, params, stages, rank, acts,
+                          micro_batches, document_mask)
+        mem.stage = rank
+        out.append(mem)
+    return out
+
+
+def pipeline_order(layout: Layout, rank: int, micro_batches: int) -> list[tuple[str, int]] | None:
+    """(action, stage) of pipeline rank `rank` in PyTorch's own interleaved schedule: F
+    forward, B full backward, I input-gradient and W weight-gradient passes. None where
+    PyTorch does not expose it (its schedules are built from stage objects; the few
+    attributes they read are given here), and then `in_flight`'s formula is used."""
+    if layout.pp == 1 or layout.pp_schedule in ("gpipe", "1f1b"):
+        return None
+    if micro_batches * layout.pp_virtual_stages > MAX_SIMULATED_CHUNKS:
+        return None  # building PyTorch's order takes too long for a search; the formula
+    return _pipeline_order(layout.pp, layout.pp_virtual_stages, layout.pp_schedule, rank,
+                           micro_batches)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_order(pp: int, v: int, schedule_name: str, rank: int, micro_batches: int
+                    ) -> list[tuple[str, int]] | None:
+    try:
+        import torch
+        from torch.distributed.pipelining import schedules
+
+        cls = (schedules.ScheduleInterleavedZeroBubble if schedule_name == "zero-bubble"
+               else schedules.ScheduleInterleaved1F1B)
+        n = pp * v
+        stages = [SimpleNamespace(num_stages=n, group_size=pp, group_rank=rank,
+                                  stage_index=s, is_first=s == 0, is_last=s == n - 1,
+                                  submod=torch.nn.Module())
+                  for s in range(rank, n, pp)]
+        schedule = cls(stages, n_microbatches=micro_batches, loss_fn=lambda out, target: out)
+        order = [str(a) for a in schedule.pipeline_order[rank] if a is not None]
+    except Exception:  # a PyTorch version that builds its schedules differently
+        return None
+    out = []
+    for action in order:
+        head = action.rstrip("0123456789")
+        kind = head.lstrip("0123456789")
+        out.append((kind, int(head[: len(head) - len(kind)])))
+    return out
+
+
+def peak_in_flight(order: list[tuple[str, int]], chunk_bytes: dict[int, float]) -> float:
+    """The most bytes held at once when each forward adds its stage's chunk and each full
+    or weight-gradient backward releases one (an input-gradient pass keeps the graph)."""
+    held = peak = 0.0
+    for kind, stage in order:
+        if kind == "F":
+            held += chunk_bytes[stage]
+            peak = max(peak, held)
+        elif kind in ("B", "W"):
+            held -= chunk_bytes[stage]
+    return peak
+
+
+def rank_memory(
+    m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
+    stages: dict[int, int], rank: int, acts: ActivationProfile, micro_batches: int,
+    document_mask: bool = False,
+) -> Memory:
+    """Memory of pipeline rank `rank`, which holds `stages` (stage index -> its layers)."""
+    n_stages = layout.pp * layout.pp_virtual_stages
+    last = n_stages - 1 in stages
+    compute = 2 if precision in ("bf16", "fp16") else 4
+    fsdp = fsdp_active(layout)
+    shard = layout.dp_shard * layout.cp if fsdp else 1
+    offload_params = layout.offload == "params" and fsdp
+    offload_optimizer = layout.offload == "optimizer"
+    local = -(-p.total // shard)  # FSDP pads the last shard up
+    host = 0.0
+
+    # Parameters: fp32 masters (sharded under FSDP) plus the copies compute uses.
+    master = 0.0 if offload_params else MASTER_BYTES * local
+    if fsdp and layout.zero in (1, 2):
+        copies = compute * p.total  # gathered at forward, kept to the backward
+    elif fsdp:
+        copies = compute * (p.root + 2 * p.block)
+    elif compute == 2:
+        # Autocast's weight casts, saved for backward; checkpointed blocks recompute theirs.
+        cast = p.matmul if layout.activation_checkpointing == "none" else p.head_matmul
+        copies = acts.weight_casts_per_param * cast
+    else:
+        copies = 0.0
+    parameters = master + copies
+
+    # Gradients: fp32; sharded under FSDP, with ZeRO-1's unsharded accumulation buffer.
+    if not fsdp:
+        gradients = GRAD_BYTES * p.total
+    else:
+        gradients = 0.0 if offload_params else GRAD_BYTES * local
+        if layout.zero == 1 and micro_batches > 1:
+            gradients += GRAD_BYTES * p.total  # accumulated unsharded until the last micro-batch
+    optimizer = 0.0 if (offload_params or offload_optimizer) else ADAM_BYTES * local
+    if offload_params:
+        host = (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) * local
+    elif offload_optimizer:
+        host = ADAM_BYTES * local + (MASTER_BYTES + GRAD_BYTES) * local  # + pinned staging
+
+    # Activations saved for backward, for the micro-batches in flight.
+    tokens = layout.micro_batch * seq_len / layout.cp
+    tp, sp = layout.tp, layout.sequence_parallel
+    per_position = acts.per_position * seq_len
+    if layout.activation_checkpointing == "full":
+        per_layer = acts.block_input.per_token(tp, sp)
+    elif layout.activation_checkpointing == "selective":
+        per_layer = (acts.block_selective.per_token(tp, sp)
+                     + acts.per_position_selective * seq_len)
+    else:
+        per_layer = acts.block.per_token(tp, sp) + per_position
+    # Checkpointed blocks keep their inputs, the boolean document mask among them (one per
+    # micro-batch, shared by the blocks): 1 byte per token per position.
+    shared = seq_len if document_mask and layout.activation_checkpointing != "none" else 0.0
+    layers = p.layers
+    chunk = {}  # bytes one micro-batch saves in each stage of this rank
+    for s, n in stages.items():
+        chunk[s] = per_layer * n + (acts.embedding.per_token(tp, sp) if s == 0 else 0.0)
+        chunk[s] += shared if n else 0.0
+        chunk[s] += acts.head.per_token(tp, sp) if s == n_stages - 1 else 0.0
+        chunk[s] *= tokens
+    order = pipeline_order(layout, rank, micro_batches)
+    if order is not None and layout.pp_schedule != "zero-bubble":
+        saved_bytes = peak_in_flight(order, chunk)
+    else:
+        saved_bytes = sum(chunk.values()) * in_flight(layout, rank, micro_batches)
+    activations = saved_bytes
+    transient = 0.0
+    if layout.activation_checkpointing != "none" and layers:
+        # The block being recomputed holds its full activations during its backward.
+        transient = (acts.block.per_token(tp, sp) + per_position) * tokens
+    if last:
+        vocab = m.vocab_size / tp
+        transient = max(transient, (compute + 4 * HEAD_TRANSIENT_FP32_COPIES) * vocab * tokens)
+    activations += transient
+
+    # Buffers that live in the allocator for communication.
+    communication = 0.0
+    if fsdp and not offload_params:
+        # A block's unsharded gradients in flight to the reduce-scatter (compute dtype and
+        # the fp32 copy it reduces), two blocks deep.
+        communication += 2 * (compute + GRAD_BYTES) * p.block
+    elif fsdp:
+        communication += 2 * (compute + GRAD_BYTES) * p.block + compute * 2 * p.block
+    if layout.pp > 1:  # send and receive buffers of one micro-batch's hidden state, both ways
+        communication += 4 * tokens * m.d_model * compute
+    if tp > 1:  # a gathered sub-layer input in flight
+        communication += 2 * layout.micro_batch * seq_len * m.d_model * compute
+
+    allocated = parameters + gradients + optimizer + activations + communication
+    margin = CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world > 1 else 0.0)
+    margin += FRAGMENTATION * allocated
+    return Memory(parameters, gradients, optimizer, activations, communication, margin,
+                  saved=saved_bytes, host=host)

@@ -1,0 +1,85 @@
+"""What `tessel train` asks the planner before it builds anything: the layout to use when
+`parallel.auto = true`, and whether the layout is predicted to fit in device memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from tessel.config import Config
+from tessel.errors import TesselError
+from tessel.planner.hardware import GpuProfile, load_profiles, profile_for_device
+from tessel.planner.layout import Layout
+from tessel.planner.memory import GIB
+from tessel.planner.search import Plan, check_fits, search
+
+# Stand-in rates for a device no profile describes: they only rank layouts against each
+# other (the memory check uses the device's real capacity).
+_NOMINAL = dict(bf16_flops=100e12, fp8_flops=None, intra_node_gbps=100.0, inter_node_gbps=25.0)
+
+
+class MemoryRefusal(TesselError):
+    """The layout is predicted not to fit; the message gives the shortfall and the fix."""
+
+
+def device_profile(device: torch.device, local_world: int) -> GpuProfile:
+    """The profile of this machine's device with its actual memory: a known GPU's figures,
+    nominal rates for an unknown GPU, and host memory shared by the local ranks on CPU."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        memory = props.total_memory / GIB
+        known = profile_for_device(props.name, load_profiles())
+        if known is not None:
+            return dataclasses.replace(known, memory_gib=memory)
+        return GpuProfile(name=props.name, memory_gib=memory,
+                          gpus_per_node=max(torch.cuda.device_count(), 1), **_NOMINAL)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return GpuProfile(name="cpu", memory_gib=host / max(local_world, 1),
+                      gpus_per_node=max(local_world, 1), **_NOMINAL)
+
+
+def choose_layout(cfg: Config, world: int, hw: GpuProfile, device_type: str = "cuda"
+                  ) -> tuple[Config, Plan]:
+    """The fastest layout predicted to fit on `world` devices; the config with it applied."""
+    result = search(cfg, world, hw, keep=1, device_type=device_type)
+    if not result.plans:
+        closest = result.too_big[0] if result.too_big else None
+        need = (f"; the closest, {closest.layout.short()}, needs {closest.memory.total / GIB:.1f} "
+                f"GiB" if closest else "")
+        raise TesselError(
+            f"parallel.auto: no layout of this model on {world} device(s) of "
+            f"{hw.memory_gib:.1f} GiB is predicted to fit{need}; use more devices, a shorter "
+            "train.seq_len or a smaller model"
+        )
+    best = result.plans[0]
+    chosen = cfg.with_overrides({**best.layout.overrides(), "parallel.auto": True})
+    return chosen, best
+
+
+def check_memory(cfg: Config, world: int, hw: GpuProfile) -> tuple[Plan, str | None]:
+    """(the plan of the configured layout, None if it fits, else the one-line refusal)."""
+    plan, nearest = check_fits(cfg, world, hw)
+    if plan.fits:
+        return plan, None
+    g = plan.memory.gib()
+    biggest = max(("parameters", "gradients", "optimizer", "activations", "communication"),
+                  key=lambda k: g[k])
+    current = Layout.from_config(cfg, world)
+    alternatives = "; ".join(
+        " ".join(f"--{k}={v}" for k, v in _changed(p.layout, current).items())
+        + f" ({p.memory.total / GIB:.1f} GiB)"
+        for p in nearest
+    ) or "none on this many devices"
+    return plan, (
+        f"layout {plan.layout.short()} is predicted to need {g['total']:.1f} GiB per device, "
+        f"{plan.shortfall_gib:.1f} GiB more than the {hw.memory_gib:.1f} GiB available (largest "
+        f"part: {biggest} {g[biggest]:.1f} GiB); layouts predicted to fit: {alternatives}; or "
+        "pass --force to try anyway"
+    )
+
+
+def _changed(new: Layout, old: Layout) -> dict[str, object]:
+    a, b = new.overrides(), old.overrides()
+    return {k: v for k, v in a.items() if b.get(k) != v}

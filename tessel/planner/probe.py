@@ -1,0 +1,331 @@
+"""Activation memory from the tensors tessel's own model saves for backward.
+
+Rather than a formula that drifts from the code, the planner runs the real model (one block,
+embeddings, head and loss) once on a small probe shape on the CPU, in the precision regime
+of the run, and records every tensor autograd saves (saved-tensor hooks), once per storage,
+together with the module that saved it. Each is then scaled to the real model by its width
+per token, and split by what tensor parallelism does to it, which follows from where it was
+saved:
+
+- `replicated`: inputs of the column-parallel matmuls (wq/wk/wv, w1/w3, the head), i.e. the
+  gathered sequence under any tp; token ids;
+- `sequence`: the residual stream around the norms and dropout: / tp with sequence
+  parallelism, full without;
+- `sharded`: heads, key/values, attention statistics, MLP hidden units, the inputs of the
+  row-parallel matmuls and the vocabulary-sharded logits: / tp.
+
+Probe widths are chosen pairwise distinct (d_model 60, key/value width 20, ffn 104, vocab
+88, 6 heads, 8 positions), so a tensor's width per token says what it scales with: d_model,
+key/value width, ffn_hidden, vocabulary, heads, positions (masks), heads x positions
+(attention probabilities of the math kernel). A saved tensor of any other width stops the
+planner with an error rather than a guess.
+
+Selective activation checkpointing keeps the outputs of the operators in
+`tessel.parallel.apply._SAVE_OPS` (recorded by a dispatch mode during the same probe); full
+checkpointing keeps each block's input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tessel.config import ModelConfig
+from tessel.models.transformer import Transformer, document_causal_mask
+from tessel.parallel.apply import _SAVE_OPS
+from tessel.train.loss import token_loss_sum
+
+# Probe shape. Widths per token, all distinct: see the module docstring.
+_B, _T = 2, 8
+_D, _HEADS, _FFN, _VOCAB = 60, 6, 104, 88
+_HD = _D // _HEADS
+
+# Where a tensor was saved -> how tensor parallelism splits it.
+_COLUMN_INPUTS = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
+                  "feed_forward.w3", "output")
+_ROW_LINEARS = ("attention.wo", "feed_forward.w2")
+_SEQUENCE_MODULES = ("attention_norm", "ffn_norm", "norm", "block", "resid_dropout", "emb_dropout")
+_SHARDED_MODULES = ("attention", "feed_forward", "loss")
+
+# Regimes: how the trainer runs a precision. FSDP (zero >= 1) gathers bf16 parameters, so
+# its residual stream is bf16; DDP and one process keep fp32 parameters under autocast.
+REGIMES = ("fp32", "bf16", "bf16_params", "fp16")
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """Bytes saved per token of a micro-batch, by how tensor parallelism divides them."""
+
+    replicated: float = 0.0
+    sequence: float = 0.0
+    sharded: float = 0.0
+
+    def per_token(self, tp: int, sequence_parallel: bool) -> float:
+        """Bytes per token on one tensor-parallel rank."""
+        seq = self.sequence / tp if sequence_parallel and tp > 1 else self.sequence
+        return self.replicated + seq + self.sharded / tp
+
+    def __add__(self, other: SavedBytes) -> SavedBytes:
+        return SavedBytes(self.replicated + other.replicated, self.sequence + other.sequence,
+                          self.sharded + other.sharded)
+
+    @property
+    def total(self) -> float:
+        return self.replicated + self.sequence + self.sharded
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one micro-batch of a model saves for backward, per token (scaled to the model)."""
+
+    block: SavedBytes
+    """One transformer block without recomputation."""
+    block_selective: SavedBytes
+    """One block under selective checkpointing: the saved operator outputs and its input."""
+    block_input: SavedBytes
+    """One block's input: all that full checkpointing keeps per block."""
+    per_position: float
+    """Per layer, bytes per token per position of the sequence (an additive attention mask,
+    attention probabilities): times seq_len. Replicated over tp (masks) for simplicity."""
+    per_position_selective: float
+    """The same under selective checkpointing (the attention scores it keeps, if the
+    attention kernel materialises them)."""
+    embedding: SavedBytes
+    """The first stage's embedding work (token ids, dropout)."""
+    head: SavedBytes
+    """The last stage's final norm, output projection input, logits and loss."""
+    weight_casts_per_param: float
+    """Autocast's low-precision copies of the matmul weights, bytes per weight element,
+    saved anew by every micro-batch's forward (0 without autocast over fp32 weights)."""
+
+
+class _ModuleStack:
+    """The qualified name of the module running now, from forward hooks."""
+
+    def __init__(self, model: nn.Module):
+        self.stack = ["loss"]  # outside every module: the loss
+        self.handles = []
+        for name, module in model.named_modules():
+            if not name:
+                continue
+            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, name: str):  # noqa: ANN202
+        def hook(_module: nn.Module, _args: tuple) -> None:
+            self.stack.append(name)
+        return hook
+
+    def _leave(self, _module: nn.Module, _args: tuple, _out: object) -> None:
+        self.stack.pop()
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _where(qualified: str) -> str:
+    """'layers.0.attention.wq' -> 'attention.wq'; 'layers.0' -> 'block'; 'norm' -> 'norm'."""
+    parts = qualified.split(".")
+    if parts[0] == "layers":
+        rest = ".".join(parts[2:])
+        return rest or "block"
+    return qualified
+
+
+class _OutputRecorder(TorchDispatchMode):
+    """Records the outputs of the operators selective checkpointing keeps."""
+
+    def __init__(self, modules: _ModuleStack):
+        super().__init__()
+        self.modules = modules
+        self.outputs: list[tuple[str, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVE_OPS:
+            for t in out if isinstance(out, tuple) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self.outputs.append((self.modules.current, t))
+        return out
+
+
+def _probe_config(m: ModelConfig, dropout: float) -> ModelConfig:
+    kv = _HEADS if m.n_kv_heads == m.n_heads else 2
+    return m.model_copy(update={
+        "preset": None, "d_model": _D, "n_heads": _HEADS, "n_kv_heads": kv, "ffn_hidden": _FFN,
+        "n_layers": 1, "vocab_size": _VOCAB, "max_seq_len": _T, "dropout": dropout,
+    })
+
+
+@contextlib.contextmanager
+def _autocast(regime: str) -> Iterator[None]:
+    if regime in ("bf16", "bf16_params"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+    elif regime == "fp16":
+        with torch.autocast("cpu", dtype=torch.float16):
+            yield
+    else:
+        yield
+
+
+@dataclass
+class _Saved:
+    where: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
+               ) -> tuple[list[_Saved], list[_Saved], list[_Saved]]:
+    """(saved tensors, selective-checkpointing outputs, weight casts) of one forward of a
+    1-block model plus its loss, each storage once."""
+    torch.manual_seed(0)
+    model = Transformer(probe)
+    model.train()
+    if regime == "bf16_params":  # FSDP's gathered parameters are bf16
+        model.to(torch.bfloat16)
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    param_shapes = {tuple(p.shape) for p in model.parameters()}
+    modules = _ModuleStack(model)
+    records: dict[int, _Saved] = {}
+    casts: dict[int, _Saved] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in own or storage.nbytes() == 0:
+            return t
+        rec = _Saved(_where(modules.current), tuple(t.shape), storage.nbytes())
+        shape = tuple(t.shape)
+        if t.dim() == 2 and t.shape[0] != _B * _T and (shape in param_shapes or shape[::-1] in param_shapes):
+            casts.setdefault(ptr, rec)  # a weight's low-precision copy (autocast)
+        elif ptr not in records or rec.nbytes > records[ptr].nbytes:
+            records[ptr] = rec
+        return t
+
+    tokens = torch.randint(0, probe.vocab_size, (_B, _T))
+    targets = torch.randint(0, probe.vocab_size, (_B, _T))
+    docs = torch.tensor([[0] * (_T // 2) + [1] * (_T - _T // 2)] * _B) if document_mask else None
+    recorder = _OutputRecorder(modules)
+    try:
+        with _autocast(regime), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with recorder:
+                logits = model(tokens, docs)
+            loss = token_loss_sum(logits, targets)
+    finally:
+        modules.close()
+    del loss
+    mask_ptr = None
+    if docs is not None:  # the boolean mask itself: built once per forward, shared by blocks
+        mask_ptr = document_causal_mask(docs).untyped_storage().data_ptr()
+    saved = [r for p, r in records.items() if p != mask_ptr]
+    selective: dict[int, _Saved] = {}
+    for where, t in recorder.outputs:
+        ptr = t.untyped_storage().data_ptr()
+        selective.setdefault(ptr, _Saved(_where(where), tuple(t.shape), t.untyped_storage().nbytes()))
+    return saved, list(selective.values()), list(casts.values())
+
+
+def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig) -> tuple[str, float]:
+    """(kind, bytes per token of the real model): kind is the width class; "const" for the
+    few small tensors without a batch dimension (positions), which do not grow with it."""
+    n = 1
+    for s in rec.shape:
+        n *= s
+    if n % (_B * _T) and (not rec.shape or rec.shape[0] != _B):
+        return "const", 0.0
+    width = n // (_B * _T) if n % (_B * _T) == 0 else None
+    kv_probe = probe.n_kv_heads * _HD
+    kv_real = m.n_kv_heads * m.head_dim
+    widths = {
+        _D: ("d", m.d_model / _D), _FFN: ("f", m.ffn_hidden / _FFN),
+        _VOCAB: ("v", m.vocab_size / _VOCAB), _HEADS: ("h", m.n_heads / _HEADS),
+        1: ("1", 1.0), _T: ("t", None), _HEADS * _T: ("ht", None),
+    }
+    if kv_probe != _D:
+        widths[kv_probe] = ("kv", kv_real / kv_probe)
+    if width not in widths:
+        raise RuntimeError(
+            f"activation probe: a tensor of shape {rec.shape} saved in {rec.where!r} has a "
+            "width the planner does not know; update tessel/planner/probe.py"
+        )
+    kind, factor = widths[width]
+    per_token = rec.nbytes / (_B * _T)
+    if kind == "t":  # bytes per token per position: scaled by seq_len later
+        return kind, per_token / _T
+    if kind == "ht":
+        return kind, per_token / _T * m.n_heads / _HEADS
+    return kind, per_token * factor
+
+
+def _split(records: list[_Saved], m: ModelConfig, probe: ModelConfig, selective: bool = False
+           ) -> tuple[SavedBytes, SavedBytes, SavedBytes, float]:
+    """(block, embedding, head, per-position bytes) summed by tensor-parallel class."""
+    parts = {"block": [0.0, 0.0, 0.0], "embedding": [0.0, 0.0, 0.0], "head": [0.0, 0.0, 0.0]}
+    per_position = 0.0
+    for rec in records:
+        kind, size = _scale(rec, m, probe)
+        where = rec.where
+        part = ("embedding" if where in ("tok_embeddings", "pos_embeddings", "emb_dropout")
+                else "head" if where in ("norm", "output", "loss") else "block")
+        if kind == "const":
+            continue
+        if kind in ("t", "ht"):
+            per_position += size
+            continue
+        if where == "loss" and kind == "1":
+            cls = 0  # the targets: every tensor-parallel rank holds them all
+        elif where in _COLUMN_INPUTS or where in ("tok_embeddings", "pos_embeddings"):
+            cls = 2 if (selective and where != "output") else 0  # selective: the matmul outputs
+        elif where in _ROW_LINEARS:
+            cls = 0 if selective else 2  # outputs: partial sums, full size; inputs: local
+        elif where in _SEQUENCE_MODULES:
+            cls = 1
+        elif where in _SHARDED_MODULES:
+            cls = 2
+        else:
+            raise RuntimeError(f"activation probe: a tensor saved in {where!r} is not classified")
+        parts[part][cls] += size
+    as_bytes = {k: SavedBytes(*v) for k, v in parts.items()}
+    return as_bytes["block"], as_bytes["embedding"], as_bytes["head"], per_position
+
+
+def activation_profile(m: ModelConfig, regime: str, document_mask: bool = False) -> ActivationProfile:
+    """Saved bytes per token of model `m` in `regime` (see REGIMES)."""
+    if regime not in REGIMES:
+        raise ValueError(f"unknown precision regime {regime!r}")
+    return _profile(m.model_dump_json(), regime, document_mask)
+
+
+@functools.lru_cache(maxsize=128)
+def _profile(model_json: str, regime: str, document_mask: bool) -> ActivationProfile:
+    m = ModelConfig.model_validate_json(model_json)
+    probe = _probe_config(m, m.dropout)
+    saved, selective_outputs, casts = _run_probe(probe, regime, document_mask)
+    block, embedding, head, per_position = _split(saved, m, probe)
+    # What the block saves of its own input: the first norm's input, in the residual dtype.
+    residual_bytes = 2 if regime == "bf16_params" else 4
+    block_input = SavedBytes(sequence=residual_bytes * m.d_model)
+    sel_block, _, _, sel_position = _split([r for r in selective_outputs if r.where not in
+                                            ("norm", "output", "loss", "tok_embeddings")],
+                                           m, probe, selective=True)
+    cast_elements = sum(c.shape[0] * c.shape[1] for c in casts)
+    cast_bytes = sum(c.nbytes for c in casts)
+    return ActivationProfile(
+        block=block, block_selective=sel_block + block_input, block_input=block_input,
+        per_position=per_position, per_position_selective=sel_position, embedding=embedding,
+        head=head,
+        weight_casts_per_param=cast_bytes / cast_elements if cast_elements else 0.0,
+    )

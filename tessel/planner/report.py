@@ -1,0 +1,143 @@
+"""Text and JSON output of `tessel plan`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessel.config import Config
+from tessel.planner.hardware import GpuProfile
+from tessel.planner.memory import ASSUMPTIONS as MEMORY_ASSUMPTIONS
+from tessel.planner.memory import GIB
+from tessel.planner.search import Plan, SearchResult, precision_for
+from tessel.planner.speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
+
+ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *SPEED_ASSUMPTIONS]
+TOP_REJECTED = 3
+
+
+def duration(seconds: float) -> str:
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.1f} s"
+
+
+def header(cfg: Config, gpus: int, hw: GpuProfile) -> str:
+    t = cfg.train
+    from tessel.models import param_count
+
+    return (
+        f"tessel plan: {cfg.model.preset or 'custom'} model ({param_count(cfg.model) / 1e9:.2f}B "
+        f"parameters), {gpus} x {hw.name} ({hw.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"{hw.memory_gib:.1f} GiB, {hw.gpus_per_node} per node), seq {t.seq_len}, global batch "
+        f"{t.global_batch_size} ({t.global_batch_size * t.seq_len:,} tokens/step), "
+        f"{precision_for(cfg)}, {t.steps:,} steps"
+    )
+
+
+TABLE_HEAD = (f"{'rank':>4}  {'layout':58s} {'GiB/GPU':>7} {'step s':>8} {'tokens/s':>12} "
+              f"{'MFU':>6}  {'to budget':>9}")
+
+
+def plan_row(rank: int | str, p: Plan) -> str:
+    return (f"{rank!s:>4}  {p.layout.short():58s} {p.memory.total / GIB:7.1f} {p.step.total:8.3f} "
+            f"{p.tokens_per_s:12,.0f} {p.mfu:6.1%}  {duration(p.time_to_budget_s):>9}")
+
+
+def breakdown(p: Plan, hw: GpuProfile) -> str:
+    g = p.memory.gib()
+    parts = ", ".join(f"{k} {g[k]:.2f}" for k in
+                      ("parameters", "gradients", "optimizer", "activations", "communication", "margin"))
+    verdict = "fits" if p.fits else f"does NOT fit: {p.shortfall_gib:.1f} GiB short"
+    s = p.step
+    times = [("compute", s.compute_s), ("tp", s.tp_comm_s), ("dp exposed", s.dp_comm_s),
+             ("pp", s.pp_comm_s), ("cp exposed", s.cp_comm_s), ("bubble", s.bubble_s),
+             ("optimizer", s.optimizer_s), ("offload", s.offload_s)]
+    host = f"; host {g['host']:.2f} GiB" if "host" in g else ""
+    return (f"      memory GiB/GPU (pipeline rank {p.memory.stage}): {parts}; total "
+            f"{g['total']:.2f} of {hw.memory_gib:.1f} ({verdict}){host}\n"
+            "      step s: " + ", ".join(f"{k} {v:.3f}" for k, v in times if v or k == "compute"))
+
+
+def launch_line(cfg_path: str | None, p: Plan) -> str:
+    args = " ".join(f"--{k}={_toml(v)}" for k, v in p.layout.overrides().items()
+                    if not _is_default(k, v))
+    words = ["tessel train", cfg_path or "", f"--nproc {p.layout.world}", args]
+    return " ".join(w for w in words if w)
+
+
+_DEFAULTS = {"parallel.dp_replicate": 1, "parallel.cp": 1, "parallel.pp": 1, "parallel.tp": 1,
+             "parallel.offload": "none", "parallel.activation_checkpointing": "none",
+             "parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 1,
+             "parallel.pp_layers_first": 0, "parallel.pp_layers_last": 0,
+             "parallel.sequence_parallel": True}
+
+
+def _is_default(key: str, value: Any) -> bool:
+    return key in _DEFAULTS and _DEFAULTS[key] == value
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return f'"{v}"' if isinstance(v, str) else str(v)
+
+
+def _rejected_lines(result: SearchResult, hw: GpuProfile) -> list[str]:
+    lines: list[str] = []
+    if result.too_big:
+        lines += ["", "closest layouts that do not fit (short by):"]
+        for p in result.too_big[:TOP_REJECTED]:
+            lines.append(f"      {p.layout.short()}: needs {p.memory.total / GIB:.1f} GiB of "
+                         f"{hw.memory_gib:.1f} ({p.shortfall_gib:.1f} GiB short; "
+                         f"{p.tokens_per_s:,.0f} tokens/s if it did)")
+    if result.invalid:
+        lines += ["", "rejected before evaluation (layouts, first reason given):"]
+        for count, example in sorted(result.invalid.values(), key=lambda ce: -ce[0])[:6]:
+            lines.append(f"  {count:6d}  {example}")
+    return lines
+
+
+def search_text(cfg: Config, gpus: int, hw: GpuProfile, result: SearchResult, seconds: float,
+                cfg_path: str | None, top: int) -> str:
+    lines = [header(cfg, gpus, hw),
+             f"evaluated {result.evaluated:,} valid layouts in {seconds:.1f} s; "
+             f"the {min(top, len(result.plans))} fastest that fit:", "", TABLE_HEAD]
+    for i, p in enumerate(result.plans[:top], 1):
+        lines.append(plan_row(i, p))
+        if i == 1:
+            lines.append(breakdown(p, hw))
+    if not result.plans:
+        lines.append("   -  no layout fits: more GPUs, a shorter train.seq_len, a smaller model "
+                     "or GPUs with more memory")
+    lines += _rejected_lines(result, hw)
+    if result.plans:
+        lines += ["", "run the best: " + launch_line(cfg_path, result.plans[0])]
+    lines += ["", "assumptions:"] + [f"  - {a}" for a in ASSUMPTIONS]
+    return "\n".join(lines) + "\n"
+
+
+def single_text(cfg: Config, gpus: int, hw: GpuProfile, p: Plan, nearest: list[Plan]) -> str:
+    lines = [header(cfg, gpus, hw), "", TABLE_HEAD, plan_row("-", p), breakdown(p, hw)]
+    if nearest:
+        lines += ["", "nearest layouts that fit:"] + [plan_row("", q) for q in nearest]
+    elif not p.fits:
+        lines += ["", "no layout of this model fits on this many GPUs"]
+    lines += ["", "assumptions:"] + [f"  - {a}" for a in ASSUMPTIONS]
+    return "\n".join(lines) + "\n"
+
+
+def as_json(cfg: Config, gpus: int, hw: GpuProfile, plans: list[Plan], too_big: list[Plan],
+            invalid: dict[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+    return {
+        "model": cfg.model.preset, "gpus": gpus, "gpu": hw.name,
+        "seq_len": cfg.train.seq_len, "global_batch_size": cfg.train.global_batch_size,
+        "precision": precision_for(cfg),
+        "layouts": [p.as_dict() for p in plans],
+        "too_big": [p.as_dict() for p in too_big],
+        "rejected": [{"count": c, "reason": r} for c, r in (invalid or {}).values()],
+        "assumptions": ASSUMPTIONS,
+    }

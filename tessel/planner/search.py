@@ -1,0 +1,265 @@
+"""Evaluate one layout, or search every layout tessel can run on N GPUs and rank them.
+
+A layout is valid when tessel's own checks accept it: `ParallelDims.validate`, the config's
+combination rules and the trainer's device checks, called here unchanged, so every plan
+can be launched as printed. Valid layouts are pruned by predicted memory and ranked by
+predicted tokens/s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from tessel.config import Config
+from tessel.errors import TesselError
+from tessel.models.transformer import flops_per_token
+from tessel.parallel.dims import ParallelDims
+from tessel.planner.hardware import GpuProfile
+from tessel.planner.layout import Layout
+from tessel.planner.memory import GIB, Memory, estimate_memory
+from tessel.planner.speed import StepTime, estimate_step
+
+MAX_MICRO_BATCH = 64
+HOST_USABLE = 0.8  # of a node's host memory, for offloaded state
+# Zero-bubble is left out: its memory is predicted only roughly (see memory.in_flight).
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4))
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: Memory
+    step: StepTime
+    tokens_per_s: float
+    mfu: float
+    fits: bool
+    time_to_budget_s: float
+    shortfall_gib: float = 0.0
+    """How much more memory than the device has (0 when it fits)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "dp": lay.dp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero": lay.zero,
+            "micro_batch": lay.micro_batch, "activation_checkpointing": lay.activation_checkpointing,
+            "offload": lay.offload, "pp_schedule": lay.pp_schedule,
+            "pp_virtual_stages": lay.pp_virtual_stages, "pp_layers_first": lay.pp_layers_first,
+            "pp_layers_last": lay.pp_layers_last, "sequence_parallel": lay.sequence_parallel,
+            "memory_gib": self.memory.gib(), "step_time_s": self.step.total,
+            "step_breakdown_s": dict(vars(self.step)),
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits,
+            "shortfall_gib": round(self.shortfall_gib, 3),
+            "time_to_budget_s": self.time_to_budget_s,
+            "overrides": lay.overrides(),
+        }
+
+
+@dataclass
+class SearchResult:
+    plans: list[Plan]
+    """Layouts that fit, fastest first."""
+    too_big: list[Plan]
+    """The fastest layouts that do not fit, with their shortfall."""
+    invalid: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Layouts rejected before evaluation: kind of reason -> (how many, one full message)."""
+    evaluated: int = 0
+
+
+def precision_for(cfg: Config, device_type: str = "cuda") -> str:
+    """The precision a plan assumes: `auto` is bf16 on a GPU, fp32 on a CPU (as the trainer
+    resolves it)."""
+    if cfg.train.precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return cfg.train.precision
+
+
+def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cuda",
+             dp_overlap: float | None = None) -> Plan:
+    t, m = cfg.train, cfg.model
+    precision = precision_for(cfg, device_type)
+    mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
+                          cfg.data.document_mask)
+    step = estimate_step(m, layout, hw, t.seq_len, t.global_batch_size, precision, dp_overlap)
+    tokens = t.global_batch_size * t.seq_len
+    tps = tokens / step.total
+    mfu = flops_per_token(m, t.seq_len) * tps / (layout.world * hw.bf16_flops)
+    shortfall = mem.total / GIB - hw.memory_gib
+    # Offloaded state shares the node's host memory (80% of it usable, the rest for the OS,
+    # the data loader and pinned staging).
+    per_node = min(hw.gpus_per_node, layout.world)
+    host_short = mem.host * per_node / GIB - HOST_USABLE * hw.host_memory_gib
+    fits = shortfall <= 0 and host_short <= 0
+    return Plan(layout, mem, step, tps, mfu, fits, t.steps * tokens / tps,
+                max(shortfall, host_short / per_node, 0.0))
+
+
+def _light_config(cfg: Config, layout: Layout) -> Any:
+    """`cfg` with `layout` applied, without re-validating the whole config (the search checks
+    thousands): the sections tessel's layout checks read."""
+    parallel = cfg.parallel.model_copy(update={
+        "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp,
+        "pp": layout.pp, "cp": layout.cp, "zero": layout.zero, "offload": layout.offload,
+        "activation_checkpointing": layout.activation_checkpointing,
+        "pp_schedule": layout.pp_schedule, "pp_virtual_stages": layout.pp_virtual_stages,
+        "pp_layers_first": layout.pp_layers_first, "pp_layers_last": layout.pp_layers_last,
+        "sequence_parallel": layout.sequence_parallel, "auto": False,
+    })
+    train = cfg.train.model_copy(update={"micro_batch_size": layout.micro_batch})
+    return SimpleNamespace(model=cfg.model, data=cfg.data, train=train, parallel=parallel)
+
+
+def check_layout(cfg: Config, layout: Layout, full: bool = False, device_type: str = "cuda"
+                 ) -> str | None:
+    """None if tessel can run `layout` for `cfg` on `device_type` devices, else why not (one
+    line). `full` also re-validates the whole config (what a launch does)."""
+    import torch
+
+    from tessel.parallel.context import check_context_parallel
+    from tessel.parallel.fsdp import check_offload
+
+    try:
+        c = cfg.with_overrides(layout.overrides()) if full else _light_config(cfg, layout)
+        if not full:  # the config's own combination rules, which model_copy skips
+            type(cfg.parallel)._combinations(c.parallel)
+        ParallelDims.from_config(c.parallel, layout.world).validate(c)
+        device = torch.device(device_type)
+        check_offload(c.parallel, device)
+        check_context_parallel(c, device)
+        if precision_for(cfg, device_type) == "fp16" and layout.world > 1 and (
+            layout.zero > 0 or layout.tp > 1 or layout.pp > 1
+        ):
+            raise TesselError("fp16 loss scaling is supported for one process or DDP only")
+    except (TesselError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _pipeline_splits(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """(pp_layers_first, pp_layers_last): an even split, else lighter first and last stages
+    (they also hold the embeddings and the head), else none."""
+    if n_layers % stages == 0:
+        return [(0, 0)]
+    if stages == 2:
+        return [(n_layers // 2, n_layers - n_layers // 2)]
+    middle = math.ceil(n_layers / stages)
+    rest = n_layers - middle * (stages - 2)
+    if rest >= 2:
+        return [(rest // 2, rest - rest // 2)]
+    return []
+
+
+def candidates(cfg: Config, gpus: int, hw: GpuProfile, device_type: str = "cuda") -> list[Layout]:
+    """Every layout worth evaluating on `gpus` GPUs (validity is checked separately). On a
+    CPU nothing is offloaded: host memory is the device's."""
+    m, t = cfg.model, cfg.train
+    out: list[Layout] = []
+    tps = [d for d in _divisors(gpus) if d <= hw.gpus_per_node and m.n_kv_heads % d == 0]
+    cp_ok = m.position == "rope" and not cfg.data.document_mask
+    cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if gpus % c == 0 and t.seq_len % (2 * c) == 0
+           and (c == 1 or cp_ok)]
+    for tp in tps:
+        for cp in cps:
+            if cp > 1 and tp > 1:
+                continue  # this build runs context parallelism with data parallelism only
+            for pp in _divisors(gpus // (tp * cp)):
+                if pp > m.n_layers or (cp > 1 and pp > 1):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if t.global_batch_size % dp:
+                    continue
+                per_rank = t.global_batch_size // dp
+                schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
+                for schedule, v in schedules:
+                    for first, last in _pipeline_splits(m.n_layers, pp * v):
+                        zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3)
+                        for zero in zeros:
+                            replicas = [1]
+                            per_node = hw.gpus_per_node // (tp * cp)
+                            if zero >= 1 and per_node >= 1 and dp > per_node and dp % per_node == 0:
+                                replicas.append(dp // per_node)  # HSDP: shard within a node
+                            offloads = ["none"]
+                            if device_type == "cuda":
+                                offloads += ["optimizer"] + (["params"] if zero == 3 else [])
+                            for rep in replicas:
+                                for mbs in _divisors(per_rank):
+                                    if mbs > MAX_MICRO_BATCH:
+                                        break
+                                    if pp > 1 and per_rank // mbs < pp:
+                                        continue
+                                    for ac in ("none", "selective", "full"):
+                                        for offload in offloads:
+                                            out.append(Layout(
+                                                rep, dp // rep, tp, pp, cp, zero, mbs, ac,
+                                                offload, schedule, v, first, last))
+    return out
+
+
+def _reason_kind(reason: str) -> str:
+    """Group rejection messages by their first clause with the numbers taken out."""
+    head = reason.split(";")[0]
+    return "".join("N" if c.isdigit() else c for c in head)
+
+
+def search(cfg: Config, gpus: int, hw: GpuProfile, keep: int = 10, device_type: str = "cuda"
+           ) -> SearchResult:
+    """Evaluate every valid candidate; the fastest that fit and the closest that do not."""
+    fits: list[Plan] = []
+    big: list[Plan] = []
+    invalid: dict[str, tuple[int, str]] = {}
+    checked: dict[tuple, str | None] = {}
+    n = 0
+    for layout in candidates(cfg, gpus, hw, device_type):
+        # Validity depends on the degrees, schedule, split, micro-batch and offload only.
+        key = (layout.dp_replicate, layout.tp, layout.pp, layout.cp, layout.zero,
+               layout.pp_schedule, layout.pp_virtual_stages, layout.pp_layers_first,
+               layout.micro_batch, layout.offload)
+        if key not in checked:
+            checked[key] = check_layout(cfg, layout, device_type=device_type)
+        reason = checked[key]
+        if reason is not None:
+            kind = _reason_kind(reason)
+            count, example = invalid.get(kind, (0, reason))
+            invalid[kind] = (count + 1, example)
+            continue
+        n += 1
+        plan = evaluate(cfg, layout, hw, device_type)
+        (fits if plan.fits else big).append(plan)
+    fits.sort(key=_rank_key)
+    big.sort(key=lambda p: (p.shortfall_gib, -p.tokens_per_s))
+    return SearchResult(fits[:keep], big[:keep], invalid, n)
+
+
+def _rank_key(p: Plan) -> tuple[int, float, float]:
+    """Fastest first; predictions within 0.5% of each other count as a tie, broken by less
+    communication (a prediction that leans less on overlap) and then less memory."""
+    return (-math.floor(math.log(p.tokens_per_s) / math.log(1.005)), p.step.raw_comm_s,
+            p.memory.total)
+
+
+def _changes(a: Layout, b: Layout) -> int:
+    return sum(getattr(a, f) != getattr(b, f) for f in (
+        "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero", "micro_batch",
+        "activation_checkpointing", "offload", "pp_schedule", "pp_virtual_stages"))
+
+
+def nearest_fitting(cfg: Config, current: Layout, hw: GpuProfile, limit: int = 3) -> list[Plan]:
+    """Layouts on the same number of GPUs that fit: fewest changes from `current` first,
+    then the fastest."""
+    result = search(cfg, current.world, hw, keep=10**9)
+    return sorted(result.plans, key=lambda p: (_changes(p.layout, current), -p.tokens_per_s))[:limit]
+
+
+def check_fits(cfg: Config, world: int, hw: GpuProfile) -> tuple[Plan, list[Plan]]:
+    """The plan of the configured layout and, when it does not fit, the nearest that do."""
+    layout = Layout.from_config(cfg, world)
+    plan = evaluate(cfg, layout, hw)
+    return plan, ([] if plan.fits else nearest_fitting(cfg, layout, hw))

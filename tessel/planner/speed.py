@@ -1,0 +1,205 @@
+"""Step time of one layout: compute from each matmul's FLOPs at an efficiency that depends on
+its size, communication from message sizes, ring algorithms and link bandwidths with the
+overlap tessel's implementation achieves, and each pipeline schedule's bubble.
+
+Overlap, as implemented: DDP's bucketed all-reduce runs during the backward pass and FSDP2
+prefetches its all-gathers and issues its reduce-scatters while blocks compute, so only what
+exceeds the compute they hide behind is exposed; tensor-parallel collectives (DTensor) and
+pipeline sends are not overlapped; context parallelism's ring exchange hides behind the
+attention it feeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessel.config import ModelConfig
+from tessel.parallel.dims import stage_layer_counts
+from tessel.planner.hardware import GpuProfile
+from tessel.planner.layout import Layout
+from tessel.planner.memory import fsdp_active, stage_parameters
+
+MATMUL_HALF_SIZE = 128  # a matmul whose smallest dimension is k runs at k/(k+128) of the rate
+DDP_OVERLAP = 0.8  # fraction of the backward pass DDP's all-reduce hides behind
+FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide behind
+CP_OVERLAP = 0.9  # fraction of attention time the ring exchange hides behind
+# Recomputed FLOPs: full checkpointing runs each block's forward again; selective recomputes
+# only element-wise work (its time, not its FLOPs, shows).
+RECOMPUTE = {"none": 0.0, "selective": 0.03, "full": 1.0 / 3.0}
+OPTIMIZER_BYTES_PER_PARAM = 36  # AdamW reads and writes param, grad, two moments (fp32)
+HOST_LINK_BYTES_PER_S = 25e9  # device <-> host, PCIe 5 x16 achievable per GPU
+HOST_ADAM_PARAMS_PER_S = 1.5e9  # AdamW on the host, parameters per second per rank
+ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
+
+ASSUMPTIONS = (
+    f"compute: each matmul's FLOPs (causal attention at half its full-matrix FLOPs) at peak x "
+    f"matmul_efficiency x k/(k+{MATMUL_HALF_SIZE}), k its smallest per-GPU dimension; full "
+    "checkpointing adds a forward pass, selective 3%; AdamW at device memory bandwidth",
+    "collectives: ring algorithm, 2(n-1)/n x bytes (all-reduce) or (n-1)/n (all-gather, "
+    "reduce-scatter) at comm_efficiency x the per-GPU intra-node bandwidth when the group "
+    f"fits in a node, else the inter-node bandwidth; DDP hides behind {DDP_OVERLAP:.0%} of "
+    f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute, context parallel behind "
+    f"{CP_OVERLAP:.0%} of attention; tensor-parallel collectives and pipeline sends are exposed",
+    "pipeline bubble: (pp-1) x the busiest stage's micro-batch time, divided by v for "
+    "interleaved 1F1B and by 2v for zero-bubble (PyTorch's interleaved zero-bubble splits each "
+    "backward into input- and weight-gradient passes to fill it; credited half, not measured)",
+)
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    cp_comm_s: float
+    bubble_s: float
+    optimizer_s: float
+    offload_s: float
+    raw_comm_s: float = 0.0
+    """All communication before overlap: how much the prediction leans on hiding it."""
+
+    @property
+    def total(self) -> float:
+        return (self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
+                + self.cp_comm_s + self.bubble_s + self.optimizer_s + self.offload_s)
+
+
+def _ring(nbytes: float, n: int, bandwidth: float, all_reduce: bool) -> float:
+    if n <= 1:
+        return 0.0
+    factor = 2 * (n - 1) / n if all_reduce else (n - 1) / n
+    return factor * nbytes / bandwidth
+
+
+def _size_efficiency(k: float) -> float:
+    return k / (k + MATMUL_HALF_SIZE)
+
+
+def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
+                        layers: int, last: bool, peak: float) -> tuple[float, float]:
+    """(seconds of one micro-batch's forward + backward on one GPU of a pipeline rank with
+    `layers` blocks, of which attention) without recomputation."""
+    tokens = layout.micro_batch * seq_len / layout.cp
+    tp = layout.tp
+    d, f, kv = m.d_model, m.ffn_hidden, m.n_kv_heads * m.head_dim
+    n_in = 2 if m.mlp == "swiglu" else 1
+    # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
+    shapes = [(d, d / tp), (d, kv / tp), (d, kv / tp), (d / tp, d)]
+    shapes += [(d, f / tp)] * n_in + [(f / tp, d)]
+    rate = peak * hw.matmul_efficiency
+    block = sum(6 * tokens * k * n / (rate * _size_efficiency(min(tokens, k, n))) for k, n in shapes)
+    # Attention: QK^T and PV over the causal half of the (gathered) sequence, per head.
+    heads = m.n_heads / tp
+    attn_flops = 6 * 2 * tokens * seq_len * m.head_dim * heads / 2
+    attention = attn_flops / (rate * _size_efficiency(m.head_dim))
+    total = layers * (block + attention)
+    if last:
+        v = m.vocab_size / tp
+        total += 6 * tokens * d * v / (rate * _size_efficiency(min(tokens, d, v)))
+    return total, layers * attention
+
+
+def estimate_step(
+    m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int, global_batch: int,
+    precision: str, dp_overlap: float | None = None,
+) -> StepTime:
+    """`dp_overlap` replaces the fraction of compute data-parallel communication hides
+    behind (DDP_OVERLAP / FSDP_OVERLAP): 0 models an implementation that reduces gradients
+    after the backward pass (used to replay published runs of such systems)."""
+    pp, v, tp, cp = layout.pp, layout.pp_virtual_stages, layout.tp, layout.cp
+    micro_batches = global_batch // (layout.micro_batch * layout.dp)
+    peak = hw.fp8_flops if precision == "fp8" and hw.fp8_flops else hw.bf16_flops
+    if precision == "fp32":
+        peak = peak / 2  # TF32 tensor cores: half the BF16 rate
+    n_stages = pp * v
+    counts = stage_layer_counts(m.n_layers, n_stages, layout.pp_layers_first,
+                                layout.pp_layers_last, v)
+
+    # The busiest pipeline rank sets the pace.
+    t_mb, attention, busiest = 0.0, 0.0, 0
+    for rank in range(pp):
+        ids = [rank + i * pp for i in range(v)]
+        layers = sum(counts[s] for s in ids)
+        t, a = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak)
+        if t > t_mb:
+            t_mb, attention, busiest = t, a, rank
+    recompute = RECOMPUTE[layout.activation_checkpointing]
+    t_mb *= 1 + recompute
+    compute = micro_batches * t_mb
+
+    intra = hw.intra_node_gbps * 1e9 * hw.comm_efficiency
+    inter = hw.inter_node_gbps * 1e9 * hw.comm_efficiency
+    act_bytes = 2 if precision in ("bf16", "fp16", "fp8") else 4
+    tokens = layout.micro_batch * seq_len / cp
+    ids = [busiest + i * pp for i in range(v)]
+    layers = sum(counts[s] for s in ids)
+
+    # Tensor parallel: per block, two all-reduces forward and two backward (or the equal-volume
+    # all-gather + reduce-scatter pairs of sequence parallelism), not overlapped.
+    tp_bw = intra if tp <= hw.gpus_per_node else inter
+    per_collective = _ring(layout.micro_batch * seq_len / cp * m.d_model * act_bytes, tp, tp_bw,
+                           all_reduce=True)
+    tp_comm = micro_batches * layers * 4 * per_collective * (1 + recompute)
+
+    # Context parallel: the ring passes each rank's keys and values around (backward: and
+    # their gradients), hidden behind the attention it feeds.
+    cp_comm = ring = 0.0
+    if cp > 1:
+        cp_bw = intra if cp * tp <= hw.gpus_per_node else inter
+        kv_bytes = 2 * tokens * m.n_kv_heads * m.head_dim / tp * act_bytes
+        ring = 3 * (cp - 1) * kv_bytes / cp_bw * layers
+        cp_comm = micro_batches * max(0.0, ring - CP_OVERLAP * attention * (1 + recompute))
+
+    # Data parallel over dp x cp ranks (FSDP's shard group includes the cp ranks).
+    params = stage_parameters(m, layers, 0 in ids, n_stages - 1 in ids, tp).total
+    shard_group = layout.dp_shard * cp
+    span = layout.dp_shard * cp * tp  # consecutive ranks one shard group covers
+    shard_bw = intra if span <= hw.gpus_per_node else inter
+    grad_bytes = 4.0 * params
+    raw = 0.0
+    if layout.dp * cp == 1:
+        dp_comm = 0.0
+    elif not fsdp_active(layout):
+        dp_bw = intra if layout.dp * cp * tp <= hw.gpus_per_node else inter
+        raw = _ring(grad_bytes, layout.dp * cp, dp_bw, all_reduce=True)
+        hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
+        dp_comm = max(0.0, raw - hide * t_mb * 2 / 3)  # the last micro-batch's backward
+    else:
+        gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
+        scatters = 1 if layout.zero == 1 else micro_batches
+        raw = (gathers * _ring(act_bytes * params, shard_group, shard_bw, all_reduce=False)
+               + scatters * _ring(grad_bytes, shard_group, shard_bw, all_reduce=False))
+        if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
+            raw += _ring(grad_bytes / shard_group, layout.dp_replicate, inter, all_reduce=True)
+        hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
+        dp_comm = max(0.0, raw - hide * compute)
+
+    # Pipeline: each micro-batch's hidden state crosses every stage boundary both ways.
+    pp_comm = bubble = 0.0
+    if pp > 1:
+        pp_bw = intra if layout.world <= hw.gpus_per_node else inter
+        pp_comm = 2 * micro_batches * v * tokens * m.d_model * act_bytes / tp / pp_bw
+        per_mb = t_mb + tp_comm / micro_batches
+        bubble = (pp - 1) * per_mb / v
+        if layout.pp_schedule == "zero-bubble":
+            bubble *= ZERO_BUBBLE_FACTOR
+        elif layout.pp_schedule in ("gpipe", "1f1b"):
+            bubble = (pp - 1) * per_mb
+
+    local_params = params / (shard_group if fsdp_active(layout) else 1)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * local_params / (hw.hbm_gbps * 1e9)
+    offload = 0.0
+    if layout.offload != "none":
+        # Gradients to the host, parameters both ways, AdamW on the host CPU.
+        optimizer = 0.0
+        offload = 12.0 * local_params / HOST_LINK_BYTES_PER_S + local_params / HOST_ADAM_PARAMS_PER_S
+    if layout.offload == "params" and fsdp_active(layout):
+        # FSDP2's CPU offload copies each shard to the device before every all-gather and
+        # each reduced gradient shard back, micro-batch by micro-batch.
+        gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
+        scatters = 1 if layout.zero == 1 else micro_batches
+        offload += 4.0 * local_params * (gathers + scatters) / HOST_LINK_BYTES_PER_S
+    raw_comm = tp_comm + raw + pp_comm + micro_batches * ring
+    return StepTime(compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer, offload,
+                    raw_comm)

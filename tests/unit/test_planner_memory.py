@@ -1,0 +1,64 @@
+"""The planner's activation memory against what autograd really saves, in one process: the
+bytes held for backward at the end of a forward pass (saved-tensor hooks, plus selective
+checkpointing's cache), for several model shapes, precisions, checkpointing modes, document
+masks and dropout. Per-rank layouts (TP, SP, PP, ZeRO): tests/distributed/test_layouts.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from saved_memory import SavedTensorMeter, metered_contexts
+
+import tessel.parallel.apply as apply
+from tessel.config import ModelConfig
+from tessel.models.transformer import build_model
+from tessel.planner.layout import Layout
+from tessel.planner.memory import estimate_memory
+from tessel.train.loss import token_loss_sum
+
+LLAMA = dict(preset="tiny-llama", n_layers=3, d_model=128, n_heads=8, n_kv_heads=2,
+             ffn_hidden=352, vocab_size=1000)
+GPT = dict(preset="tiny", n_layers=4, d_model=96, n_heads=6, vocab_size=700, max_seq_len=256)
+CASES = [
+    (LLAMA, "fp32", "none", False, 0.0),
+    (LLAMA, "bf16", "none", False, 0.0),
+    (LLAMA, "fp32", "none", True, 0.0),
+    (LLAMA, "fp32", "full", False, 0.0),
+    (LLAMA, "fp32", "selective", False, 0.0),
+    (LLAMA, "bf16", "selective", True, 0.0),
+    (GPT, "fp32", "none", False, 0.0),
+    (GPT, "fp32", "none", True, 0.1),
+    (GPT, "bf16", "full", False, 0.0),
+    (GPT, "fp32", "selective", False, 0.1),
+]
+
+
+@pytest.mark.parametrize("shape, precision, ac, mask, dropout", CASES)
+def test_saved_activations_match_the_prediction(monkeypatch, shape, precision, ac, mask, dropout):
+    monkeypatch.setattr(apply, "create_selective_checkpoint_contexts",
+                        metered_contexts(apply.create_selective_checkpoint_contexts))
+    torch.manual_seed(0)
+    m = ModelConfig(**shape, dropout=dropout)
+    mbs, T = 3, 96
+    model = build_model(m, seed=0)
+    model.train()
+    if ac != "none":
+        apply.apply_activation_checkpointing(model, ac)
+    tokens = torch.randint(0, m.vocab_size, (mbs, T))
+    docs = torch.tensor([[0] * (T // 3) + [1] * (T - T // 3)] * mbs) if mask else None
+    meter = SavedTensorMeter.for_modules([model])
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                else contextlib.nullcontext())
+    with meter.measuring(), autocast:
+        loss = token_loss_sum(model(tokens, docs), torch.randint(0, m.vocab_size, (mbs, T)))
+    mem = estimate_memory(m, Layout(1, 1, 1, 1, 1, 0, mbs, ac), T, mbs, precision, mask)
+    # Autocast's weight casts are saved tensors too; the planner counts them with the
+    # parameters (their copies), above the fp32 masters.
+    casts = mem.parameters - 4 * sum(p.numel() for p in model.parameters())
+    predicted = mem.saved + casts
+    assert meter.peak == pytest.approx(predicted, rel=0.01), (meter.peak, predicted)
+    loss.backward()  # and all of it is released again
+    assert meter.current == 0
