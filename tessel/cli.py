@@ -7,6 +7,8 @@
     tessel launch k8s CONFIG.toml --nodes N --image IMAGE [...]           print a Kubeflow PyTorchJob
     tessel checkpoint consolidate RUN_DIR|CHECKPOINT [--output FILE]   one-file model
     tessel plan [CONFIG.toml] --gpus N [--gpu NAME] [--json]   predict memory/speed, pick a layout
+    tessel convert hf-to-tessel HF_DIR OUT_DIR              import Hugging Face weights
+    tessel convert tessel-to-hf RUN_DIR|CHECKPOINT HF_DIR   export for transformers/vLLM
     tessel generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     tessel presets                                          model shapes and parameter counts
     tessel config [CONFIG.toml] [--section.key=value ...]   print the resolved config
@@ -337,10 +339,50 @@ def cmd_checkpoint(argv: list[str]) -> int:
     return 0
 
 
+def cmd_convert(argv: list[str]) -> int:
+    p = _Parser(prog="tessel convert", description="Convert models between tessel and the "
+                "Hugging Face format (GPT2LMHeadModel, LlamaForCausalLM).")
+    sub = p.add_subparsers(dest="direction", required=True, metavar="{hf-to-tessel,tessel-to-hf}")
+    a = sub.add_parser(
+        "hf-to-tessel", help="an HF model directory -> tessel weights, config and tokenizer",
+        description="Convert a Hugging Face model directory (config.json, safetensors, "
+                    "tokenizer.json) into OUT_DIR: model.safetensors in tessel's names, a "
+                    "config.toml that fine-tunes from it (model.init_from), tokenizer.json.")
+    a.add_argument("source", metavar="HF_DIR")
+    a.add_argument("output", metavar="OUT_DIR")
+    b = sub.add_parser(
+        "tessel-to-hf", help="a run, checkpoint (any layout) or safetensors file -> HF directory",
+        description="Write a Hugging Face model directory that transformers loads "
+                    "(AutoModelForCausalLM, AutoTokenizer), reading the checkpoint tensor by "
+                    "tensor whatever parallel layout saved it.")
+    b.add_argument("source", metavar="RUN_DIR|CHECKPOINT|FILE")
+    b.add_argument("output", metavar="HF_DIR")
+    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights' dtype in the export (default float32, as trained)")
+    b.add_argument("--max-shard-size", default="5GB",
+                   help="split the weights into files of at most this size (default 5GB)")
+    args = p.parse_args(argv)
+
+    from pathlib import Path
+
+    import torch
+
+    from tessel.checkpoint.hf_convert import hf_to_tessel, parse_size, tessel_to_hf
+
+    if args.direction == "hf-to-tessel":
+        print(hf_to_tessel(Path(args.source), Path(args.output)))
+    else:
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+        print(tessel_to_hf(Path(args.source), Path(args.output), dtype,
+                           parse_size(args.max_shard_size)))
+    return 0
+
+
 COMMANDS = {
     "train": cmd_train,
     "launch": cmd_launch,
     "checkpoint": cmd_checkpoint,
+    "convert": cmd_convert,
     "plan": lambda argv: __import__("tessel.planner.command").planner.command.cmd_plan(argv),
     "generate": cmd_generate,
     "presets": cmd_presets,

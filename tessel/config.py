@@ -62,6 +62,16 @@ class ModelConfig(_Section):
     """Learned absolute position embeddings (GPT) or rotary embeddings (Llama)."""
     rope_theta: float = Field(10000.0, gt=0)
     """RoPE base frequency (Llama 3 uses 500000)."""
+    rope_scaling_factor: float = Field(1.0, ge=1)
+    """Llama 3.1's RoPE frequency scaling for long context: wavelengths above
+    rope_original_max_seq_len / rope_low_freq_factor are divided by this factor, those below
+    / rope_high_freq_factor kept, the band between interpolated. 1 = no scaling."""
+    rope_low_freq_factor: float = Field(1.0, gt=0)
+    """Llama 3 RoPE scaling: the low-frequency bound (see rope_scaling_factor)."""
+    rope_high_freq_factor: float = Field(4.0, gt=0)
+    """Llama 3 RoPE scaling: the high-frequency bound (see rope_scaling_factor)."""
+    rope_original_max_seq_len: int = Field(8192, gt=0)
+    """Llama 3 RoPE scaling: the context length the model was first trained at."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     """Normalisation layer."""
     norm_eps: float = Field(1e-5, gt=0)
@@ -77,21 +87,40 @@ class ModelConfig(_Section):
     init_std: float = Field(0.02, gt=0)
     """Standard deviation of the normal weight initialisation; residual output projections
     are scaled by 1/sqrt(2*n_layers) as in GPT-2."""
+    init_from: str | None = None
+    """Start from these weights instead of a random initialisation (a new run only): a
+    Hugging Face model directory (config.json + safetensors; GPT-2 or Llama), a directory
+    written by `tessel convert hf-to-tessel` or `tessel checkpoint consolidate`, or a tessel
+    run or checkpoint directory. Its shape fills the model fields; explicit ones must agree."""
 
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
+        """Shape sources, weakest first: the preset, the weights of init_from (whose shape
+        cannot be changed: an explicit field that disagrees is an error), explicit fields."""
         if not isinstance(data, Mapping):
             return data
-        name = data.get("preset", cls.model_fields["preset"].default)
-        if name is None:
-            return data
-        if not isinstance(name, str) or name not in PRESETS:
-            raise ValueError(
-                f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} "
-                "(`tessel presets` shows them)"
-            )
-        return {**PRESETS[name], **data}
+        init = _init_from_fields(data.get("init_from"))
+        default = None if init else cls.model_fields["preset"].default
+        name = data.get("preset", default)
+        preset = {}
+        if name is not None:
+            if not isinstance(name, str) or name not in PRESETS:
+                raise ValueError(
+                    f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} "
+                    "(`tessel presets` shows them)"
+                )
+            preset = PRESETS[name]
+        for key, value in init.items():
+            if key in data and data[key] != value and key in _SHAPE_FIELDS:
+                raise ValueError(
+                    f"model.{key}={data[key]!r} but the weights of model.init_from have "
+                    f"{value!r}; drop model.{key} (init_from sets the shape)"
+                )
+        merged = {**preset, **init, **data}
+        if init and "preset" not in data:
+            merged["preset"] = None
+        return merged
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> ModelConfig:
@@ -124,6 +153,24 @@ class ModelConfig(_Section):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+# What weights fix (other model fields, e.g. dropout, may differ from the source's).
+_SHAPE_FIELDS = {
+    "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "position",
+    "norm", "mlp", "tie_embeddings", "bias", "rope_theta", "rope_scaling_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
+}
+
+
+def _init_from_fields(path: Any) -> dict[str, Any]:
+    """The model fields of the weights at `path` (empty when unset or not there: a resumed
+    run's config.toml already states every field, and a new run checks the path itself)."""
+    if not isinstance(path, str) or not path:
+        return {}
+    from tessel.checkpoint.init_from import model_fields_of
+
+    return model_fields_of(Path(path))
 
 
 class DataConfig(_Section):
@@ -337,6 +384,9 @@ class CheckpointConfig(_Section):
     """Write checkpoints in a background thread (torch.distributed.checkpoint.async_save):
     training continues while the files are written; the checkpoint counts (state.json,
     `latest`) only once every rank has finished."""
+    hf_export_interval: int = Field(0, ge=0)
+    """Also write a Hugging Face copy of the model (checkpoints/step_N/hf, loadable by
+    transformers) with every checkpoint whose step is a multiple of N (0: never)."""
 
 
 class MetricsConfig(_Section):

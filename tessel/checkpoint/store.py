@@ -273,11 +273,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"it names {module}.{name}, which a checkpoint never holds")
 
 
-def _dcp_load(path: Path, sd: dict[str, Any]) -> None:
+def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False) -> None:
+    """`no_dist`: this process alone reads (e.g. rank 0 exporting while the others wait)."""
     _check_metadata(path)
     try:
         with quiet_single_process():
-            dcp.load(sd, checkpoint_id=str(path))
+            dcp.load(sd, checkpoint_id=str(path), no_dist=no_dist)
     except Exception as exc:  # DCP wraps per-rank failures; keep the first line
         first = str(exc).strip().splitlines()
         raise CheckpointError(
@@ -301,19 +302,26 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def read_full(path: Path, section: str, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Every tensor saved under `section` ("model", "optim" or "extra"), unsharded, in this
-    process's memory (e.g. to consolidate or compare checkpoints of any layout)."""
+def read_full(path: Path, section: str, skip: set[str] = frozenset(),
+              only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors saved under `section` ("model", "optim" or "extra"), unsharded, read by
+    this process alone (e.g. to consolidate, export or compare checkpoints of any layout):
+    all of them, or just the names in `only` (DCP then reads only their files' bytes)."""
     _check_metadata(path)
     meta = dcp.FileSystemReader(str(path)).read_metadata()
     prefix = section + "."
-    templates = {
-        key.removeprefix(prefix): torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for key, md in meta.state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(md, "size") and key.removeprefix(prefix) not in skip
-    }
+    templates = {}
+    for key, md in meta.state_dict_metadata.items():
+        name = key.removeprefix(prefix)
+        if not key.startswith(prefix) or not hasattr(md, "size") or name in skip:
+            continue
+        if only is None or name in only:
+            templates[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    if only is not None and only - set(templates):
+        missing = sorted(only - set(templates))[0]
+        raise CheckpointError(f"checkpoint {str(path)!r} has no tensor {missing!r}")
     holder = {section: templates}
-    _dcp_load(path, holder)
+    _dcp_load(path, holder, no_dist=True)
     return holder[section]
 
 

@@ -25,6 +25,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from tessel.errors import TesselError
 
 EOD_TOKEN = "<|endoftext|>"
+# End-of-text tokens of the tokenizers people bring (GPT-2, Llama 3, Llama 2 / Mistral, ...):
+# the first one present ends documents, so imported weights see the token they know.
+EOD_ALTERNATIVES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
 
 class TokenizerError(TesselError):
@@ -65,8 +68,8 @@ class Tokenizer:
         # Text that happens to spell a special token ("<|endoftext|>" in a document about
         # tokenizers) stays text: only the pipeline inserts real end-of-document ids.
         tok.encode_special_tokens = True
-        eod = tok.token_to_id(EOD_TOKEN)
-        if eod is None:  # e.g. a tokenizer.json without GPT-2's end-of-text token
+        eod = next((i for i in map(tok.token_to_id, EOD_ALTERNATIVES) if i is not None), None)
+        if eod is None:  # a tokenizer.json with no end-of-text token of any known name
             tok.add_special_tokens([EOD_TOKEN])
             eod = tok.token_to_id(EOD_TOKEN)
         self.eod_id: int = eod

@@ -29,12 +29,30 @@ def _norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos/sin table of shape (max_seq_len, head_dim/2, 2) in float32."""
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None,
+                     scaling: tuple[float, float, float, int] | None = None) -> torch.Tensor:
+    """cos/sin table of shape (max_seq_len, head_dim/2, 2) in float32. `scaling` = (factor,
+    low_freq_factor, high_freq_factor, original_max_seq_len): Llama 3.1's frequency scaling."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, *scaling)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(t, inv)  # (T, hd/2)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: float,
+                    original: int) -> torch.Tensor:
+    """Llama 3.1's RoPE frequency scaling (Meta's reference, as transformers computes it):
+    long wavelengths are divided by `factor`, short ones kept, the band between them
+    interpolated."""
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -140,7 +158,11 @@ class Transformer(nn.Module):
         cfg = self.cfg
         if cfg.position != "rope":
             return None
-        return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        scaling = None
+        if cfg.rope_scaling_factor != 1.0:
+            scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
+                       cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len)
+        return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=scaling)
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The initial value of parameter `name` (full, unsharded, float32, on CPU).

@@ -13,6 +13,7 @@ initialisation. Weights are initialised per parameter from its full, unsharded v
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,9 @@ from tessel.parallel.dims import ParallelDims
 from tessel.parallel.fsdp import DataParallel, apply_ddp, apply_fsdp, data_parallel_kind
 from tessel.parallel.pipeline import split_model
 from tessel.parallel.tensor import apply_tensor_parallel
+
+InitialValue = Callable[[str, tuple[int, ...]], torch.Tensor]
+"""The full initial value of a parameter, by name and shape."""
 
 
 @dataclass
@@ -62,8 +66,10 @@ class ParallelModel:
 
 def build_parallel_model(
     cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
-    param_dtype: torch.dtype | None,
+    param_dtype: torch.dtype | None, initial: InitialValue | None = None,
 ) -> ParallelModel:
+    """This rank's share of the model, initialised from `initial` (full tensor by name and
+    shape; e.g. weights of model.init_from) or else from the seeded random initialisation."""
     p = cfg.parallel
     with torch.device("meta"):
         whole = Transformer(cfg.model)
@@ -91,7 +97,7 @@ def build_parallel_model(
                           else mesh["dp_shard_cp"])
             apply_fsdp(stage, shard_mesh, p.zero, param_dtype, p.offload == "params")
     for _, stage in stages:
-        materialise(stage, device, cfg.train.seed)
+        materialise(stage, device, cfg.train.seed, initial)
     inner = [stage for _, stage in stages]
     parts: list[nn.Module] = list(inner)
     if kind == "ddp":
@@ -105,16 +111,20 @@ def build_parallel_model(
 
 
 @torch.no_grad()
-def materialise(model: Transformer, device: torch.device, seed: int) -> None:
+def materialise(model: Transformer, device: torch.device, seed: int,
+                initial: InitialValue | None = None) -> None:
     """Allocate `model`'s (possibly sharded) parameters on `device` and give each its slice
-    of the full initial value."""
+    of the full initial value (`initial(name, shape)`, else the seeded initialisation)."""
     # FSDP2's CPU offload keeps the sharded parameters in host memory (it requires them there
     # at its first use); buffers still live on the compute device.
     offloaded = _fsdp_offloaded(model)
     model.to_empty(device=torch.device("cpu") if offloaded else device)
     model.tie_weights()
     for name, param in model.named_parameters():
-        full = model.initial_value(name, param.shape, seed)
+        if initial is not None:
+            full = initial(name, tuple(param.shape))
+        else:
+            full = model.initial_value(name, param.shape, seed)
         if isinstance(param, DTensor):
             # Replicate -> the parameter's placements is a local slice: no communication.
             local_device = param.to_local().device

@@ -102,6 +102,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel, self.proc.world_size)
         self.dims.validate(cfg)
         resume_from = self._check_run_dir(resume)
+        self.init_source = self._init_source() if resume_from is None else None
         self._check_layout_on_device()
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.mesh = None
@@ -123,7 +124,9 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)
         param_dtype = torch.bfloat16 if self.precision.name == "bf16" else None
-        self.model = build_parallel_model(cfg, self.dims, self.mesh, self.device, param_dtype)
+        initial = self.init_source.get if self.init_source is not None else None
+        self.model = build_parallel_model(cfg, self.dims, self.mesh, self.device, param_dtype,
+                                          initial)
         offload_optimizer = cfg.parallel.offload == "optimizer"
         self.optimizers = [build_optimizer(m, cfg.optim, self.device, offload_optimizer)
                            for m in self.model.inner]
@@ -142,6 +145,12 @@ class Trainer:
         self.last_val_loss: float | None = None
         self._pending_save: PendingSave | None = None
         self._save_written = True
+        self.hf_export = None
+        if self.proc.is_main and cfg.checkpoint.hf_export_interval:
+            from tessel.checkpoint.hf_export import HFExporter
+
+            self.hf_export = HFExporter(cfg.checkpoint.hf_export_interval,
+                                        self.run_dir / "hf-export.log", self.display.print)
         if resume_from is not None:
             self._restore(*resume_from)
         self._stop_signal: int | None = None
@@ -172,6 +181,20 @@ class Trainer:
         if refusal is not None:
             self.display.print(f"tessel: --force: {refusal.split('; layouts')[0]}; trying anyway")
         return cfg
+
+    def _init_source(self):  # noqa: ANN202
+        """The weights of model.init_from for a new run, and their tokenizer when the data's
+        is left to `auto` (a fine-tune must read text with the tokenizer the weights know)."""
+        if not self.cfg.model.init_from:
+            return None
+        from tessel.checkpoint.init_from import WeightSource
+
+        source = WeightSource(Path(self.cfg.model.init_from), self.cfg.model)
+        self.display.print(f"tessel: initialising from {source.kind} {source.path}")
+        if self.cfg.data.tokenizer == "auto" and source.tokenizer.is_file():
+            self.cfg = self.cfg.with_overrides({"data.tokenizer": str(source.tokenizer)})
+            self.display.print(f"tessel: tokenizer from {source.tokenizer}")
+        return source
 
     def _check_layout_on_device(self) -> None:
         p = self.cfg.parallel
@@ -315,6 +338,8 @@ class Trainer:
             if self.step != self.last_saved_step:
                 self._save(start)
             self._publish_finished_save(wait=True)
+            if self.hf_export is not None:
+                self.hf_export.wait()
         except dist.DistBackendError as exc:
             raise self._collective_failure(exc) from None
         except RuntimeError as exc:
@@ -592,6 +617,8 @@ class Trainer:
 
     def _save(self, start: float) -> None:
         self._publish_finished_save(wait=True)  # one save in flight at a time
+        if self.hf_export is not None:
+            self.hf_export.wait()  # pruning must not remove a checkpoint being exported
         state: dict[str, Any] = {
             "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_prev + time.perf_counter() - start,
@@ -610,14 +637,18 @@ class Trainer:
         if isinstance(result, PendingSave):
             self._pending_save = result
             self._save_written = False  # until all ranks say otherwise (_should_stop)
+        elif self.hf_export is not None:
+            self.hf_export.after_publish(result, self.step)
         self.last_saved_step = self.step
 
     def _publish_finished_save(self, wait: bool = False) -> None:
         """Publish an asynchronous save once every rank has written it (or wait for it)."""
         pending = self._pending_save
         if pending is not None and (wait or self._save_written):
-            pending.finish()
+            path = pending.finish()
             self._pending_save = None
+            if self.hf_export is not None:
+                self.hf_export.after_publish(path, int(path.name.removeprefix("step_")))
             if self.proc.distributed:
                 dist.barrier(group=self._cpu_group())
 

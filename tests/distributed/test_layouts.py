@@ -188,11 +188,26 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ref")
     os.environ.setdefault("TESSEL_CACHE", str(root / "cache"))
     corpus = write_corpus(root / "corpus")
-    out = {"corpus": corpus}
-    for name, extra in (("llama", {}), ("gpt", GPT)):
+    out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
+    for name, extra in (("llama", {}), ("gpt", GPT), ("llama_hf", {"model.init_from": str(out["hf"])})):
         Trainer(Config.load(None, base(root / name, corpus, **extra)), console=False).train()
         out[name] = root / name
     return out
+
+
+def hf_llama_like_tiny(path: Path) -> Path:
+    """A random transformers Llama of the test model's shape, saved as HF does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    m = Config.load(None, {"model.preset": "tiny-llama", "model.n_layers": 4}).model
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_hidden,
+        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_seq_len,
+        rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps, tie_word_embeddings=False,
+    )).save_pretrained(path)
+    return path
 
 
 def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict]) -> dict:
@@ -236,6 +251,11 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
 def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
     spec = _spec(tmp_path, refs["corpus"], {**LAYOUTS_2, **COMPRESSED_2})
     spec["measure_memory"] = True
+    # Starting from Hugging Face weights (model.init_from): each rank loads its own shards.
+    from_hf = {"model.init_from": str(refs["hf"])}
+    for name, layout in {"tp2_from_hf": {"parallel.tp": 2}, "pp2_from_hf": {"parallel.pp": 2},
+                         "zero3_from_hf": {"parallel.zero": 3}}.items():
+        spec["runs"].append({"overrides": base(tmp_path / name, refs["corpus"], **from_hf, **layout)})
     proc = torchrun(2, spec, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     for name in LAYOUTS_2:
@@ -251,6 +271,8 @@ def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
         for step in range(1, STEPS + 1):  # the first step's loss precedes any reduction
             tol = 1e-5 if step <= exact_until else rel
             assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=tol), (name, step)
+    for name in ("tp2_from_hf", "pp2_from_hf", "zero3_from_hf"):
+        assert_same_run(tmp_path / name, refs["llama_hf"])
     # The asynchronous save published both checkpoints, complete.
     assert [s for s, _ in list_checkpoints(tmp_path / "zero2_ac_selective_async/checkpoints")] == [2, 4, 6]
 
@@ -285,6 +307,18 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     assert got.keys() == want.keys()
     for k in want:
         assert (got[k] - want[k]).abs().max() < 1e-4, k
+
+    # A Hugging Face export read straight from the 4-rank checkpoint's shards is exactly the
+    # export of its consolidated file, and matches the single-process run's export.
+    exports = {}
+    for name, src in (("sharded", tmp_path / "tp2_pp2"), ("file", tmp_path / "tp2_pp2/m.safetensors"),
+                      ("single", refs["llama"])):
+        assert main(["convert", "tessel-to-hf", str(src), str(tmp_path / f"hf_{name}")]) == 0
+        exports[name] = load_file(tmp_path / f"hf_{name}/model.safetensors")
+    assert exports["sharded"].keys() == exports["file"].keys() == exports["single"].keys()
+    for k in exports["single"]:
+        assert torch.equal(exports["sharded"][k], exports["file"][k]), k
+        assert (exports["sharded"][k] - exports["single"][k]).abs().max() < 1e-4, k
 
     # ... and the same 4-rank checkpoint resumed by one process.
     single = tmp_path / "reshard_single"

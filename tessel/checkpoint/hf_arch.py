@@ -1,0 +1,338 @@
+"""How tessel's model maps onto Hugging Face `transformers` architectures, one place per
+architecture: config fields both ways, tensor names, and the layout changes between them.
+
+- GPT-2 (`GPT2LMHeadModel`): Conv1D weights are stored (in, out), so every matmul weight is
+  transposed; queries, keys and values are one fused `c_attn` (q | k | v along the output).
+- Llama (`LlamaForCausalLM`): HF rotates the two halves of each head (`rotate_half`), tessel
+  (like Meta's original code) rotates interleaved pairs, so the rows of q_proj and k_proj are
+  permuted per head (`_to_pairs` / `_to_halves`, exact inverses of each other).
+
+Tensors flow through generators, one (or, for GPT-2's fused attention, three) at a time, so
+a conversion never holds the whole model twice. Needs only the standard library and torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tessel.errors import TesselError
+
+if TYPE_CHECKING:
+    from tessel.config import ModelConfig
+
+Read = Callable[[str], torch.Tensor]  # a tensor by name, full and unsharded
+
+
+class HFError(TesselError):
+    """A Hugging Face checkpoint tessel cannot use, or cannot produce; names the field."""
+
+
+class Architecture:
+    """One HF architecture: its config and tensor mapping. `tessel_from_hf(m)` maps each
+    tessel parameter name to a function that builds it from HF tensors (read by name), and
+    `hf_from_tessel(m)` the reverse, so a conversion or a rank loading its shards asks for
+    one tensor at a time."""
+
+    model_type: str
+    hf_class: str
+    def alternatives(self, name: str) -> tuple[str, ...]:
+        """Other names an HF tensor may be saved under."""
+        return ()
+
+    def model_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        """tessel `model.*` fields from an HF config.json (`where` names it in errors)."""
+        raise NotImplementedError
+
+    def hf_config(self, m: ModelConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def tessel_from_hf(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
+        raise NotImplementedError
+
+    def hf_from_tessel(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
+        raise NotImplementedError
+
+    def to_tessel(self, read: Read, m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, build in self.tessel_from_hf(m).items():
+            yield name, build(read)
+
+    def to_hf(self, read: Read, m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, build in self.hf_from_tessel(m).items():
+            yield name, build(read)
+
+
+def _same(name: str) -> Callable[[Read], torch.Tensor]:
+    return lambda read: read(name)
+
+
+def _transposed(name: str) -> Callable[[Read], torch.Tensor]:
+    return lambda read: read(name).t().contiguous()
+
+
+def _get(hf: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is ...:
+        raise HFError(f"{where}: missing field {key!r}")
+    return default
+
+
+def _require(hf: dict[str, Any], key: str, allowed: tuple, where: str, default: Any) -> Any:
+    value = hf.get(key, default)
+    if value not in allowed:
+        raise HFError(f"{where}: {key}={value!r} is not supported (tessel supports "
+                      f"{', '.join(repr(a) for a in allowed)})")
+    return value
+
+
+class GPT2(Architecture):
+    model_type = "gpt2"
+    hf_class = "GPT2LMHeadModel"
+    def alternatives(self, name: str) -> tuple[str, ...]:
+        # GPT2Model (no LM head) saves its tensors without the "transformer." prefix.
+        return (name.removeprefix("transformer."),)
+
+    def model_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        _require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), where, "gelu_new")
+        _require(hf, "scale_attn_weights", (True,), where, True)
+        _require(hf, "scale_attn_by_inverse_layer_idx", (False,), where, False)
+        _require(hf, "reorder_and_upcast_attn", (False,), where, False)
+        d = _get(hf, "n_embd", where)
+        return {
+            "n_layers": _get(hf, "n_layer", where), "d_model": d,
+            "n_heads": _get(hf, "n_head", where), "n_kv_heads": _get(hf, "n_head", where),
+            "ffn_hidden": _get(hf, "n_inner", where, 4 * d),
+            "vocab_size": _get(hf, "vocab_size", where),
+            "max_seq_len": _get(hf, "n_positions", where), "position": "learned",
+            "norm": "layernorm", "norm_eps": float(_get(hf, "layer_norm_epsilon", where, 1e-5)),
+            "mlp": "gelu", "bias": True,
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        }
+
+    def hf_config(self, m: ModelConfig) -> dict[str, Any]:
+        if not (m.position == "learned" and m.norm == "layernorm" and m.mlp == "gelu" and m.bias
+                and m.n_kv_heads == m.n_heads):
+            raise HFError("model: only the GPT-2 shape (learned positions, LayerNorm, GELU, "
+                          "biases, multi-head attention) exports as GPT2LMHeadModel")
+        return {
+            "architectures": [self.hf_class], "model_type": self.model_type,
+            "n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads,
+            "n_inner": m.ffn_hidden, "vocab_size": m.vocab_size, "n_positions": m.max_seq_len,
+            "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new",
+            "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "tie_word_embeddings": m.tie_embeddings,
+            "initializer_range": m.init_std, "use_cache": True,
+        }
+
+    # (tessel name, HF name without "transformer.", stored transposed in HF)
+    _ROOT = (("tok_embeddings.weight", "wte.weight", False),
+             ("pos_embeddings.weight", "wpe.weight", False),
+             ("norm.weight", "ln_f.weight", False), ("norm.bias", "ln_f.bias", False))
+    _BLOCK = (
+        ("attention_norm.weight", "ln_1.weight", False),
+        ("attention_norm.bias", "ln_1.bias", False),
+        ("attention.wo.weight", "attn.c_proj.weight", True),
+        ("attention.wo.bias", "attn.c_proj.bias", False),
+        ("ffn_norm.weight", "ln_2.weight", False),
+        ("ffn_norm.bias", "ln_2.bias", False),
+        ("feed_forward.w1.weight", "mlp.c_fc.weight", True),
+        ("feed_forward.w1.bias", "mlp.c_fc.bias", False),
+        ("feed_forward.w2.weight", "mlp.c_proj.weight", True),
+        ("feed_forward.w2.bias", "mlp.c_proj.bias", False),
+    )
+
+    def _names(self, m: ModelConfig) -> list[tuple[str, str, Any]]:
+        names = [(t, "transformer." + h, "t" if tr else None) for t, h, tr in self._ROOT]
+        for i in range(m.n_layers):
+            names += [(f"layers.{i}.{t}", f"transformer.h.{i}.{h}", "t" if tr else None)
+                      for t, h, tr in self._BLOCK]
+        if not m.tie_embeddings:
+            names.append(("output.weight", "lm_head.weight", None))
+        return names
+
+    def tessel_from_hf(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
+        out = _one_to_one(self._names(m), m, to_tessel=True)
+        d = m.d_model
+        for i in range(m.n_layers):  # the fused c_attn holds q | k | v along its output
+            h, t = f"transformer.h.{i}.attn.c_attn", f"layers.{i}.attention"
+            for j, n in enumerate(("wq", "wk", "wv")):
+                out[f"{t}.{n}.weight"] = _slice(h + ".weight", j * d, (j + 1) * d, transpose=True)
+                out[f"{t}.{n}.bias"] = _slice(h + ".bias", j * d, (j + 1) * d, transpose=False)
+        return out
+
+    def hf_from_tessel(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
+        out = _one_to_one(self._names(m), m, to_tessel=False)
+        for i in range(m.n_layers):
+            h, t = f"transformer.h.{i}.attn.c_attn", f"layers.{i}.attention"
+            out[h + ".weight"] = _fused([f"{t}.{n}.weight" for n in ("wq", "wk", "wv")], True)
+            out[h + ".bias"] = _fused([f"{t}.{n}.bias" for n in ("wq", "wk", "wv")], False)
+        return out
+
+
+def _slice(name: str, lo: int, hi: int, transpose: bool) -> Callable[[Read], torch.Tensor]:
+    if transpose:
+        return lambda read: read(name)[:, lo:hi].t().contiguous()
+    return lambda read: read(name)[lo:hi].clone()
+
+
+def _fused(names: list[str], transpose: bool) -> Callable[[Read], torch.Tensor]:
+    if transpose:
+        return lambda read: torch.cat([read(n).t() for n in names], dim=1)
+    return lambda read: torch.cat([read(n) for n in names])
+
+
+def _one_to_one(names: list[tuple[str, str, Any]], m: ModelConfig, to_tessel: bool
+                ) -> dict[str, Callable[[Read], torch.Tensor]]:
+    """(tessel name, HF name, change) -> {target name: build from source tensors}; a change
+    is None, "t" (transposed) or the config attribute of the head count whose rows are
+    permuted (each change is its own inverse in the other direction)."""
+    out: dict[str, Callable[[Read], torch.Tensor]] = {}
+    for t, h, change in names:
+        src, dst = (h, t) if to_tessel else (t, h)
+        if change is None:
+            out[dst] = _same(src)
+        elif change == "t":
+            out[dst] = _transposed(src)
+        else:
+            out[dst] = _permuted(src, getattr(m, change), to_tessel)
+    return out
+
+
+def _permuted(name: str, heads: int, to_pairs: bool) -> Callable[[Read], torch.Tensor]:
+    permute = _to_pairs if to_pairs else _to_halves
+    return lambda read: permute(read(name), heads)
+
+
+def _to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of one head ordered [first half | second half] -> interleaved pairs."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of `_to_pairs`."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class Llama(Architecture):
+    model_type = "llama"
+    hf_class = "LlamaForCausalLM"
+
+    def model_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        _require(hf, "hidden_act", ("silu",), where, "silu")
+        attn_bias = hf.get("attention_bias", False)
+        mlp_bias = hf.get("mlp_bias", False)
+        if attn_bias or mlp_bias:
+            raise HFError(f"{where}: attention_bias/mlp_bias=true is not supported (tessel's "
+                          "Llama shape has no biases)")
+        d, heads = _get(hf, "hidden_size", where), _get(hf, "num_attention_heads", where)
+        head_dim = hf.get("head_dim") or d // heads
+        if head_dim * heads != d:
+            raise HFError(f"{where}: head_dim={head_dim} x num_attention_heads={heads} != "
+                          f"hidden_size={d}; tessel needs head_dim = hidden_size / heads")
+        rope = dict(hf.get("rope_parameters") or {})  # transformers 5
+        legacy = hf.get("rope_scaling") or {}  # transformers 4
+        rope.update({k: v for k, v in legacy.items() if k not in rope})
+        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        fields: dict[str, Any] = {
+            "n_layers": _get(hf, "num_hidden_layers", where), "d_model": d, "n_heads": heads,
+            "n_kv_heads": _get(hf, "num_key_value_heads", where, heads),
+            "ffn_hidden": _get(hf, "intermediate_size", where),
+            "vocab_size": _get(hf, "vocab_size", where),
+            "max_seq_len": _get(hf, "max_position_embeddings", where), "position": "rope",
+            "rope_theta": theta, "norm": "rmsnorm",
+            "norm_eps": float(_get(hf, "rms_norm_eps", where, 1e-6)), "mlp": "swiglu",
+            "bias": False, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "rope_scaling_factor": 1.0,
+        }
+        if kind == "llama3":
+            fields.update({
+                "rope_scaling_factor": float(_get(rope, "factor", f"{where} rope scaling")),
+                "rope_low_freq_factor": float(_get(rope, "low_freq_factor", where)),
+                "rope_high_freq_factor": float(_get(rope, "high_freq_factor", where)),
+                "rope_original_max_seq_len": int(_get(rope, "original_max_position_embeddings",
+                                                      where)),
+            })
+        elif kind != "default":
+            raise HFError(f"{where}: rope scaling {kind!r} is not supported (tessel supports "
+                          "none and 'llama3')")
+        return fields
+
+    def hf_config(self, m: ModelConfig) -> dict[str, Any]:
+        if not (m.position == "rope" and m.norm == "rmsnorm" and m.mlp == "swiglu" and not m.bias):
+            raise HFError("model: only the Llama shape (RoPE, RMSNorm, SwiGLU, no biases) "
+                          "exports as LlamaForCausalLM")
+        out = {
+            "architectures": [self.hf_class], "model_type": self.model_type,
+            "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
+            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+            "head_dim": m.head_dim, "intermediate_size": m.ffn_hidden,
+            "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len,
+            "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout,
+            "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+            "use_cache": True, "rope_scaling": None,
+        }
+        if m.rope_scaling_factor != 1.0:
+            # Written the transformers-4 way (rope_theta + rope_scaling), which 5 also reads.
+            out["rope_scaling"] = {
+                "rope_type": "llama3", "factor": m.rope_scaling_factor,
+                "low_freq_factor": m.rope_low_freq_factor,
+                "high_freq_factor": m.rope_high_freq_factor,
+                "original_max_position_embeddings": m.rope_original_max_seq_len,
+            }
+        return out
+
+    # (tessel name in block, HF name in layer, the rows' head count for q/k, else None)
+    _BLOCK = (
+        ("attention_norm.weight", "input_layernorm.weight", None),
+        ("attention.wq.weight", "self_attn.q_proj.weight", "n_heads"),
+        ("attention.wk.weight", "self_attn.k_proj.weight", "n_kv_heads"),
+        ("attention.wv.weight", "self_attn.v_proj.weight", None),
+        ("attention.wo.weight", "self_attn.o_proj.weight", None),
+        ("ffn_norm.weight", "post_attention_layernorm.weight", None),
+        ("feed_forward.w1.weight", "mlp.gate_proj.weight", None),
+        ("feed_forward.w3.weight", "mlp.up_proj.weight", None),
+        ("feed_forward.w2.weight", "mlp.down_proj.weight", None),
+    )
+
+    def _names(self, m: ModelConfig) -> list[tuple[str, str, Any]]:
+        names = [("tok_embeddings.weight", "model.embed_tokens.weight", None)]
+        for i in range(m.n_layers):
+            names += [(f"layers.{i}.{t}", f"model.layers.{i}.{h}", heads)
+                      for t, h, heads in self._BLOCK]
+        names.append(("norm.weight", "model.norm.weight", None))
+        if not m.tie_embeddings:
+            names.append(("output.weight", "lm_head.weight", None))
+        return names
+
+    def tessel_from_hf(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
+        return _one_to_one(self._names(m), m, to_tessel=True)
+
+    def hf_from_tessel(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
+        return _one_to_one(self._names(m), m, to_tessel=False)
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (GPT2(), Llama())}
+
+
+def for_hf_config(hf: dict[str, Any], where: str) -> Architecture:
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        archs = hf.get("architectures") or []
+        raise HFError(
+            f"{where}: unsupported architecture {kind or archs!r}; tessel converts "
+            f"{', '.join(a.hf_class for a in ARCHITECTURES.values())}"
+        )
+    return ARCHITECTURES[kind]
+
+
+def for_model(m: ModelConfig) -> Architecture:
+    """GPT-2 for the learned-position GELU shape, Llama for the RoPE SwiGLU one."""
+    return ARCHITECTURES["llama" if m.position == "rope" else "gpt2"]

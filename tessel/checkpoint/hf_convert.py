@@ -1,0 +1,144 @@
+"""Conversions between tessel and the Hugging Face format, tensor by tensor.
+
+    hf_to_tessel(HF_DIR, OUT)       OUT/model.safetensors (tessel names), config.toml (the
+                                    model, init_from = OUT), tokenizer.json
+    tessel_to_hf(SOURCE, OUT)       an HF directory transformers loads: config.json,
+                                    model.safetensors or shards + index, tokenizer files;
+                                    SOURCE: a run, a checkpoint (any layout) or a tessel
+                                    safetensors file
+
+Exports read one tensor at a time from the checkpoint (its DCP shards, whatever layout wrote
+them) and write each HF shard as soon as it is full, so the host holds at most one shard and
+a tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from tessel.checkpoint.hf_arch import HFError, for_hf_config, for_model
+from tessel.checkpoint.hf_io import DEFAULT_SHARD_BYTES, HFReader, read_json, write_hf
+from tessel.checkpoint.init_from import WeightSource
+from tessel.config import Config, ModelConfig
+from tessel.fileio import fsync_dir
+
+FINE_TUNE_SEQ_LEN = 1024  # the generated config's sequence length (the model's, if shorter)
+
+
+def _tokenizer_vocab(path: Path) -> int | None:
+    if not path.is_file():
+        return None
+    from tessel.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).vocab_size
+
+
+def hf_to_tessel(src: Path, out: Path) -> str:
+    """Convert the HF model directory `src` into `out`; returns a one-line summary."""
+    where = str(src / "config.json")
+    hf = read_json(src / "config.json")
+    arch = for_hf_config(hf, where)  # the architecture first, then the weights
+    m = ModelConfig(preset=None, **arch.model_fields(hf, where))
+    reader = HFReader(src)
+    vocab = _tokenizer_vocab(src / "tokenizer.json")
+    if vocab is not None and vocab > m.vocab_size:
+        raise HFError(f"{str(src / 'tokenizer.json')!r} has {vocab} ids but {where} has "
+                      f"vocab_size={m.vocab_size}; the tokenizer does not match the model")
+    out = out.resolve()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        read = lambda name: reader.get(name, *arch.alternatives(name))  # noqa: E731
+        tensors = {name: t.contiguous() for name, t in arch.to_tessel(read, m)}
+        info = {"format": "tessel", "source": f"{arch.hf_class} {src}",
+                "model_config": json.dumps(m.model_dump())}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata=info)
+        count, size = len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+        overrides: dict[str, Any] = {f"model.{k}": v for k, v in m.model_dump().items()
+                                     if v is not None}
+        overrides["model.init_from"] = str(out)
+        overrides["train.seq_len"] = min(m.max_seq_len, FINE_TUNE_SEQ_LEN)
+        if (src / "tokenizer.json").is_file():
+            shutil.copy(src / "tokenizer.json", tmp / "tokenizer.json")
+            overrides["data.tokenizer"] = str(out / "tokenizer.json")
+        (tmp / "config.toml").write_text(Config.load(None, overrides).to_toml())
+        fsync_dir(tmp)
+        if out.exists():
+            raise HFError(f"{str(out)!r} already exists; choose a new output directory")
+        tmp.rename(out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return (f"wrote {out}: {count} tensors, {size / 2**20:.1f} MiB from {arch.hf_class} "
+            f"({m.n_layers} layers, d_model {m.d_model}); fine-tune with "
+            f"`tessel train {out / 'config.toml'} --data.paths=...`")
+
+
+def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+    """Export the model at `src` (run, checkpoint or tessel safetensors) to the HF directory
+    `out`; returns a one-line summary."""
+    from tessel.checkpoint.init_from import model_fields_of
+
+    if not src.exists():
+        raise HFError(f"{str(src)!r} does not exist")
+    if (src / "config.json").is_file():
+        raise HFError(f"{str(src)!r} is already a Hugging Face model directory")
+    m = ModelConfig(preset=None, **model_fields_of(src))
+    source = WeightSource(src, m)
+    tokenizer_path = source.tokenizer
+    arch = for_model(m)
+    config = arch.hf_config(m)
+    files: dict[str, str] = {}
+    if tokenizer_path is not None and tokenizer_path.is_file():
+        from tessel.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer_path)
+        if tok.vocab_size > m.vocab_size:
+            raise HFError(f"{str(tokenizer_path)!r} has {tok.vocab_size} ids but the model has "
+                          f"vocab_size={m.vocab_size}; the tokenizer does not match the model")
+        eos = tok.hf.id_to_token(tok.eod_id)
+        config.update({"bos_token_id": tok.eod_id, "eos_token_id": tok.eod_id})
+        files["tokenizer.json"] = tok.to_json()
+        files["tokenizer_config.json"] = json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos,
+            "model_max_length": m.max_seq_len, "clean_up_tokenization_spaces": False,
+        }, indent=2)
+    shapes = _shapes(m)
+    read = lambda name: source.get(name, shapes[name])  # noqa: E731
+    count, size = write_hf(out, config, arch.to_hf(read, m), files, max_shard_bytes, dtype)
+    return (f"wrote {out}: {arch.hf_class}, {count} tensors, {size / 2**20:.1f} MiB "
+            f"({'one file' if size <= max_shard_bytes else 'sharded'}); load it with "
+            "transformers.AutoModelForCausalLM.from_pretrained")
+
+
+def _shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from tessel.models.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(m)
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30}
+    t = text.strip().lower()
+    number = t.rstrip("kmgib")
+    try:
+        value = float(number) * units[t[len(number):]]
+    except (ValueError, KeyError):
+        raise HFError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or 2GiB") from None
+    if value < 1:
+        raise HFError("--max-shard-size must be positive")
+    return int(value)

@@ -1,0 +1,144 @@
+"""Starting weights from elsewhere (`model.init_from`): their model shape, their tokenizer,
+and each tensor by tessel's name, one at a time, from
+
+- a Hugging Face model directory (config.json + safetensors; GPT-2 or Llama), converted on
+  the fly (`hf_arch`);
+- a single safetensors file of tessel's names (`tessel checkpoint consolidate`), or a
+  directory holding one as model.safetensors (`tessel convert hf-to-tessel`);
+- a tessel run directory (its latest checkpoint) or checkpoint directory, any layout (DCP).
+
+Every rank of a parallel layout asks for the full tensors of the parameters it holds and
+keeps its slice (see `tessel.parallel.apply.materialise`), so loading works for any layout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from tessel.checkpoint.hf_arch import HFError, for_hf_config
+from tessel.checkpoint.hf_io import HFReader, read_json
+
+if TYPE_CHECKING:
+    from tessel.config import ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_MODEL_FIELDS = (
+    "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "ffn_hidden",
+    "position", "rope_theta", "norm", "norm_eps", "mlp", "tie_embeddings", "bias",
+    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_seq_len",
+)
+
+
+def _tessel_file(path: Path) -> Path | None:
+    """The tessel-format safetensors file at `path` (a file, or DIR/model.safetensors)."""
+    file = path if path.is_file() else path / "model.safetensors"
+    if not file.is_file() or file.suffix != ".safetensors":
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+    return file if meta.get("format") == "tessel" else None
+
+
+def _tessel_checkpoint(path: Path) -> Path | None:
+    """The DCP checkpoint at `path`: itself, or a run directory's latest."""
+    from tessel.checkpoint.store import latest_checkpoint
+
+    if (path / "state.json").is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        return latest_checkpoint(path / "checkpoints")
+    return None
+
+
+def model_fields_of(path: Path) -> dict[str, Any]:
+    """The model fields the weights at `path` fix ({} when nothing is there yet)."""
+    if not path.exists():
+        return {}
+    where = str(path)
+    if (path / "config.json").is_file():
+        hf = read_json(path / "config.json")
+        return for_hf_config(hf, f"{where}/config.json").model_fields(hf, f"{where}/config.json")
+    model: dict[str, Any] | None = None
+    file = _tessel_file(path)
+    if file is not None:
+        with safe_open(str(file), framework="pt") as f:
+            model = json.loads((f.metadata() or {}).get("model_config", "{}"))
+    elif (path / "config.toml").is_file():
+        model = tomllib.loads((path / "config.toml").read_text()).get("model", {})
+    else:
+        ckpt = _tessel_checkpoint(path)
+        if ckpt is not None:
+            from tessel.checkpoint.store import read_state
+
+            model = read_state(ckpt).get("config", {}).get("model", {})
+    if not model:
+        raise HFError(
+            f"model.init_from={where!r} holds no model tessel can read (a Hugging Face "
+            "directory with config.json, a tessel safetensors file, or a tessel run or "
+            "checkpoint directory)"
+        )
+    return {k: model[k] for k in _MODEL_FIELDS if k in model}
+
+
+class WeightSource:
+    """Full tensors by tessel parameter name, from `path`, for a model of shape `m`."""
+
+    def __init__(self, path: Path, m: ModelConfig):
+        self.path = path
+        self._get: Callable[[str], torch.Tensor]
+        if (path / "config.json").is_file():
+            arch = for_hf_config(read_json(path / "config.json"), str(path / "config.json"))
+            reader = HFReader(path)
+            table = arch.tessel_from_hf(m)
+            read = lambda name: reader.get(name, *arch.alternatives(name))  # noqa: E731
+            self._get = lambda name: table[name](read)
+            self.kind = f"Hugging Face {arch.hf_class}"
+            self.tokenizer = path / "tokenizer.json"
+            return
+        file = _tessel_file(path)
+        if file is not None:
+            handle = safe_open(str(file), framework="pt")
+            names = set(handle.keys())
+
+            def get(name: str) -> torch.Tensor:
+                if name not in names and name == "output.weight":  # stored once when tied
+                    name = "tok_embeddings.weight"
+                return handle.get_tensor(name)
+
+            self._get = get
+            self.kind = "tessel safetensors"
+            self.tokenizer = file.parent / "tokenizer.json"
+            return
+        ckpt = _tessel_checkpoint(path)
+        if ckpt is None:
+            raise HFError(f"model.init_from={str(path)!r} does not exist or holds no weights")
+        from tessel.checkpoint.store import read_full
+
+        self._get = lambda name: read_full(ckpt, "model", only={name})[name]
+        self.kind = f"tessel checkpoint {ckpt.name}"
+        self.tokenizer = ckpt.parent.parent / "tokenizer.json"
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor `name` in float32, checked against the model's `shape`."""
+        try:
+            tensor = self._get(name)
+        except KeyError:
+            raise HFError(f"model.init_from={str(self.path)!r}: no tensor for {name!r}") from None
+        if tuple(tensor.shape) != tuple(shape):
+            raise HFError(
+                f"model.init_from={str(self.path)!r}: tensor {name!r} has shape "
+                f"{tuple(tensor.shape)}, the model's is {tuple(shape)}"
+            )
+        return tensor.to(torch.float32)

@@ -1,0 +1,199 @@
+"""Hugging Face interop against `transformers` itself: small random HF models built in the
+test (no hub), converted both ways, compared logit by logit and token by token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_cli import assert_one_line_error, tessel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from tessel.checkpoint import latest_checkpoint
+from tessel.checkpoint.init_from import WeightSource
+from tessel.cli import main
+from tessel.config import Config, ModelConfig
+from tessel.data.tokenizer import train_bpe
+from tessel.generate import sample
+from tessel.models.transformer import Transformer
+from tessel.parallel.apply import materialise
+
+VOCAB = 320
+
+
+def hf_llama(**kw) -> LlamaForCausalLM:
+    """GQA, untied embeddings, Llama 3 RoPE scaling that matters at these lengths."""
+    return LlamaForCausalLM(LlamaConfig(**{
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        **kw}))
+
+
+def hf_gpt2(**kw) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(**{
+        "vocab_size": VOCAB, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **kw}))
+
+
+def save_hf(model, path: Path, corpus: Path | None = None) -> Path:
+    """Save with random (not all-ones) norms, and a tokenizer.json trained on `corpus`."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    if corpus is not None:
+        texts = [f.read_text() for f in sorted(corpus.iterdir())]
+        train_bpe(texts, VOCAB - 20).save(path / "tokenizer.json")
+    return path
+
+
+def tessel_model(path: Path, m: ModelConfig | None = None) -> Transformer:
+    """A tessel model initialised from `path` (any source init_from accepts)."""
+    if m is None:
+        m = Config.load(None, {"model.init_from": str(path)}).model
+    with torch.device("meta"):
+        model = Transformer(m)
+    materialise(model, torch.device("cpu"), 0, WeightSource(path, m).get)
+    return model.eval()
+
+
+MODELS = {"gpt2": hf_gpt2, "llama": hf_llama}
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_hf_to_tessel_matches_transformers_and_round_trips_bit_for_bit(arch, tmp_path: Path, capsys):
+    hf = MODELS[arch]().eval()
+    src = save_hf(hf, tmp_path / "hf")
+    assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "tessel")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    model = tessel_model(tmp_path / "tessel")
+    x = torch.randint(0, VOCAB, (3, 100))  # longer than Llama's original 32: scaling matters
+    with torch.no_grad():
+        ours, theirs = model(x), hf(x).logits
+    assert (ours - theirs).abs().max() <= 1e-5
+    # Greedy decoding picks the same tokens.
+    prompt = x[0, :10].tolist()
+    got = sample(model, prompt, 24, temperature=0)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, 10:].tolist()
+    assert got == want
+    # The same weights straight from the HF directory (init_from), and back to HF exactly.
+    direct = tessel_model(src)
+    for (n, a), (_, b) in zip(model.state_dict().items(), direct.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert main(["convert", "tessel-to-hf", str(tmp_path / "tessel"), str(tmp_path / "back")]) == 0
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "back/model.safetensors")
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+
+
+def test_fine_tuned_model_exports_to_transformers_with_the_same_logits(tmp_path: Path, corpus: Path):
+    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
+    run = tmp_path / "run"
+    out = tessel("train", f"--model.init_from={src}", f"--run.dir={run}", "--data.source=files",
+                 f"--data.paths=['{corpus}']", "--train.seq_len=64", "--train.steps=4",
+                 "--train.micro_batch_size=2", "--train.global_batch_size=4",
+                 "--train.eval_interval=0", "--train.eval_iters=1", "--checkpoint.interval=2",
+                 "--checkpoint.hf_export_interval=2", "--metrics.tensorboard=false")
+    assert out.returncode == 0, out.stderr
+    assert f"initialising from Hugging Face LlamaForCausalLM {src}" in out.stdout
+    assert f"tokenizer from {src / 'tokenizer.json'}" in out.stdout
+    assert Config.load(run / "config.toml").data.tokenizer == str(src / "tokenizer.json")
+
+    export = tmp_path / "exported"
+    assert main(["convert", "tessel-to-hf", str(run), str(export)]) == 0
+    ckpt = latest_checkpoint(run / "checkpoints")
+    ours = tessel_model(ckpt)
+    theirs = AutoModelForCausalLM.from_pretrained(export).eval()
+    x = torch.randint(0, VOCAB, (2, 80))
+    with torch.no_grad():
+        assert (ours(x) - theirs(x).logits).abs().max() <= 1e-5
+    # Training moved the weights away from the starting point.
+    assert not torch.equal(tessel_model(src).output.weight, ours.output.weight)
+    # AutoTokenizer reads the exported tokenizer as tessel does.
+    tok = AutoTokenizer.from_pretrained(export)
+    text = "the model reads tokens and predicts the next token"
+    from tessel.data.tokenizer import load_tokenizer
+
+    assert tok(text, add_special_tokens=False)["input_ids"] == load_tokenizer(
+        src / "tokenizer.json").encode(text)
+    # The exports written during training (steps 2 and 4) load too, and the last is the same.
+    for step in (2, 4):
+        assert (run / f"checkpoints/step_{step:08d}/hf/config.json").is_file()
+    during = load_file(run / "checkpoints/step_00000004/hf/model.safetensors")
+    after = load_file(export / "model.safetensors")
+    assert all(torch.equal(during[k], after[k]) for k in after)
+
+
+def test_sharded_output_above_the_size_limit_and_bf16(tmp_path: Path):
+    src = save_hf(hf_gpt2(), tmp_path / "hf")
+    assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "t")]) == 0
+    out = tmp_path / "sharded"
+    assert main(["convert", "tessel-to-hf", str(tmp_path / "t"), str(out), "--max-shard-size",
+                 "100KB", "--dtype", "bfloat16"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) >= 2 and all((out / s).is_file() for s in shards)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    # ... and a sharded HF directory reads back.
+    assert main(["convert", "hf-to-tessel", str(out), str(tmp_path / "again")]) == 0
+
+
+def test_bad_hf_input_is_one_line(tmp_path: Path, corpus: Path):
+    src = save_hf(hf_llama(), tmp_path / "hf")
+    # An architecture tessel does not convert.
+    other = tmp_path / "mistral"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "mistral",
+                                                   "architectures": ["MistralForCausalLM"]}))
+    (other / "model.safetensors").write_bytes(b"")
+    assert_one_line_error(tessel("convert", "hf-to-tessel", str(other), str(tmp_path / "x")),
+                          "unsupported architecture 'mistral'")
+    # A tensor missing, a field missing, a shape that does not match.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    (broken / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    assert_one_line_error(tessel("convert", "hf-to-tessel", str(broken), str(tmp_path / "y")),
+                          "tensor 'model.layers.2.input_layernorm.weight' is missing")
+    (broken / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
+    assert_one_line_error(tessel("convert", "hf-to-tessel", str(broken), str(tmp_path / "y")),
+                          "missing field 'hidden_size'")
+    (broken / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    assert_one_line_error(
+        tessel("train", f"--model.init_from={broken}", f"--run.dir={tmp_path / 'r'}",
+               "--data.source=synthetic", "--train.steps=1", "--train.seq_len=32"),
+        "tensor 'layers.0.feed_forward.w1.weight' has shape (160, 64), the model's is (96, 64)")
+    # A tokenizer with more ids than the model has rows.
+    (broken / "config.json").write_text(json.dumps({**cfg, "vocab_size": 64}))
+    texts = [f.read_text() for f in sorted(corpus.iterdir())]
+    train_bpe(texts, 300).save(broken / "tokenizer.json")
+    assert_one_line_error(tessel("convert", "hf-to-tessel", str(broken), str(tmp_path / "z")),
+                          "the tokenizer does not match the model")
+    # An explicit shape that contradicts the weights.
+    assert_one_line_error(
+        tessel("train", f"--model.init_from={src}", "--model.d_model=128", "--data.source=synthetic",
+               f"--run.dir={tmp_path / 'r2'}"),
+        "model.d_model=128 but the weights of model.init_from have 64")
+    assert_one_line_error(tessel("convert", "tessel-to-hf", str(tmp_path / "nothing"),
+                                 str(tmp_path / "o")), "does not exist")
+    assert_one_line_error(tessel("convert", "tessel-to-hf", str(src), str(tmp_path / "o")),
+                          "is already a Hugging Face model directory")
