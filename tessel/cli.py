@@ -10,6 +10,7 @@
     tessel convert hf-to-tessel HF_DIR OUT_DIR              import Hugging Face weights
     tessel convert tessel-to-hf RUN_DIR|CHECKPOINT HF_DIR   export for transformers/vLLM
     tessel generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+    tessel report RUN_DIR [--out PATH]                      one self-contained HTML page of a run
     tessel presets                                          model shapes and parameter counts
     tessel config [CONFIG.toml] [--section.key=value ...]   print the resolved config
     tessel config --reference                               every config key, as Markdown
@@ -50,8 +51,11 @@ options:
   --section.key=value  set any config field, e.g. --train.steps=2000 --optim.lr=6e-4
                        (values are TOML: 6e-4, true, "text", [1, 2])
 
-exit codes: 0 done (or stopped by SIGTERM with a checkpoint), 2 bad input,
-            130 interrupted by Ctrl-C (a checkpoint was saved)
+exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad input,
+            3 a collective failed or timed out, or the watchdog saw no progress,
+            4 paused by an alert (checkpoint written; --resume continues),
+            5 stopped by an alert (checkpoint written), 6 spike recovery gave up
+            (recovery.max_rollbacks), 130 interrupted by Ctrl-C (a checkpoint was saved)
 
 config keys (`tessel config --reference` prints them with descriptions):
 """
@@ -67,9 +71,13 @@ def _config_keys() -> str:
     from tessel.config import Config
 
     lines = []
+    from tessel.config import _table_model
+
     for section, info in Config.model_fields.items():
-        names = ", ".join(info.annotation.model_fields)  # type: ignore[union-attr]
-        lines.append(f"  [{section}] {names}")
+        model = _table_model(info.annotation)
+        names = ", ".join(model.model_fields)
+        head = f"[[{section}]]" if model is not info.annotation else f"[{section}]"
+        lines.append(f"  {head} {names}")
     return "\n".join(lines) + "\n"
 
 
@@ -168,7 +176,7 @@ def cmd_train(argv: list[str]) -> int:
     trainer = None
     try:
         trainer = Trainer(cfg, resume=resume is not None, console="--quiet" not in flags,
-                          force="--force" in flags)
+                          force="--force" in flags, auto_resume="--auto-resume" in flags)
         return trainer.train().exit_code
     finally:
         if trainer is not None:
@@ -378,6 +386,25 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
+def cmd_report(argv: list[str]) -> int:
+    p = _Parser(prog="tessel report", description=(
+        "Write RUN_DIR/report.html: one self-contained HTML page (inline SVG, no network "
+        "needed) with the run's summary figures; plots of loss, learning rate, grad norm, "
+        "throughput, MFU, memory and step time; its events; its config (secrets redacted) "
+        "and run.json."))
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `tessel train`")
+    p.add_argument("--out", metavar="PATH", help="file to write (default: RUN_DIR/report.html)")
+    args = p.parse_args(argv)
+
+    from pathlib import Path
+
+    from tessel.observe.report import write_report
+
+    out = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"wrote {out} (open it in a browser; it needs no network)")
+    return 0
+
+
 COMMANDS = {
     "train": cmd_train,
     "launch": cmd_launch,
@@ -385,6 +412,7 @@ COMMANDS = {
     "convert": cmd_convert,
     "plan": lambda argv: __import__("tessel.planner.command").planner.command.cmd_plan(argv),
     "generate": cmd_generate,
+    "report": cmd_report,
     "presets": cmd_presets,
     "config": cmd_config,
     # tessel.data.commands imports this module (for _Parser), so it is imported on use.
@@ -412,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         return command(argv[1:])
     except TesselError as exc:
-        # Under torchrun every rank hits the same input error: one of them says it.
-        if os.environ.get("RANK", "0") == "0" or exc.exit_code != 2:
+        # Under torchrun every rank hits the same error: one of them says it; a collective
+        # failure (exit 3) is each rank's own.
+        if os.environ.get("RANK", "0") == "0" or exc.exit_code == 3:
             print(f"tessel: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # unwritable run dir, disk full: say which file, no traceback

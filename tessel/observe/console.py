@@ -63,8 +63,9 @@ class ConsoleDisplay:
                 f"gnorm {rec['grad_norm']:.2f}",
                 f"{rec['tokens_per_s']:,.0f} tok/s",
             ]
-            if rec.get("mfu") is not None:
-                parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+            # MFU needs the device's dense BF16 peak; an unknown device says so.
+            mfu = rec.get("mfu")
+            parts.append(f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU unknown")
             parts.append(f"ETA {format_duration(eta_s)}")
             parts.append(f"{planned_pct:.0f}% of tokens")
             if self._progress is not None:

@@ -1,15 +1,18 @@
-"""Metric sinks: metrics.jsonl (always) and TensorBoard (optional). Rank 0 only."""
+"""Metric sinks: metrics.jsonl (always), TensorBoard (optional) and any others given
+(W&B, the Prometheus endpoint: objects with write(record) and close()). Rank 0 only."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from tessel.observe.events import json_safe as _json_safe
+
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, sinks: list[Any] | None = None):
+        self._sinks = list(sinks or [])
         # Append: a resumed run continues the same file; a reader takes the last line per step.
         self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
         self._tb = None
@@ -26,18 +29,17 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(_tb_tag(key), value, step)
+        for sink in self._sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
-def _json_safe(value: Any) -> Any:
-    # JSON has no NaN/Inf; write them as strings rather than produce invalid JSON.
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 def _tb_tag(key: str) -> str:

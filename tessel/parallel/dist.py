@@ -54,11 +54,33 @@ def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: int) ->
     else:
         backend = "gloo"
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+            **_attempt_store(info, timeout),
         )
     return device
+
+
+def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dict:
+    """Under torchrun, a store namespace of this attempt's own.
+
+    torchrun restarts workers (--max-restarts) against the same agent store, where the dead
+    attempt's keys remain: gloo's rendezvous could read a dead worker's address ("Gloo
+    connectFullMesh failed ... Connection refused", seen in about 1 of 4 restarts here).
+    Prefixing every key with the restart count keeps the attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return {}
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+        is_master=not agent_store and info.rank == 0, timeout=timeout,
+        multi_tenant=not agent_store,
+    )
+    return {"store": dist.PrefixStore(f"tessel/attempt-{attempt}", store),
+            "rank": info.rank, "world_size": info.world_size}
 
 
 def shutdown() -> None:

@@ -38,9 +38,13 @@ from tessel.errors import CollectiveTimeout, DataError, TesselError
 from tessel.fileio import write_text_atomic
 from tessel.generate import sample
 from tessel.models import flops_per_token, param_count
+from tessel.observe.alerts import ACTIONS
 from tessel.observe.console import ConsoleDisplay
+from tessel.observe.events import EventLog
 from tessel.observe.metrics import MetricsWriter
 from tessel.observe.mfu import device_peak_flops
+from tessel.observe.timing import PhaseTimer
+from tessel.observe.watchdog import Watchdog
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.context import check_context_parallel, context_parallel_step
 from tessel.parallel.dims import ParallelDims, ParallelError
@@ -49,9 +53,11 @@ from tessel.parallel.fsdp import check_offload
 from tessel.parallel.grad_norm import clip_grad_norm
 from tessel.parallel.pipeline import build_schedule
 from tessel.parallel.tensor import local_value, loss_context
+from tessel.train.faults import Faults
 from tessel.train.loss import token_loss_sum
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
+from tessel.train.recovery import RecoveryGaveUp, SkipList, SpikeDetector
 
 # Changing these on resume would silently change what the checkpoint means.
 # (Mixture weights and cache locations may change; the loader checks the datasets themselves.)
@@ -59,6 +65,23 @@ _FROZEN_ON_RESUME = (
     "model", "data.source", "data.tokenizer", "data.split", "data.json_key", "train.seq_len",
     "train.seed",
 )
+
+# Exit codes of runs that end early on purpose (README "Exit codes").
+EXIT_PAUSED, EXIT_STOPPED = 4, 5
+# Signals that ask for a checkpoint and a clean exit: SIGTERM (schedulers, torchrun),
+# SIGUSR1 (SLURM's warning before the time limit, `#SBATCH --signal=USR1@120`), SIGINT.
+_STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# Run directory marker of a run that paused or stopped on purpose: --auto-resume (job
+# scripts, torchrun restarts) honours it; an explicit --resume clears it.
+HALTED_FILE = "HALTED.json"
+
+
+class RunHalted(TesselError):
+    """--auto-resume on a run that paused or stopped on purpose; exits with its code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -72,12 +95,13 @@ class TrainResult:
     unigram_baseline: float
     """Validation loss of a context-free unigram model, for comparison."""
     stopped_by: str | None
-    """Signal name when training stopped early (SIGTERM/SIGINT), else None."""
+    """Why training stopped early: a signal name (SIGTERM, SIGUSR1, SIGINT), "pause" or
+    "stop" (an alert's action), else None."""
     run_dir: Path
 
     @property
     def exit_code(self) -> int:
-        return 130 if self.stopped_by == "SIGINT" else 0
+        return {"SIGINT": 130, "pause": EXIT_PAUSED, "stop": EXIT_STOPPED}.get(self.stopped_by or "", 0)
 
 
 def pick_device(name: str) -> torch.device:
@@ -90,8 +114,9 @@ def pick_device(name: str) -> torch.device:
 
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, console: bool = True,
-                 force: bool = False):
+                 force: bool = False, auto_resume: bool = False):
         self.run_dir = Path(cfg.run.dir)
+        self.auto_resume = auto_resume
         self.ckpt_root = self.run_dir / "checkpoints"
         self.proc = process_info()
         self.display = ConsoleDisplay(cfg.train.steps, enabled=console and self.proc.is_main)
@@ -139,7 +164,25 @@ class Trainer:
             self.schedule = build_schedule(stages, cfg.parallel, self.mesh["pp"], self.device,
                                            self.accum, self._pipeline_loss)
         self.step = 0
+        self.batches_drawn = 0  # global batches taken from the stream, skipped ones included
         self.tokens_seen = 0
+        self.events = EventLog(self.run_dir, enabled=self.proc.is_main)
+        self.faults = Faults(self.proc.rank)
+        self.timer = PhaseTimer(self.device)
+        self.skips = SkipList(self.run_dir, cfg.recovery.skip_batches, writer=self.proc.is_main)
+        self.spikes = SpikeDetector(cfg.recovery) if cfg.recovery.spike_sigma > 0 else None
+        self.alerts = None
+        if self.proc.is_main and cfg.alerts:
+            from tessel.observe.alerts import AlertCenter
+
+            self.alerts = AlertCenter(cfg.alerts, cfg.notify, str(self.run_dir), self.events,
+                                      self.display.print)
+        self._alert_action = "continue"  # the strongest action asked for, not yet acted on
+        self._loss_factor = 1.0  # fault injection only (TESSEL_FAULT)
+        stall_rules = self.alerts is not None and any(a.when == "step_time.stall" for a in cfg.alerts)
+        self.watchdog = Watchdog(cfg.watchdog.timeout_s, self.run_dir, self.proc.rank,
+                                 self.proc.world_size, on_wait=self._on_wait if stall_rules else None,
+                                 on_fire=self._on_watchdog)
         self.elapsed_prev = 0.0
         self.last_saved_step = -1
         self.last_val_loss: float | None = None
@@ -243,6 +286,13 @@ class Trainer:
             return None
         if not holds_run:
             raise CheckpointError(f"nothing to resume: {str(self.run_dir)!r} holds no run")
+        halted = self._halted()
+        if halted is not None and self.auto_resume:
+            raise RunHalted(
+                f"{self.run_dir} {halted.get('message', 'was halted')}; not resuming it "
+                f"automatically: continue it with `tessel train --resume {self.run_dir}`",
+                int(halted.get("exit_code", EXIT_PAUSED)),
+            )
         ckpt = latest_checkpoint(self.ckpt_root)
         if ckpt is None:  # stopped before its first checkpoint: start it again from step 0
             self.display.print(f"tessel: {self.run_dir} has no checkpoint yet; starting from step 0")
@@ -287,6 +337,11 @@ class Trainer:
             raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {exc}; it is damaged") from None
         self.elapsed_prev = float(state.get("elapsed_s", 0.0))
         self.last_val_loss = state.get("val_loss")
+        self.batches_drawn = int(state.get("batches_drawn", self.step))
+        if self.spikes is not None:
+            self.spikes.load_state_dict(state.get("recovery", {}))
+        if self.alerts is not None:
+            self.alerts.rules.load_state_dict(state.get("alerts", []))
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -306,8 +361,10 @@ class Trainer:
             write_text_atomic(self.run_dir / "config.toml", cfg.to_toml())
             write_text_atomic(self.run_dir / "run.json", json.dumps(self._run_info(), indent=1))
             self.tokenizer.save(self.run_dir / "tokenizer.json")
+            (self.run_dir / HALTED_FILE).unlink(missing_ok=True)  # an explicit --resume
         self._announce()
-        metrics = MetricsWriter(self.run_dir, cfg.metrics.tensorboard) if self.proc.is_main else None
+        self._start_event()
+        metrics = self._open_metrics() if self.proc.is_main else None
         previous_handlers = self._install_signal_handlers()
         loss = grad_norm = None
         start = time.perf_counter()
@@ -315,14 +372,29 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         self.display.start(self.step)
         self.model.train()  # evaluate() puts it back after each evaluation
+        self.watchdog.start()
         try:
-            while self.step < t.steps and not self._should_stop():
+            while self.step < t.steps:
+                self.watchdog.beat(self.step, "step boundary")
+                self.faults.at_step(self.step)
+                if self._should_stop():
+                    break
                 loss, grad_norm = self._train_step()
+                if self.spikes is not None:
+                    bad = self._judge_step(loss, grad_norm)
+                    if bad is not None:
+                        self._rollback(bad)
+                        first_step = min(first_step, self.step)
+                        self.timer.discard()
+                        window_start, window_steps = time.perf_counter(), 0
+                        continue
                 self._publish_finished_save()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 window_steps += 1
                 self.display.step(self.step)
+                if self.alerts is not None:
+                    self.alerts.rules.progressed()
                 if self.step % cfg.metrics.log_interval == 0 or self.step == t.steps:
                     window = time.perf_counter() - window_start
                     self._log_train(metrics, loss, grad_norm, window, window_steps,
@@ -331,9 +403,11 @@ class Trainer:
                 eval_now = t.eval_interval and self.step % t.eval_interval == 0
                 if eval_now or self.step == t.steps:
                     self._log_eval(metrics, start)
+                    self.timer.discard()
                     window_start, window_steps = time.perf_counter(), 0
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                     self._save(start)
+                    self.timer.discard()
                     window_start, window_steps = time.perf_counter(), 0
             if self.step != self.last_saved_step:
                 self._save(start)
@@ -342,25 +416,146 @@ class Trainer:
                 self.hf_export.wait()
         except dist.DistBackendError as exc:
             raise self._collective_failure(exc) from None
+        except RecoveryGaveUp as exc:
+            self._halt(exc.exit_code, "gave up recovering from loss spikes", "recovery_gave_up", str(exc))
+            raise
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            if not (self.proc.distributed and _is_collective_failure(exc)):
                 raise
             raise self._collective_failure(exc) from None
         finally:
+            self.watchdog.stop()
             self.display.stop()
             self._restore_signal_handlers(previous_handlers)
+            if self.alerts is not None:
+                self.alerts.flush()  # a pause or stop exits right after: deliver first
+                self.alerts.close()
             if metrics is not None:
                 metrics.close()
 
-        stopped_by = signal.Signals(self._stop_signal).name if self._stop_signal else None
-        if stopped_by:
+        stopped_by = self._stop_reason()
+        if stopped_by in ("pause", "stop"):
+            code = EXIT_PAUSED if stopped_by == "pause" else EXIT_STOPPED
+            what = "paused" if stopped_by == "pause" else "stopped"
+            msg = (f"{what} by an alert at step {self.step} with a checkpoint in "
+                   f"{self.ckpt_root / 'latest'}")
+            self._halt(code, msg, stopped_by, msg)
             self.display.print(
-                f"{stopped_by}: stopped at step {self.step} with a checkpoint in "
-                f"{self.ckpt_root / 'latest'}; continue with `tessel train --resume {self.run_dir}`"
+                f"tessel: {msg}; continue with `tessel train --resume {self.run_dir}` "
+                f"(exit code {code})"
             )
+        elif stopped_by:
+            what = " (preemption warning)" if stopped_by == "SIGUSR1" else ""
+            msg = (f"{stopped_by}{what}: stopped at step {self.step} with a checkpoint in "
+                   f"{self.ckpt_root / 'latest'}")
+            self.events.write("preempt" if stopped_by != "SIGINT" else "interrupt", self.step, msg)
+            self.display.print(f"{msg}; continue with `tessel train --resume {self.run_dir}`")
         else:
+            self.events.write("finish", self.step, f"finished at step {self.step}",
+                              val_loss=self.last_val_loss)
             self._finish_message()
         return self._result(loss, stopped_by)
+
+    # ---- resilience -------------------------------------------------------------------------
+
+    def _start_event(self) -> None:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if self.last_saved_step < 0:
+            kind, msg = "start", "started"
+        elif self.auto_resume or restarts:
+            kind, msg = "restart", f"resumed automatically at step {self.step}"
+        else:
+            kind, msg = "resume", f"resumed at step {self.step}"
+        if restarts:
+            msg += f" (torchrun restart {restarts})"
+        self.events.write(kind, self.step, msg, world_size=self.proc.world_size,
+                          layout=self.dims.describe())
+
+    def _halted(self) -> dict[str, Any] | None:
+        path = self.run_dir / HALTED_FILE
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {"message": "was halted"}
+
+    def _halt(self, code: int, message: str, kind: str, detail: str) -> None:
+        """Record that the run ended on purpose, so automatic restarts do not undo it."""
+        self.events.write(kind, self.step, detail)
+        if self.proc.is_main:
+            write_text_atomic(self.run_dir / HALTED_FILE, json.dumps(
+                {"message": message, "exit_code": code, "step": self.step, "time": time.time()}))
+
+    def _stop_reason(self) -> str | None:
+        if self._stop_signal:
+            return signal.Signals(self._stop_signal).name
+        if self._alert_action in ("pause", "stop"):
+            return self._alert_action
+        return None
+
+    def _judge_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+        """Whether the step just taken spiked (one host sync, and on several ranks one
+        all-reduce of the loss: every rank judges the same numbers the same way)."""
+        assert self.spikes is not None
+        self.watchdog.phase("collective: all-reduce of the step's loss (spike check)")
+        value = self._global_loss(loss)
+        self._last_loss = value
+        return self.spikes.judge(value, float(grad_norm.item()))
+
+    def _rollback(self, reason: str) -> None:
+        """Back to the latest checkpoint (judged good when it was written), skipping the
+        global batch that spiked; every rank does the same."""
+        bad_step, bad_batch = self.step + 1, self.batches_drawn - 1
+        rc = self.cfg.recovery
+        self._publish_finished_save(wait=True)
+        ckpt = latest_checkpoint(self.ckpt_root)
+        if self.skips.rollbacks >= rc.max_rollbacks:
+            raise RecoveryGaveUp(
+                f"step {bad_step}: {reason}; recovery.max_rollbacks={rc.max_rollbacks} rollbacks "
+                f"already done, giving up (last good checkpoint: {ckpt}); inspect the data "
+                f"around global batch {bad_batch} or lower optim.lr, then `tessel train --resume "
+                f"{self.run_dir}`"
+            )
+        if ckpt is None:
+            raise RecoveryGaveUp(
+                f"step {bad_step}: {reason}; no checkpoint to roll back to yet; lower "
+                "checkpoint.interval so a good state is saved before spikes can occur"
+            )
+        self.watchdog.beat(self.step, "rollback")
+        state = read_state(ckpt)
+        self.skips.add(bad_batch, bad_step, reason, int(state["step"]))
+        self._restore(ckpt, state)
+        msg = (f"step {bad_step}: {reason}; rolled back to step {self.step} and skipping global "
+               f"batch {bad_batch} (rollback {self.skips.rollbacks} of {rc.max_rollbacks})")
+        self.events.write("rollback", bad_step, msg, from_step=bad_step, to_step=self.step,
+                          skipped_batches=[bad_batch], reason=reason)
+        self.display.print(f"tessel: {msg}")
+
+    def _on_wait(self, seconds: float, step: int) -> None:
+        """The watchdog's thread, while no progress is made: step_time.stall alerts."""
+        if self.alerts is not None:
+            self.alerts.handle(self.alerts.rules.stalled(seconds, step))
+
+    def _on_watchdog(self, message: str, step: int) -> None:
+        self.events.write("watchdog", step, message)
+
+    def _open_metrics(self) -> MetricsWriter:
+        m = self.cfg.metrics
+        sinks: list[Any] = []
+        if m.wandb:
+            from tessel.observe.notify import scrub_secrets
+            from tessel.observe.wandb_sink import WandbSink
+
+            sinks.append(WandbSink(self.run_dir, m.wandb_project, self.run_dir.name, m.wandb_mode,
+                                   scrub_secrets(self.cfg.to_dict())))
+        if m.prometheus_port is not None:
+            from tessel.observe.prometheus import PrometheusExporter
+
+            prom = PrometheusExporter(m.prometheus_port, str(self.run_dir))
+            sinks.append(prom)
+            self.display.print(f"tessel: Prometheus metrics on http://0.0.0.0:{prom.port}/metrics")
+        return MetricsWriter(self.run_dir, m.tensorboard, sinks)
 
     def _run_info(self) -> dict[str, Any]:
         """Where this run (or its latest resumption) ran: what calibrating the planner from
@@ -391,16 +586,20 @@ class Trainer:
         the CPU group: no device synchronisation."""
         pending = self._pending_save
         written_here = pending is None or pending.done()
+        action = ACTIONS.index(self._alert_action)  # alerts are judged on rank 0
         if not self.proc.distributed:
             self._save_written = written_here
-            return self._stop_signal is not None
-        flags = torch.tensor([self._stop_signal or 0, 0 if written_here else 1], dtype=torch.int64)
+            return self._stop_signal is not None or action > 0
+        flags = torch.tensor([self._stop_signal or 0, 0 if written_here else 1, action],
+                             dtype=torch.int64)
+        self.watchdog.phase("collective: all-reduce of the stop flags (step boundary)")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._cpu_group())
-        signum, unwritten = int(flags[0]), int(flags[1])
+        signum, unwritten, action = int(flags[0]), int(flags[1]), int(flags[2])
         self._save_written = not unwritten
         if signum and self._stop_signal is None:
             self._stop_signal = signum
-        return bool(signum)
+        self._alert_action = ACTIONS[action]
+        return bool(signum) or action > 0
 
     def _cpu_group(self) -> dist.ProcessGroup | None:
         if self.device.type != "cuda":
@@ -441,36 +640,54 @@ class Trainer:
         t = self.cfg.train
         tokens_per_step = t.global_batch_size * t.seq_len
         tps = window_steps * tokens_per_step / window
-        rec = {
+        # With spike recovery on, the loss was reduced already (_judge_step); else the host
+        # syncs happen here, at log steps only.
+        loss_value = self._last_loss if self.spikes is not None else self._global_loss(loss)
+        eta = elapsed / max(self.step - first_step, 1) * (t.steps - self.step)
+        rec: dict[str, Any] = {
             "step": self.step,
-            "loss": self._global_loss(loss),  # host syncs happen here, at log steps only
+            "loss": loss_value,
             "lr": self.optimizers[0].param_groups[0]["lr"],
             "grad_norm": grad_norm.item(),
             "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / self.proc.world_size,
             "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_prev + elapsed,
             "step_time_s": window / window_steps,
+            "eta_s": eta,
+            "token_budget_pct": 100 * self.tokens_seen / (t.steps * tokens_per_step),
+            # null on devices without a known dense BF16 peak (CPUs included): never a guess
+            "mfu": (flops_per_token(self.cfg.model, t.seq_len) * tps / self.peak_flops
+                    if self.peak_flops is not None else None),
         }
-        if self.peak_flops is not None:
-            rec["mfu"] = flops_per_token(self.cfg.model, t.seq_len) * tps / self.peak_flops
+        split = self.timer.window()
+        rec.update({f"time_{k}_s": v / window_steps for k, v in split.items()})
         if self.precision.scaler is not None:
             rec["loss_scale"] = float(self.precision.scaler.get_scale())
-        if self.device.type == "cuda":
-            rec["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        rec.update(memory_stats(self.device))
         if metrics is not None:
             metrics.write(rec)
-        eta = elapsed / (self.step - first_step) * (t.steps - self.step)
-        self.display.log(rec, t.steps, eta, 100 * self.step / t.steps)
+        self.display.log(rec, t.steps, eta, rec["token_budget_pct"])
+        if self.alerts is not None:
+            self._act(self.alerts.observe(rec))
+
+    def _act(self, action: str) -> None:
+        """Remember the strongest action asked for; every rank acts on it at the next step
+        boundary (_should_stop)."""
+        if ACTIONS.index(action) > ACTIONS.index(self._alert_action):
+            self._alert_action = action
 
     def _global_loss(self, loss: torch.Tensor) -> float:
         """The step's loss averaged over data-parallel replicas (a host sync)."""
         if not self.proc.distributed:
             return loss.item()
+        self.watchdog.phase("collective: all-reduce of the loss")
         mine = loss.detach().float().reshape(1) if self.reports_loss else torch.zeros(1, device=self.device)
         return all_reduce_sum(mine.to(self.device)).item() / (self.dims.dp * self.dims.cp)
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, targets) / self._loss_tokens
+        loss = token_loss_sum(logits, targets) / self._loss_tokens
+        return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `accum` micro-batches; returns device tensors (no sync).
@@ -480,7 +697,16 @@ class Trainer:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
+        self.timer.start("data")
+        while self.batches_drawn in self.skips.batches:  # recovery skips these for good
+            for _ in range(self.accum):
+                self.data.train.next_batch()
+            self.batches_drawn += 1
         batches = [self.data.train.next_batch() for _ in range(self.accum)]
+        self._loss_factor = self.faults.loss_factor(self.batches_drawn)
+        self.batches_drawn += 1
+        self.watchdog.phase("forward/backward (DDP/FSDP/TP/PP collectives inside)")
+        self.timer.start("compute")
         # The loss is a mean over every target token of the step, not a mean of
         # micro-batch means, so accumulation never changes its value.
         n_tokens = sum(b.targets.numel() for b in batches)
@@ -501,8 +727,12 @@ class Trainer:
                     with self.precision.autocast():
                         logits = model(x, docs)  # (B, T, V)
                     loss = token_loss_sum(logits, y) / divisor
+                    if self._loss_factor != 1.0:
+                        loss = loss * self._loss_factor
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 total += local_value(loss.detach())
+        self.watchdog.phase("optimizer (grad-norm all-reduce inside)")
+        self.timer.start("optimizer")
         if scaler is not None:
             for opt in self.optimizers:
                 scaler.unscale_(opt)
@@ -517,6 +747,7 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.update()
+        self.timer.end()
         return total, grad_norm
 
     def _pipeline_step(self, batches: list[Batch], n_tokens: int) -> torch.Tensor:
@@ -560,7 +791,8 @@ class Trainer:
         self.model.train(False)
         if self.schedule is not None:
             # The schedule runs whole steps of `accum` micro-batches.
-            for _ in range(math.ceil(iters / self.accum)):
+            for i in range(math.ceil(iters / self.accum)):
+                self.watchdog.beat(self.step, f"evaluation step {i}")
                 batches = [val.next_batch() for _ in range(self.accum)]
                 x, y, docs = self._on_device(_concat(batches))
                 self._loss_tokens = 1  # sums
@@ -574,7 +806,8 @@ class Trainer:
                 count += y.numel()
         else:
             model = self.model.parts[0]
-            for _ in range(iters):
+            for i in range(iters):
+                self.watchdog.beat(self.step, f"evaluation batch {i}")
                 x, y, docs = self._on_device(val.next_batch())
                 with (loss_context(self.dims.tp > 1), self.precision.autocast(),
                       context_parallel_step(self.model.inner[0], self.cp_mesh, x, y)):
@@ -606,6 +839,8 @@ class Trainer:
         if metrics is not None:
             metrics.write(rec)
         self.display.log(rec, self.cfg.train.steps, 0.0, 0.0)
+        if self.alerts is not None:
+            self._act(self.alerts.observe(rec))
 
     # ---- checkpoints and signals ---------------------------------------------------------
 
@@ -616,6 +851,7 @@ class Trainer:
         return rng
 
     def _save(self, start: float) -> None:
+        self.watchdog.beat(self.step, "checkpoint save")
         self._publish_finished_save(wait=True)  # one save in flight at a time
         if self.hf_export is not None:
             self.hf_export.wait()  # pruning must not remove a checkpoint being exported
@@ -626,7 +862,12 @@ class Trainer:
             "val_loss": self.last_val_loss,
             "config": self.cfg.to_dict(),
             "layout": self.dims.describe(),
+            "batches_drawn": self.batches_drawn,
         }
+        if self.spikes is not None:
+            state["recovery"] = self.spikes.state_dict()
+        if self.alerts is not None:
+            state["alerts"] = self.alerts.rules.state_dict()
         if self.precision.scaler is not None:
             state["scaler"] = self.precision.scaler.state_dict()
         result = save_checkpoint(
@@ -650,6 +891,7 @@ class Trainer:
             if self.hf_export is not None:
                 self.hf_export.after_publish(path, int(path.name.removeprefix("step_")))
             if self.proc.distributed:
+                self.watchdog.phase("collective: barrier after publishing a checkpoint")
                 dist.barrier(group=self._cpu_group())
 
     def _install_signal_handlers(self) -> dict[int, Any]:
@@ -659,7 +901,7 @@ class Trainer:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
         previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (getattr(signal, name) for name in _STOP_SIGNALS if hasattr(signal, name)):
             try:
                 previous[sig] = signal.signal(sig, on_signal)
             except ValueError:  # not the main thread (e.g. some notebook runners)
@@ -704,6 +946,34 @@ class Trainer:
             ids = sample(self.model.inner[0], self.tokenizer.encode(prompt), n, seed=self.cfg.train.seed,
                          stop_id=self.tokenizer.eod_id)
             self.display.print("sample:\n" + prompt + self.tokenizer.decode(ids))
+
+
+def _is_collective_failure(exc: RuntimeError) -> bool:
+    """A collective that timed out or lost its peer (a process died: gloo sees the
+    connection reset), as opposed to a bug."""
+    text = str(exc).lower()
+    return any(k in text for k in ("timed out", "timeout", "connection reset", "connection closed",
+                                   "broken pipe", "gloo/transport", "nccl"))
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Device memory in GiB: allocated now, reserved by the caching allocator, peak
+    allocated since the start; on a CPU the process's resident memory and its peak."""
+    if device.type == "cuda":
+        return {
+            "mem_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
+            "mem_reserved_gib": torch.cuda.memory_reserved(device) / 2**30,
+            "mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        }
+    import resource
+
+    out = {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        out["mem_rss_gib"] = pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):  # not Linux
+        pass
+    return out
 
 
 def _get(cfg: Config, dotted: str) -> Any:

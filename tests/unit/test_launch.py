@@ -108,7 +108,7 @@ def test_nproc_1_trains_in_this_process(monkeypatch):
     trained = []
 
     class FakeTrainer:
-        def __init__(self, cfg, resume, console, force=False):
+        def __init__(self, cfg, resume, console, force=False, auto_resume=False):
             trained.append(cfg.train.steps)
 
         def train(self):
