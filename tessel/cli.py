@@ -10,6 +10,7 @@
     tessel convert hf-to-tessel HF_DIR OUT_DIR              import Hugging Face weights
     tessel convert tessel-to-hf RUN_DIR|CHECKPOINT HF_DIR   export for transformers/vLLM
     tessel generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+    tessel bench [CONFIG.toml] [--precision P] [--compile] [--json OUT]   time the trainer step, MFU
     tessel report RUN_DIR [--out PATH]                      one self-contained HTML page of a run
     tessel presets                                          model shapes and parameter counts
     tessel config [CONFIG.toml] [--section.key=value ...]   print the resolved config
@@ -386,6 +387,79 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
+BENCH_HELP = """\
+usage: tessel bench [CONFIG.toml] [--precision P] [--compile] [--fp8] [--warmup N] [--steps N]
+                    [--json OUT.json] [--no-matmul] [--section.key=value ...]
+
+Time the real trainer step on one device (synthetic tokens; warm-up excluded) and print
+tokens/s, step time (median and spread), TFLOP/s, MFU against the device's dense BF16 peak
+and against a large matrix multiply measured on the same device, peak memory, and the
+planner's memory prediction. Writes the figures as JSON (--json, default bench.json); that
+file also calibrates the planner: `tessel plan --calibrate bench.json`.
+
+options:
+  --precision P     fp32 | bf16 | fp16 | auto (train.precision)
+  --compile         compile each block (train.compile = true)
+  --fp8             float8 linears through torchao (train.fp8 = true; FP8 GPUs only)
+  --warmup N        untimed steps first (default 5)
+  --steps N         timed steps (default 20)
+  --json OUT.json   where to write the figures (default bench.json)
+  --no-matmul       skip the matrix-multiply peak measurement
+"""
+
+
+def cmd_bench(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(BENCH_HELP, end="")
+        return 0
+    from pathlib import Path
+
+    from tessel.bench import report, run_bench, write_json
+    from tessel.config import Config
+
+    config = None
+    overrides: list[str] = []
+    opts = {"warmup": 5, "steps": 20, "json": "bench.json", "matmul": True}
+    it = iter(argv)
+    for arg in it:
+        key, eq, value = arg.partition("=")
+        if key in ("--precision", "--warmup", "--steps", "--json"):
+            if not eq:
+                value = next(it, "")
+            if not value:
+                raise TesselError(f"{key} needs a value (see tessel bench --help)")
+            if key == "--precision":
+                overrides.append(f"--train.precision={_toml_str(value)}")
+            elif key == "--json":
+                opts["json"] = value
+            else:
+                try:
+                    opts[key[2:]] = int(value)
+                except ValueError:
+                    raise TesselError(f"{key} takes a whole number, not {value!r}") from None
+        elif arg == "--compile":
+            overrides.append("--train.compile=true")
+        elif arg == "--fp8":
+            overrides.append("--train.fp8=true")
+        elif arg == "--no-matmul":
+            opts["matmul"] = False
+        elif arg.startswith("--") and "." in key:
+            overrides.append(arg if eq else f"{arg}={next(it, '')}")
+        elif arg.startswith("-"):
+            raise TesselError(f"unknown option {arg!r} (see tessel bench --help)")
+        elif config is None:
+            config = arg
+        else:
+            raise TesselError(f"more than one config file given ({config!r}, {arg!r}); pass one")
+    cfg = Config.load(config, overrides)
+    result = run_bench(cfg, warmup=int(opts["warmup"]), steps=int(opts["steps"]),
+                       matmul=bool(opts["matmul"]))
+    print(report(result))
+    write_json(result, Path(str(opts["json"])))
+    print(f"wrote {opts['json']}")
+    return 0
+
+
 def cmd_report(argv: list[str]) -> int:
     p = _Parser(prog="tessel report", description=(
         "Write RUN_DIR/report.html: one self-contained HTML page (inline SVG, no network "
@@ -413,6 +487,7 @@ COMMANDS = {
     "plan": lambda argv: __import__("tessel.planner.command").planner.command.cmd_plan(argv),
     "generate": cmd_generate,
     "report": cmd_report,
+    "bench": cmd_bench,
     "presets": cmd_presets,
     "config": cmd_config,
     # tessel.data.commands imports this module (for _Parser), so it is imported on use.

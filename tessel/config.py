@@ -271,6 +271,10 @@ class TrainConfig(_Section):
     fp32 weights; `auto` is bf16 on a CUDA device that supports it, fp32 otherwise."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
+    fp8: bool = False
+    """Run the blocks' linear layers in float8 (torchao's float8 training, dynamic tensorwise
+    scaling; `pip install torchao`) under bf16 precision. Needs a GPU with FP8 tensor cores
+    (compute capability 8.9+: Ada, Hopper, Blackwell); refused elsewhere."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; `auto` picks CUDA when present."""
 

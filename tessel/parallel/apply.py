@@ -1,7 +1,8 @@
 """Build the model for one rank of a layout, in the one fixed order:
 
-    build on meta -> pipeline split -> tensor parallel -> activation checkpointing
-    -> compile -> FSDP (ZeRO 1-3) -> materialise + initialise -> DDP (zero 0)
+    build on meta -> pipeline split -> tensor parallel -> float8 linears (train.fp8)
+    -> activation checkpointing -> compile -> FSDP (ZeRO 1-3) -> materialise + initialise
+    -> DDP (zero 0)
 
 Tensor parallelism comes first because the later steps must see the DTensor parameters it
 creates; activation checkpointing wraps the block forward that compile then traces; FSDP
@@ -84,6 +85,10 @@ def build_parallel_model(
         if dims.tp > 1:
             assert mesh is not None
             apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel)
+        if cfg.train.fp8:
+            from tessel.train.fp8 import apply_fp8
+
+            apply_fp8(stage)
         if p.activation_checkpointing != "none":
             apply_activation_checkpointing(stage, p.activation_checkpointing)
         if cfg.train.compile:

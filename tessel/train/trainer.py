@@ -54,6 +54,7 @@ from tessel.parallel.grad_norm import clip_grad_norm
 from tessel.parallel.pipeline import build_schedule
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.faults import Faults
+from tessel.train.fp8 import check_fp8
 from tessel.train.loss import token_loss_sum
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
@@ -247,6 +248,7 @@ class Trainer:
                 "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"
             )
         check_context_parallel(self.cfg, self.device)
+        check_fp8(self.cfg, self.device)
         if self.cfg.train.precision == "fp16" and (self.dims.world_size > 1 and (
             p.zero > 0 or self.dims.tp > 1 or self.dims.pp > 1
         )):

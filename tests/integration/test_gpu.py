@@ -25,7 +25,7 @@ def test_cuda_bf16_step_matches_cpu_fp32(tiny_config):
     Trainer(cpu, console=False).train()
     trainer = Trainer(gpu, console=False)
     assert trainer.precision.name == "bf16"  # auto picks bf16 on GPUs that have it
-    assert trainer.optimizer.defaults["fused"] is True
+    assert trainer.optimizers[0].defaults["fused"] is True
     trainer.train()
     lc, lg = _losses(cpu.run.dir), _losses(gpu.run.dir)
     for step in lc:
@@ -39,3 +39,45 @@ def test_cuda_fp16_with_loss_scaling_and_compile(tiny_config):
     recs = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
     assert result.loss == pytest.approx(recs[-1]["loss"]) and recs[-1]["loss_scale"] > 0
     assert recs[-1]["mem_gib"] > 0
+
+
+def _fp8_capable() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return False
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _fp8_capable(), reason="needs an FP8 GPU (sm 8.9+) and torchao")
+def test_fp8_loss_curve_follows_bf16(tiny_config):
+    # Dimensions divisible by 16 so the linears really run in float8.
+    common = {"train.steps": 30, "train.device": "cuda", "train.precision": "bf16",
+              "model.d_model": 128, "model.n_heads": 4, "train.seq_len": 64}
+    bf16 = tiny_config("bf16", **common)
+    fp8 = tiny_config("fp8", **common, **{"train.fp8": True})
+    Trainer(bf16, console=False).train()
+    trainer = Trainer(fp8, console=False)
+    assert any(type(m).__name__ == "Float8Linear" for m in trainer.model.inner[0].modules())
+    trainer.train()
+    lb, lf = _losses(bf16.run.dir), _losses(fp8.run.dir)
+    assert lf[30] < lf[1] - 0.5  # it learns
+    assert abs(lf[30] - lb[30]) / lb[30] < 0.05  # and follows bf16's curve
+
+
+def test_bench_on_cuda_reports_mfu_memory_and_the_planner(tmp_path):
+    from tessel.bench import run_bench
+    from tessel.config import Config
+
+    cfg = Config.load(None, {"model.preset": "gpt2-124m", "train.seq_len": 512,
+                             "train.micro_batch_size": 4, "train.global_batch_size": 4,
+                             "train.device": "cuda"})
+    r = run_bench(cfg, warmup=3, steps=5)
+    assert r["tokens_per_s"] > 0 and r["memory_gib"]["mem_peak_gib"] > 0
+    assert 0 < r["mfu_vs_matmul"] < 1.2
+    if r["peak_tflops_bf16"] is not None:
+        assert 0 < r["mfu"] < 1
+    # the planner's allocated-memory prediction is in the same range as the measured peak
+    assert 0.5 < r["planner"]["allocated"] / r["memory_gib"]["mem_peak_gib"] < 2
