@@ -145,6 +145,22 @@ class AlertRules:
                 st.load_state_dict(by_name[st.rule.name])
 
 
+def check_alerts(rules: list[AlertConfig], notify: NotifyConfig) -> None:
+    """Refuse, on every rank and before anything starts, rules that could not deliver."""
+    from tessel.errors import TesselError
+
+    for r in rules:
+        if "webhook" in r.notify and not (r.webhook_url or os.environ.get("TESSEL_WEBHOOK_URL")):
+            raise TesselError(
+                f"alert {r.name!r} notifies a webhook but none is set; set TESSEL_WEBHOOK_URL "
+                "in the environment (or webhook_url in the rule)"
+            )
+        if "email" in r.notify and not (notify.smtp_host and notify.email_to):
+            raise TesselError(
+                f"alert {r.name!r} notifies by e-mail; set notify.smtp_host and notify.email_to"
+            )
+
+
 class AlertCenter:
     """Rules plus delivery. `handle` returns the strongest action of what fired."""
 

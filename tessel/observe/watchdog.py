@@ -79,6 +79,7 @@ class Watchdog:
                 path = self.dir / f"rank{self.rank}.backstop.txt"
                 if path.stat().st_size == 0:
                     path.unlink()
+                self.dir.rmdir()  # only if nothing else is in it
             except OSError:
                 pass
 

@@ -38,7 +38,7 @@ from tessel.errors import CollectiveTimeout, DataError, TesselError
 from tessel.fileio import write_text_atomic
 from tessel.generate import sample
 from tessel.models import flops_per_token, param_count
-from tessel.observe.alerts import ACTIONS
+from tessel.observe.alerts import ACTIONS, check_alerts
 from tessel.observe.console import ConsoleDisplay
 from tessel.observe.events import EventLog
 from tessel.observe.metrics import MetricsWriter
@@ -249,6 +249,7 @@ class Trainer:
             )
         check_context_parallel(self.cfg, self.device)
         check_fp8(self.cfg, self.device)
+        check_alerts(self.cfg.alerts, self.cfg.notify)
         if self.cfg.train.precision == "fp16" and (self.dims.world_size > 1 and (
             p.zero > 0 or self.dims.tp > 1 or self.dims.pp > 1
         )):

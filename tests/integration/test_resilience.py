@@ -207,3 +207,13 @@ def test_a_stalled_step_alerts_while_it_hangs(tiny_config, monkeypatch):
     alerts = [e for e in read_events(Path(cfg.run.dir)) if e["kind"] == "alert"]
     assert [(a["rule"], a["step"]) for a in alerts] == [("stall", 1)]
     assert alerts[0]["values"]["seconds_without_progress"] >= 1.5
+
+
+def test_an_alert_that_cannot_deliver_is_refused_before_anything_starts(tiny_config, monkeypatch):
+    from tessel import TesselError
+
+    monkeypatch.delenv("TESSEL_WEBHOOK_URL", raising=False)
+    cfg = _with_alerts(tiny_config(), {"name": "p", "when": "nan", "notify": ["webhook"]})
+    with pytest.raises(TesselError, match="alert 'p' notifies a webhook but none is set"):
+        Trainer(cfg, console=False)
+    assert not Path(cfg.run.dir).exists()
