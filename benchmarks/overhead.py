@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tessel.bench import synchronize
 from tessel.config import Config
 from tessel.data import Batch  # noqa: E402
 from tessel.models import build_model, param_count
@@ -140,17 +141,12 @@ class PlainLoop:
         return loss_sum
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def tokens_per_s(step: Callable[[], Any], n: int, tokens_per_step: int, device: torch.device) -> float:
-    sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(n):
         step()
-    sync(device)
+    synchronize(device)
     return n * tokens_per_step / (time.perf_counter() - t0)
 
 
@@ -159,10 +155,10 @@ def full_train(a: argparse.Namespace, tokens_per_step: int) -> dict[str, float]:
     run_dir = tempfile.mkdtemp(prefix="tessel-overhead-")
     try:
         trainer = Trainer(make_config(a, run_dir, a.warmup + a.steps), console=False)
-        sync(trainer.device)
+        synchronize(trainer.device)
         t0 = time.perf_counter()
         trainer.train()
-        sync(trainer.device)
+        synchronize(trainer.device)
         wall = (a.warmup + a.steps) * tokens_per_step / (time.perf_counter() - t0)
         logged = [r["tokens_per_s"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")
                   if "tokens_per_s" in r]

@@ -56,20 +56,21 @@ def measure_matmul_peak(device: torch.device, seconds: float = 1.0) -> dict[str,
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    _sync(device)
+    synchronize(device)
     reps, t0 = 0, time.perf_counter()
     while True:
         for _ in range(10):
             a @ b
         reps += 10
-        _sync(device)
+        synchronize(device)
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
             break
     return {"flops": 2 * n**3 * reps / elapsed, "n": n, "dtype": str(dtype).removeprefix("torch.")}
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU): timing needs it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

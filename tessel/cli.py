@@ -112,7 +112,7 @@ def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, set[str]
         elif arg.startswith("-"):
             raise TesselError(
                 f"unknown option {arg!r}; config fields are set as --section.key=value "
-                "(see tessel train --help)"
+                "(see --help)"
             )
         elif config is None:
             config = arg
@@ -417,40 +417,34 @@ def cmd_bench(argv: list[str]) -> int:
     from tessel.bench import report, run_bench, write_json
     from tessel.config import Config
 
-    config = None
-    overrides: list[str] = []
-    opts = {"warmup": 5, "steps": 20, "json": "bench.json", "matmul": True}
+    opts: dict[str, object] = {"warmup": 5, "steps": 20, "json": "bench.json", "matmul": True}
+    bench_overrides = {"--compile": "--train.compile=true", "--fp8": "--train.fp8=true"}
+    rest: list[str] = []
     it = iter(argv)
-    for arg in it:
+    for arg in it:  # bench's own options; the config and overrides are parsed as for train
         key, eq, value = arg.partition("=")
         if key in ("--precision", "--warmup", "--steps", "--json"):
-            if not eq:
-                value = next(it, "")
+            value = value if eq else next(it, "")
             if not value:
                 raise TesselError(f"{key} needs a value (see tessel bench --help)")
             if key == "--precision":
-                overrides.append(f"--train.precision={_toml_str(value)}")
+                rest.append(f"--train.precision={_toml_str(value)}")
             elif key == "--json":
                 opts["json"] = value
+            elif not value.isdigit():
+                raise TesselError(f"{key} takes a whole number, not {value!r}")
             else:
-                try:
-                    opts[key[2:]] = int(value)
-                except ValueError:
-                    raise TesselError(f"{key} takes a whole number, not {value!r}") from None
-        elif arg == "--compile":
-            overrides.append("--train.compile=true")
-        elif arg == "--fp8":
-            overrides.append("--train.fp8=true")
+                opts[key[2:]] = int(value)
+        elif arg in bench_overrides:
+            rest.append(bench_overrides[arg])
         elif arg == "--no-matmul":
             opts["matmul"] = False
-        elif arg.startswith("--") and "." in key:
-            overrides.append(arg if eq else f"{arg}={next(it, '')}")
-        elif arg.startswith("-"):
-            raise TesselError(f"unknown option {arg!r} (see tessel bench --help)")
-        elif config is None:
-            config = arg
         else:
-            raise TesselError(f"more than one config file given ({config!r}, {arg!r}); pass one")
+            rest.append(arg)
+    config, resume, flags, overrides = _split_train_args(rest)
+    if resume is not None or flags:
+        raise TesselError("tessel bench takes no --resume, --quiet, --auto-resume or --force "
+                          "(see tessel bench --help)")
     cfg = Config.load(config, overrides)
     result = run_bench(cfg, warmup=int(opts["warmup"]), steps=int(opts["steps"]),
                        matmul=bool(opts["matmul"]))

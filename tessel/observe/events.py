@@ -33,17 +33,29 @@ class EventLog:
             os.fsync(f.fileno())
 
 
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a crash
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a .jsonl file and how many lines are not one (a line cut short by
+    a crash while it was appended, or written by something else): those are skipped."""
+    rows, bad = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
             continue
-    return out
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(obj, dict):
+            rows.append(obj)
+        else:
+            bad += 1
+    return rows, bad
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's events; a line cut short by a crash is skipped."""
+    path = run_dir / "events.jsonl"
+    return read_jsonl(path)[0] if path.is_file() else []
 
 
 def json_safe(value: Any) -> Any:

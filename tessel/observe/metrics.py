@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tessel.observe.events import json_safe as _json_safe
+from tessel.observe.events import read_jsonl
 
 
 class MetricsWriter:
@@ -48,11 +49,21 @@ def _tb_tag(key: str) -> str:
     return f"train/{key}"
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl, the last one per (step, kind) when a resume re-logged."""
+def latest_per_step(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The last record per (step, kind) when a resume re-logged, in step order, and how many
+    records had no integer step (skipped)."""
     latest: dict[tuple[int, bool], dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            latest[(rec["step"], "val_loss" in rec)] = rec
-    return [latest[k] for k in sorted(latest)]
+    bad = 0
+    for rec in records:
+        step = rec.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            latest[(step, "val_loss" in rec)] = rec
+        else:
+            bad += 1
+    return [latest[k] for k in sorted(latest)], bad
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl, the last one per (step, kind) when a resume re-logged;
+    unreadable lines are skipped."""
+    return latest_per_step(read_jsonl(path)[0])[0]

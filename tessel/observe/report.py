@@ -32,7 +32,8 @@ from urllib.parse import urlsplit
 
 from tessel.errors import TesselError
 from tessel.fileio import write_text_atomic
-from tessel.observe.metrics import read_metrics
+from tessel.observe.events import read_jsonl
+from tessel.observe.metrics import latest_per_step
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -94,19 +95,19 @@ def read_run(run_dir: Path) -> Run:
     if not metrics_path.is_file():
         raise TesselError(f"{str(run_dir)!r} holds no metrics.jsonl; is it a tessel run directory?")
     warnings: list[str] = []
-    records = _read_metrics(metrics_path, warnings)
-    usable = [r for r in records if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
-    if len(usable) < len(records):
-        warnings.append(f"metrics.jsonl: {len(records) - len(usable)} record(s) without an integer "
-                        "step skipped")
-        records = usable
+    rows, bad = read_jsonl(metrics_path)
+    if bad:
+        warnings.append(f"metrics.jsonl: {bad} unreadable line(s) skipped (a write cut short by a crash?)")
+    records, no_step = latest_per_step(rows)
+    if no_step:
+        warnings.append(f"metrics.jsonl: {no_step} record(s) without an integer step skipped")
     train = [r for r in records if "val_loss" not in r]
     val = [r for r in records if "val_loss" in r]
 
     events: list[dict[str, Any]] = []
     events_path = run_dir / "events.jsonl"
     if events_path.is_file():
-        events, bad = _read_jsonl(events_path)
+        events, bad = read_jsonl(events_path)
         if bad:
             warnings.append(f"events.jsonl: {bad} unreadable line(s) skipped")
 
@@ -135,43 +136,6 @@ def read_run(run_dir: Path) -> Run:
         skipped_text = _read_text(skipped_path, warnings)
     return Run(run_dir, train, val, events, config_text, config, run_info, run_info_text,
                skipped_text, warnings)
-
-
-def _read_metrics(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
-    try:
-        return read_metrics(path)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        pass
-    # A line cut short by a crash (or written by something else): keep every readable
-    # record, with read_metrics' rule (the last record per step and kind wins).
-    records, bad = _read_jsonl(path)
-    latest: dict[tuple[int, bool], dict[str, Any]] = {}
-    for rec in records:
-        step = rec.get("step")
-        if isinstance(step, int) and not isinstance(step, bool):
-            latest[(step, "val_loss" in rec)] = rec
-        else:
-            bad += 1
-    warnings.append(f"metrics.jsonl: {bad} unreadable line(s) skipped (a write cut short by a crash?)")
-    return [latest[k] for k in sorted(latest)]
-
-
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a .jsonl file and the number of lines that are not one."""
-    rows, bad = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            rows.append(obj)
-        else:
-            bad += 1
-    return rows, bad
 
 
 def _read_text(path: Path, warnings: list[str]) -> str | None:
