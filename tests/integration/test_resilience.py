@@ -186,6 +186,7 @@ def test_metrics_split_the_step_and_report_memory_eta_and_budget(tiny_config):
     assert rec["token_budget_pct"] == 100.0 and rec["eta_s"] == 0.0
     assert rec["tokens_per_s_per_device"] == rec["tokens_per_s"]  # one process
     assert rec["mfu"] is None and rec["mem_rss_gib"] > 0.05
+    assert not (Path(cfg.run.dir) / "watchdog").exists()  # nothing left when it never fired
 
 
 def test_a_stalled_step_alerts_while_it_hangs(tiny_config, monkeypatch):
