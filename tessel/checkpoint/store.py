@@ -14,18 +14,15 @@ flattened by parameter name, so it reshards the same way.
 A save writes everything into `.tmp-step_...`, then rank 0 writes `state.json` last (the
 loader position, config, and each file's size), renames the directory into place and
 repoints `latest`. A crash at any moment leaves either the old set of checkpoints or the old
-set plus a complete new one. Before loading, the DCP `.metadata` file (a pickle written by
-PyTorch) is vetted with an unpickler that admits only DCP's own metadata classes, so
-loading a checkpoint cannot execute code.
+set plus a complete new one. Every read goes through `safe_load`, which parses DCP's pickles
+(the `.metadata` file and non-tensor values) without running anything they name.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -39,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tessel.checkpoint import safe_load
 from tessel.errors import TesselError
 from tessel.fileio import fsync_dir
 
@@ -228,58 +227,34 @@ def read_state(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _check_metadata(path: Path) -> None:
-    """Refuse a `.metadata` pickle that holds anything but DCP's metadata classes."""
-    meta = path / ".metadata"
+def _metadata(path: Path) -> Any:
+    """The checkpoint's DCP metadata, parsed without running code (see safe_load)."""
     try:
-        data = meta.read_bytes()
+        return safe_load.read_metadata(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is damaged: its .metadata file is missing"
+        ) from None
     except OSError as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable: {exc}") from None
-    try:
-        _MetadataUnpickler(io.BytesIO(data)).load()
-    except _Refused as exc:
-        raise CheckpointError(f"refusing to load {str(meta)!r}: {exc}") from None
-    except Exception as exc:  # truncated or garbled
+    except safe_load.UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
+    except safe_load.DamagedCheckpointError as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {exc}") from None
 
 
-class _Refused(pickle.UnpicklingError):
-    pass
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    _ALLOWED_MODULES = (
-        "torch.distributed.checkpoint.metadata",
-        "torch.distributed.checkpoint.filesystem",
-        "torch.distributed.checkpoint.planner",
-        "torch.distributed.checkpoint._extension",
-        "torch.distributed.checkpoint._hf_utils",
-    )
-    _ALLOWED = {
-        ("torch", "Size"), ("torch", "device"), ("torch", "dtype"), ("torch", "layout"),
-        ("torch", "memory_format"), ("collections", "OrderedDict"), ("builtins", "set"),
-        ("builtins", "frozenset"), ("builtins", "slice"), ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-    _DTYPES = {str(getattr(torch, n)).removeprefix("torch.") for n in dir(torch)
-               if isinstance(getattr(torch, n, None), torch.dtype)}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED or (
-            module == "torch" and (name in self._DTYPES or name.endswith("Storage"))
-        ):
-            return super().find_class(module, name)
-        raise _Refused(f"it names {module}.{name}, which a checkpoint never holds")
-
-
-def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False) -> None:
+def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False,
+              metadata: Any = None) -> None:
     """`no_dist`: this process alone reads (e.g. rank 0 exporting while the others wait)."""
-    _check_metadata(path)
+    if metadata is None:
+        metadata = _metadata(path)
     try:
         with quiet_single_process():
-            dcp.load(sd, checkpoint_id=str(path), no_dist=no_dist)
-    except Exception as exc:  # DCP wraps per-rank failures; keep the first line
+            safe_load.dcp_load(sd, path, metadata=metadata, no_dist=no_dist)
+    except safe_load.UnsafeCheckpointError as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from None
+    except (Exception, CheckpointException) as exc:  # DCP wraps per-rank failures (as a
+        # BaseException); keep the last line
         first = str(exc).strip().splitlines()
         raise CheckpointError(
             f"checkpoint {str(path)!r} does not match this model: "
@@ -293,8 +268,10 @@ def _short(text: str, limit: int = 300) -> str:
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Global shape of every saved model tensor, from the checkpoint's metadata."""
-    _check_metadata(path)
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    return _model_shapes(_metadata(path))
+
+
+def _model_shapes(meta: Any) -> dict[str, tuple[int, ...]]:
     out = {}
     for key, md in meta.state_dict_metadata.items():
         if key.startswith("model.") and hasattr(md, "size"):
@@ -307,8 +284,7 @@ def read_full(path: Path, section: str, skip: set[str] = frozenset(),
     """The tensors saved under `section` ("model", "optim" or "extra"), unsharded, read by
     this process alone (e.g. to consolidate, export or compare checkpoints of any layout):
     all of them, or just the names in `only` (DCP then reads only their files' bytes)."""
-    _check_metadata(path)
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = _metadata(path)
     prefix = section + "."
     templates = {}
     for key, md in meta.state_dict_metadata.items():
@@ -321,7 +297,7 @@ def read_full(path: Path, section: str, skip: set[str] = frozenset(),
         missing = sorted(only - set(templates))[0]
         raise CheckpointError(f"checkpoint {str(path)!r} has no tensor {missing!r}")
     holder = {section: templates}
-    _dcp_load(path, holder, no_dist=True)
+    _dcp_load(path, holder, no_dist=True, metadata=meta)
     return holder[section]
 
 
@@ -329,7 +305,8 @@ def load_model(path: Path, models: Models) -> None:
     """Load the checkpointed weights into `models` (a model, or this rank's stages/shards of
     one), whatever layout the checkpoint was saved under."""
     parts = _as_list(models)
-    saved = checkpoint_shapes(path)
+    meta = _metadata(path)
+    saved = _model_shapes(meta)
     for m in parts:
         sd = get_model_state_dict(m)
         missing = sorted(set(sd) - set(saved))
@@ -344,7 +321,7 @@ def load_model(path: Path, models: Models) -> None:
                     f"{tuple(t.shape)}"
                 )
         holder = {"model": sd}
-        _dcp_load(path, holder)
+        _dcp_load(path, holder, metadata=meta)
         set_model_state_dict(m, holder["model"])
 
 
@@ -367,8 +344,7 @@ def load_tensors(path: Path, templates: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def _metadata_keys(path: Path) -> list[str]:
-    _check_metadata(path)
-    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return list(_metadata(path).state_dict_metadata)
 
 
 # ---- internals --------------------------------------------------------------------------

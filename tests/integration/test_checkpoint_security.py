@@ -1,0 +1,227 @@
+"""A crafted checkpoint cannot run code through any command that reads checkpoints.
+
+Each payload creates a marker file when it runs. It is first shown to run under plain
+`pickle` / `torch.load(weights_only=False)` (what stock DCP uses), so a test that passes
+cannot be passing because the payload was inert. Then every entry point that reads a
+checkpoint (`train --resume`, `generate`, `checkpoint consolidate`, `model.init_from`,
+`convert tessel-to-hf`) must refuse it with one line and exit 2, without the marker appearing.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessel.checkpoint import CheckpointError, latest_checkpoint, read_full
+from tessel.checkpoint.safe_load import read_metadata
+from tessel.cli import main
+from tessel.config import Config
+from tessel.train import Trainer
+from tests.conftest import tiny_overrides, write_corpus
+
+
+def _unicode(s: str) -> bytes:
+    b = s.encode()
+    return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+
+
+def _command(marker: Path) -> str:
+    return f"touch {marker}"
+
+
+def plain_payload(marker: Path) -> bytes:
+    """A .metadata that calls os.system through __reduce__ (GLOBAL posix system)."""
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (_command(marker),))
+
+    return pickle.dumps(Evil(), protocol=2)
+
+
+def dotted_payload(marker: Path, tail: bytes = b".") -> bytes:
+    """Protocol 4: STACK_GLOBAL with a module DCP really uses and the dotted name
+    'os.system' (resolved by getattr): an allow-list of whole modules admits it."""
+    call = (_unicode("torch.distributed.checkpoint.filesystem") + _unicode("os.system")
+            + b"\x93" + _unicode(_command(marker)) + b"\x85R")  # STACK_GLOBAL, TUPLE1, REDUCE
+    return b"\x80\x04" + call + (b"0" + tail if tail != b"." else b".")
+
+
+def stealth_payload(marker: Path, original: bytes) -> bytes:
+    """Runs the command, drops its result (POP), then unpickles the genuine metadata: under
+    a check-then-load scheme the run would train normally and exit 0."""
+    assert original[:2] == b"\x80\x04"
+    return dotted_payload(marker, tail=original[2:])
+
+
+PAYLOADS = {"plain": plain_payload, "dotted": dotted_payload, "stealth": stealth_payload}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny run with a final checkpoint (model, optimizer, RNG), shared by the module."""
+    root = tmp_path_factory.mktemp("secure")
+    corpus = write_corpus(root / "corpus", n_docs=4, words_per_doc=200)
+    cfg = Config.load(None, tiny_overrides(root / "run", corpus, **{"train.steps": 2}))
+    trainer = Trainer(cfg, console=False)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    (root / "run" / "corpus_path").write_text(str(corpus))
+    return root / "run"
+
+
+def _copy(run: Path, dest: Path) -> tuple[Path, Path]:
+    shutil.copytree(run, dest)
+    ckpt = latest_checkpoint(dest / "checkpoints")
+    assert ckpt is not None
+    return dest, ckpt
+
+
+def _forge_sizes(ckpt: Path) -> None:
+    """Make state.json agree with the tampered files, as an attacker who controls the whole
+    directory would."""
+    state = json.loads((ckpt / "state.json").read_text())
+    state["files"] = {f: (ckpt / f).stat().st_size for f in state["files"]}
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+def _entry_points(run: Path, ckpt: Path, tmp: Path) -> dict[str, list[str]]:
+    corpus = (run / "corpus_path").read_text()
+    fresh = tiny_overrides(tmp / "fresh", Path(corpus), **{"train.steps": 1})
+    fresh_args = [f"--{k}={json.dumps(v)}" for k, v in fresh.items()]
+    return {
+        "resume": ["train", "--resume", str(run), "--train.steps=3", "--quiet"],
+        "generate": ["generate", str(run), "--max-new-tokens", "2"],
+        "consolidate": ["checkpoint", "consolidate", str(run), "--output", str(tmp / "m.st")],
+        "init_from": ["train", *fresh_args, f"--model.init_from={json.dumps(str(ckpt))}",
+                      "--quiet"],
+        "export": ["convert", "tessel-to-hf", str(run), str(tmp / "hf")],
+    }
+
+
+def _assert_refused(argv: list[str], capsys: pytest.CaptureFixture, needle: str) -> None:
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (argv[0], err)
+    assert len(err) == 1 and err[0].startswith("tessel: error: ") and needle in err[0], err
+
+
+@pytest.mark.parametrize("kind", list(PAYLOADS))
+def test_crafted_metadata_is_refused_by_every_entry_point(
+    kind: str, trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    run, ckpt = _copy(trained_run, tmp_path / "run")
+    marker = tmp_path / f"pwned-{kind}"
+    original = (ckpt / ".metadata").read_bytes()
+    payload = PAYLOADS[kind](marker, original) if kind == "stealth" else PAYLOADS[kind](marker)
+
+    # The payload is live: plain pickle (what DCP itself calls) runs it.
+    result = pickle.loads(payload)
+    assert marker.exists(), "the payload must run under plain pickle, or this test proves nothing"
+    if kind == "stealth":
+        assert type(result).__name__ == "Metadata"  # and DCP would then train normally
+    marker.unlink()
+
+    (ckpt / ".metadata").write_bytes(payload)
+    _forge_sizes(ckpt)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    for name, argv in _entry_points(run, ckpt, tmp_path).items():
+        _assert_refused(argv, capsys, "names ")
+        assert not marker.exists(), f"{name} ran the payload"
+    named = "posix.system" if kind == "plain" else "torch.distributed.checkpoint.filesystem.os.system"
+    assert main(["checkpoint", "consolidate", str(run)]) == 2
+    assert f"names {named}," in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing saved
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "m.st").exists()
+
+
+def _malicious_torch_blob(marker: Path) -> bytes:
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (_command(marker),))
+
+    buf = io.BytesIO()
+    torch.save({"lr": Evil()}, buf)
+    return buf.getvalue()
+
+
+def test_crafted_value_in_a_shard_is_refused(trained_run: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture):
+    """Non-tensor values (optimizer hyper-parameters) sit in the .distcp shards as
+    torch.save blobs that stock DCP reads with weights_only=False."""
+    run, ckpt = _copy(trained_run, tmp_path / "run")
+    marker = tmp_path / "pwned-bytes"
+    blob = _malicious_torch_blob(marker)
+    torch.load(io.BytesIO(blob), weights_only=False)  # live under stock DCP's call
+    assert marker.exists()
+    marker.unlink()
+
+    # Point every bytes item of the metadata at the blob, appended to the shard, and fix up
+    # sizes in state.json as an attacker who controls the whole directory would.
+    md = read_metadata(ckpt)
+    shard = ckpt / "__0_0.distcp"
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(blob)
+    n = 0
+    for index, info in md.storage_data.items():
+        if type(md.state_dict_metadata[index.fqn]).__name__ == "BytesStorageMetadata":
+            info.offset, info.length = offset, len(blob)
+            n += 1
+    assert n > 0, "the optimizer state must hold non-tensor values for this test to mean anything"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    _forge_sizes(ckpt)
+
+    _assert_refused(["train", "--resume", str(run), "--train.steps=3", "--quiet"], capsys,
+                    "is not plain data")
+    assert not marker.exists()
+
+
+def test_metadata_cannot_point_outside_the_checkpoint(trained_run: Path, tmp_path: Path):
+    run, ckpt = _copy(trained_run, tmp_path / "run")
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\0" * 4096)
+    md = read_metadata(ckpt)
+    for info in md.storage_data.values():
+        info.relative_path = "../../../secret.bin"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        read_full(ckpt, "model")
+
+
+def test_damaged_or_missing_metadata_is_one_line(trained_run: Path, tmp_path: Path):
+    run, ckpt = _copy(trained_run, tmp_path / "run")
+    (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match="is damaged"):
+        read_full(ckpt, "model")
+    (ckpt / ".metadata").write_bytes(struct.pack("<I", 7))
+    with pytest.raises(CheckpointError, match="is damaged"):
+        read_full(ckpt, "model")
+    (ckpt / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="metadata file is missing"):
+        read_full(ckpt, "model")
+
+
+def test_only_safe_load_unpickles_checkpoints():
+    """The guard is on every path: no other module of tessel reads a pickle or calls DCP's
+    loader or reader directly."""
+    root = Path(__file__).resolve().parents[2] / "tessel"
+    needles = ("pickle.load", "torch.load(", "dcp.load(", "FileSystemReader(",
+               "checkpoint.load(", "import pickle")
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.name == "safe_load.py":
+            continue
+        text = path.read_text()
+        offenders += [f"{path.relative_to(root)}: {n}" for n in needles if n in text]
+    assert offenders == []
