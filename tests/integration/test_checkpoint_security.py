@@ -81,7 +81,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _copy(run: Path, dest: Path) -> tuple[Path, Path]:
-    shutil.copytree(run, dest)
+    shutil.copytree(run, dest, symlinks=True)
     ckpt = latest_checkpoint(dest / "checkpoints")
     assert ckpt is not None
     return dest, ckpt
