@@ -7,7 +7,7 @@ Command (the defaults; about 90 s on two idle CPU cores, ~0.6 s per demo step):
 
 Method
 - tessel side: a real `Trainer(cfg, console=False)` (synthetic data, fresh temporary run dir, no
-  checkpoints, eval, samples or TensorBoard). We time `trainer._train_step()`, the method
+  checkpoints, eval, samples or TensorBoard). We time `trainer.run_step()`, the method
   `Trainer.train()` calls once per optimizer step, and advance `trainer.step` as `train()` does.
 - plain side: the same model from `build_model(cfg.model, device, seed)` (identical init), the
   same optimizer (`torch.optim.AdamW` over the same decay/no-decay groups and hyperparameters,
@@ -175,7 +175,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         trainer = Trainer(cfg, console=False)
         device, t = trainer.device, cfg.train
         tokens_per_step = t.global_batch_size * t.seq_len
-        n_batches = trainer.accum * a.steps
+        n_batches = trainer.train_step.accum * a.steps
 
         loader = trainer.data.train
         t0 = time.perf_counter()
@@ -186,7 +186,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         plain = PlainLoop(cfg, device, trainer.precision.name, Replay(batches))
 
         def tessel_step() -> torch.Tensor:
-            loss, _ = trainer._train_step()
+            loss, _ = trainer.run_step()
             trainer.step += 1
             return loss
 
@@ -204,7 +204,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": trainer.precision.name, "compile": a.compile, "seq_len": t.seq_len,
             "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-            "accum": trainer.accum, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
+            "accum": trainer.train_step.accum, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "tessel_tok_s": tessel_tps, "plain_tok_s": plain_tps, "ratio": tessel_tps / plain_tps,
             "tessel_tok_s_rounds": results["tessel"], "plain_tok_s_rounds": results["plain"],

@@ -1,5 +1,5 @@
-"""The layouts the planner chooses across model sizes and GPU counts: the regime map in the
-README (derived from its memory and time model, not from a rule of thumb).
+"""The layouts the planner chooses across model sizes and GPU counts: the regime map in
+docs/planning.md (derived from its memory and time model, not from a rule of thumb).
 
     .venv/bin/python benchmarks/planner_regimes.py            # H100 SXM, seq 4096
     .venv/bin/python benchmarks/planner_regimes.py --gpu a100-80gb --seq-len 2048

@@ -1,7 +1,7 @@
 """The planner's time model against published large-scale runs, row by row, and the fit of
 its one fitted constant (the matmul efficiency). CPU only, a few seconds:
 
-    .venv/bin/python benchmarks/planner_validation.py            # the README's table
+    .venv/bin/python benchmarks/planner_validation.py            # docs/planning.md's table
     .venv/bin/python benchmarks/planner_validation.py --fit      # refit the efficiency
 
 Rows and sources: tessel/planner/published.py. Predictions use the built-in hardware

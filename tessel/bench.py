@@ -76,8 +76,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def run_bench(cfg: Config, warmup: int = 5, steps: int = 20, matmul: bool = True) -> dict[str, Any]:
+    from tessel.observe.memory import memory_stats
     from tessel.parallel.dist import process_info
-    from tessel.train.trainer import Trainer, memory_stats
+    from tessel.train.trainer import Trainer
 
     if process_info().distributed:
         raise TesselError("tessel bench measures one device; run it without torchrun/--nproc")
@@ -91,7 +92,7 @@ def run_bench(cfg: Config, warmup: int = 5, steps: int = 20, matmul: bool = True
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(warmup):
-            trainer._train_step()
+            trainer.run_step()
             trainer.step += 1
         times = _timed_steps(trainer, steps)
         memory = memory_stats(device)
@@ -114,7 +115,7 @@ def _timed_steps(trainer: Any, steps: int) -> list[float]:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         events[0].record()
         for i in range(steps):
-            trainer._train_step()
+            trainer.run_step()
             trainer.step += 1
             events[i + 1].record()
         events[-1].synchronize()
@@ -122,7 +123,7 @@ def _timed_steps(trainer: Any, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        trainer._train_step()
+        trainer.run_step()
         trainer.step += 1
         times.append(time.perf_counter() - t0)
     return times
@@ -143,7 +144,7 @@ def _figures(cfg: Config, trainer: Any, times: list[float], memory: dict[str, fl
         f"cpu ({platform.machine()})",
         "precision": trainer.precision.name, "compile": t.compile, "fp8": t.fp8,
         "seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size,
-        "global_batch_size": t.global_batch_size, "accumulation": trainer.accum,
+        "global_batch_size": t.global_batch_size, "accumulation": trainer.train_step.accum,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "world_size": 1,
         "tokens_per_s": tps,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tessel.checkpoint import CheckpointError, latest_checkpoint, load_model, read_state
+from tessel.checkpoint import CheckpointError, find_checkpoint, load_model, read_state
 from tessel.config import Config, ConfigError
 from tessel.data.tokenizer import Tokenizer, load_tokenizer
 from tessel.models import Transformer, build_model
@@ -55,15 +55,15 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
     """The model of the run's latest checkpoint (or of a checkpoint directory) and the run's
     tokenizer."""
     path = Path(run_dir)
+    ckpt = find_checkpoint(path)
     if (path / "state.json").is_file():  # a checkpoint directory itself
-        ckpt, run = path, path.parent.parent
+        run = path.parent.parent
     else:
         run = path
-        ckpt = latest_checkpoint(path / "checkpoints")
         if not (path / "config.toml").is_file():
             raise ConfigError(f"{str(path)!r} is not a tessel run directory (no config.toml)")
-        if ckpt is None:
-            raise CheckpointError(f"run {str(path)!r} has no complete checkpoint yet")
+    if ckpt is None:
+        raise CheckpointError(f"run {str(path)!r} has no complete checkpoint yet")
     cfg = Config.load(run / "config.toml")
     read_state(ckpt)  # validates format and file sizes
     model = build_model(cfg.model, device)

@@ -1,9 +1,12 @@
 """Checkpoints: atomic DCP save/load that reshards across layouts."""
 
 from tessel.checkpoint.store import (
+    CHECKPOINTS_DIR,
     CheckpointError,
+    CheckpointWriteError,
     PendingSave,
     checkpoint_shapes,
+    find_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_model,
@@ -16,8 +19,11 @@ from tessel.checkpoint.store import (
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "PendingSave",
+    "CHECKPOINTS_DIR",
     "checkpoint_shapes",
+    "find_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
     "load_model",

@@ -9,15 +9,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from tessel.checkpoint.store import CheckpointError, latest_checkpoint, read_full, read_state
+from tessel.checkpoint.store import CheckpointError, find_checkpoint, read_full, read_state
 from tessel.fileio import fsync_dir
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or a run directory (its latest checkpoint)."""
-    if (path / "state.json").is_file():
-        return path
-    found = latest_checkpoint(path / "checkpoints")
+    found = find_checkpoint(path)
     if found is None:
         raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run with checkpoints")
     return found

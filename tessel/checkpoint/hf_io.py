@@ -58,6 +58,14 @@ class HFReader:
             weight_map = read_json(root / INDEX).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise HFError(f"{str(root / INDEX)!r} has no weight_map")
+            for f in set(weight_map.values()):
+                # A shard is a file of this directory: a crafted index must not make tessel
+                # read files elsewhere (`../other/model.safetensors`, an absolute path).
+                if not isinstance(f, str) or Path(f).name != f or f in (".", ".."):
+                    raise HFError(
+                        f"{str(root / INDEX)!r} names the shard {f!r}, which is not a file of "
+                        f"{str(root)!r}; a weight_map lists file names inside the model directory"
+                    )
             self.files = {name: root / f for name, f in weight_map.items()}
         elif (root / SINGLE).is_file():
             self.files = {name: root / SINGLE for name in _open(root / SINGLE).keys()}

@@ -7,6 +7,9 @@ and each tensor by tessel's name, one at a time, from
   directory holding one as model.safetensors (`tessel convert hf-to-tessel`);
 - a tessel run directory (its latest checkpoint) or checkpoint directory, any layout (DCP).
 
+`load_config` is `Config.load` for a new run: the shape is read from those weights here, once,
+and handed to the config's validation (which never reads the disk itself).
+
 Every rank of a parallel layout asks for the full tensors of the parameters it holds and
 keeps its slice (see `tessel.parallel.apply.materialise`), so loading works for any layout.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,8 @@ from safetensors import safe_open
 
 from tessel.checkpoint.hf_arch import HFError, for_hf_config
 from tessel.checkpoint.hf_io import HFReader, read_json
+from tessel.config import Config
+from tessel.config.load import read_merged
 
 if TYPE_CHECKING:
     from tessel.config import ModelConfig
@@ -53,13 +58,9 @@ def _tessel_file(path: Path) -> Path | None:
 
 def _tessel_checkpoint(path: Path) -> Path | None:
     """The DCP checkpoint at `path`: itself, or a run directory's latest."""
-    from tessel.checkpoint.store import latest_checkpoint
+    from tessel.checkpoint.store import find_checkpoint
 
-    if (path / "state.json").is_file():
-        return path
-    if (path / "checkpoints").is_dir():
-        return latest_checkpoint(path / "checkpoints")
-    return None
+    return find_checkpoint(path)
 
 
 def model_fields_of(path: Path) -> dict[str, Any]:
@@ -90,6 +91,27 @@ def model_fields_of(path: Path) -> dict[str, Any]:
             "checkpoint directory)"
         )
     return {k: model[k] for k in _MODEL_FIELDS if k in model}
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | Sequence[str] | None = None,
+) -> Config:
+    """`Config.load(path, overrides)`, with the model fields that the weights of
+    `model.init_from` fix (when it is set) read from them: they win over the preset, and an
+    explicit shape field that disagrees is an error naming the key. What `tessel train` and
+    the other commands load for a new run; a resumed run's config.toml already states every
+    field and is read with `Config.load`."""
+    merged = read_merged(Config, path, overrides)
+    model = merged.get("model")
+    init_from = model.get("init_from") if isinstance(model, dict) else None
+    fields = None
+    if isinstance(init_from, str) and init_from:  # any other value: validation says why
+        source = Path(init_from)
+        if not source.exists():
+            raise HFError(f"model.init_from={init_from!r} does not exist or holds no weights")
+        fields = model_fields_of(source)
+    return Config.from_dict(merged, init_fields=fields)
 
 
 class WeightSource:

@@ -21,6 +21,7 @@ replace both:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pathlib
 import pickle
@@ -92,12 +93,39 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError("it holds a persistent reference, which a checkpoint never holds")
 
 
-def read_metadata(path: Path) -> dcp_metadata.Metadata:
+# state.json key of the per-file content checksums written at save.
+DIGEST_KEY = "sha256"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's content (hashlib; hardware-accelerated where the CPU has it)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_digest(path: Path, expected: str | None) -> None:
+    """Raise DamagedCheckpointError when `path`'s content does not have checksum `expected`
+    (None: the checkpoint predates checksums; nothing to check)."""
+    if expected is not None and file_digest(path) != expected:
+        raise DamagedCheckpointError(
+            f"{path.name} does not match its checksum (the file changed after it was saved)"
+        )
+
+
+def read_metadata(path: Path, digests: dict[str, str] | None = None) -> dcp_metadata.Metadata:
     """The checkpoint's DCP metadata, parsed without running code, with every storage file
-    checked to be a file of this checkpoint. Raises UnsafeCheckpointError /
-    DamagedCheckpointError (one line each) or OSError."""
+    checked to be a file of this checkpoint; `digests`: the checksums from state.json.
+    Raises UnsafeCheckpointError / DamagedCheckpointError (one line each) or OSError."""
     meta_file = path / METADATA_FILE
     data = meta_file.read_bytes()
+    expected = (digests or {}).get(METADATA_FILE)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise DamagedCheckpointError(
+            f"{METADATA_FILE} does not match its checksum (the file changed after it was saved)"
+        )
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError as exc:
@@ -127,9 +155,25 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader with the metadata parsed by `read_metadata` (never `pickle.load`);
     `metadata`: already parsed by the caller, so it is not read twice."""
 
-    def __init__(self, path: Path, metadata: dcp_metadata.Metadata | None = None) -> None:
+    def __init__(self, path: Path, metadata: dcp_metadata.Metadata | None = None,
+                 digests: dict[str, str] | None = None) -> None:
         super().__init__(str(path))
         self._metadata = metadata
+        self._digests = digests or {}
+        self._verified: set[str] = set()
+        self.damaged: str | None = None
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """Each file this rank reads is checked against its checksum first (once)."""
+        files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        for name in sorted(files - self._verified):
+            try:
+                check_digest(Path(self.path) / name, self._digests.get(name))
+            except DamagedCheckpointError as exc:
+                self.damaged = str(exc)  # DCP wraps what a reader raises: keep our line
+                raise
+            self._verified.add(name)
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         md = self._metadata if self._metadata is not None else read_metadata(Path(self.path))
@@ -164,16 +208,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def dcp_load(state_dict: dict[str, Any], path: Path,
-             metadata: dcp_metadata.Metadata | None = None, no_dist: bool = False) -> None:
+             metadata: dcp_metadata.Metadata | None = None, no_dist: bool = False,
+             digests: dict[str, str] | None = None) -> None:
     """`torch.distributed.checkpoint.load` of checkpoint `path` into `state_dict`, through
     the safe reader and planner. `metadata`: from `read_metadata(path)`, when the caller has
-    it. `no_dist`: this process alone reads. Raises UnsafeCheckpointError (nothing run) or
-    DCP's own errors."""
+    it. `no_dist`: this process alone reads; `digests`: the files' checksums (state.json).
+    Raises UnsafeCheckpointError (nothing run), DamagedCheckpointError or DCP's own errors."""
     planner = SafeLoadPlanner()
+    reader = SafeFileSystemReader(path, metadata, digests)
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path, metadata),
-                 planner=planner, no_dist=no_dist)
+        dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=no_dist)
     except (Exception, CheckpointException):  # DCP's CheckpointException is a BaseException
         if planner.refused is not None:
             raise UnsafeCheckpointError(planner.refused) from None
+        if reader.damaged is not None:
+            raise DamagedCheckpointError(reader.damaged) from None
         raise

@@ -21,6 +21,8 @@ set plus a complete new one. Every read goes through `safe_load`, which parses D
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import inspect
 import json
 import os
 import re
@@ -60,6 +62,9 @@ def quiet_single_process() -> Iterator[None]:
 FORMAT_VERSION = 2  # 1 was single-file safetensors (before sharded layouts)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+# `no_dist` on async_save (where this torch has it): one process saves without a process group, and
+# its writer thread then does not warn about it.
+_ASYNC_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
 
 
 class CheckpointError(TesselError):
@@ -85,6 +90,18 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+# A run directory keeps its checkpoints here (tessel.train.run_dir.RunDir names it too).
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def find_checkpoint(path: Path) -> Path | None:
+    """The checkpoint `path` means: a checkpoint directory itself, or a run directory's
+    latest complete checkpoint; None when it is neither (or the run has none yet)."""
+    if (path / "state.json").is_file():
+        return path
+    return latest_checkpoint(path / CHECKPOINTS_DIR)
 
 
 # ---- save -------------------------------------------------------------------------------
@@ -129,14 +146,57 @@ class PendingSave:
 
     future: Future | None
     publish: Any  # () -> Path
+    tmp: Path | None = None  # the temporary directory, removed if the save fails
+    step: int = 0
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
 
     def finish(self) -> Path:
-        if self.future is not None:
-            self.future.result()
-        return self.publish()
+        with _failed_save_is_one_line(self.tmp, self.step):
+            if self.future is not None:
+                self.future.result()
+            return self.publish()
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save could not be written (disk full, unwritable directory); the checkpoints
+    saved before are intact and the temporary directory is removed."""
+
+
+@contextlib.contextmanager
+def _failed_save_is_one_line(tmp: Path | None, step: int) -> Iterator[None]:
+    """A failed save (disk full, ...) removes its temporary directory and becomes one line;
+    a Ctrl-C during it (DCP wraps it in a CheckpointException) stays a KeyboardInterrupt."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt, CheckpointException) as exc:
+        cause = _root_cause(exc)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        if isinstance(cause, TesselError):
+            raise
+        where = tmp.parent if tmp is not None else "the run directory"
+        raise CheckpointWriteError(
+            f"could not save the checkpoint of step {step} in {where}: {_describe(cause)}; "
+            "the checkpoints saved before are intact"
+        ) from None
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's wrapper (recursively)."""
+    while isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    lines = str(exc).strip().splitlines()
+    return _short(lines[-1] if lines else type(exc).__name__)
 
 
 def save_checkpoint(
@@ -169,8 +229,14 @@ def save_checkpoint(
     def publish() -> Path:
         final = root / name
         if _rank() == 0:
-            sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
-            meta = {"format": FORMAT_VERSION, "step": step, "files": sizes, **state}
+            files = [f for f in sorted(tmp.iterdir()) if f.is_file()]
+            sizes = {f.name: f.stat().st_size for f in files}
+            # Content checksums, verified whenever a file is read back (safe_load): a shard
+            # with flipped bytes but the right size is refused, never trained on.
+            digests = {f.name: safe_load.file_digest(f) for f in files}
+            meta = {"format": FORMAT_VERSION, "step": step, "files": sizes,
+                    safe_load.DIGEST_KEY: digests, **state}
+            meta[_STATE_DIGEST] = _state_digest(meta)  # state.json vouches for itself too
             _write_json(tmp / "state.json", meta)  # written last: its presence marks completeness
             fsync_dir(tmp)
             if final.exists():  # same step saved before (e.g. a timeline we went back from)
@@ -188,12 +254,16 @@ def save_checkpoint(
     if async_save:
         # Tensors are staged to host memory before this returns; writing continues in the
         # background. Only rank 0 publishes, once its future (which waits for all) is done.
+        single = {"no_dist": True} if not dist.is_initialized() and _ASYNC_NO_DIST else {}
+        with _failed_save_is_one_line(tmp, step), quiet_single_process():
+            # the background thread warns too unless no_dist says it is one process
+            future = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group,
+                                    **single)
+        return PendingSave(future, publish, tmp, step)
+    with _failed_save_is_one_line(tmp, step):
         with quiet_single_process():
-            future = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group)
-        return PendingSave(future, publish)
-    with quiet_single_process():
-        dcp.save(sd, checkpoint_id=str(tmp))
-    path = publish()
+            dcp.save(sd, checkpoint_id=str(tmp))
+        path = publish()
     _barrier()  # nobody reads `latest` before it points at the new checkpoint
     return path
 
@@ -210,6 +280,12 @@ def read_state(path: Path) -> dict[str, Any]:
         ) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable: {exc}") from None
+    if isinstance(meta, dict) and _STATE_DIGEST in meta and \
+            meta[_STATE_DIGEST] != _state_digest(meta):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is damaged: state.json does not match its checksum; "
+            f"{MOVE_ASIDE}"
+        )
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {str(path)!r} has format {meta.get('format') if isinstance(meta, dict) else '?'}"
@@ -219,18 +295,30 @@ def read_state(path: Path) -> dict[str, Any]:
         f = path / fname
         actual = f.stat().st_size if f.is_file() else None
         if actual != size:
+            what = "is missing" if actual is None else f"has {actual} bytes, expected {size}"
             raise CheckpointError(
-                f"checkpoint {str(path)!r} is damaged: {fname} has {actual} bytes, "
-                f"expected {size}; move that directory out of checkpoints/ to resume from the "
-                "one before"
+                f"checkpoint {str(path)!r} is damaged: {fname} {what}; {MOVE_ASIDE}"
             )
     return meta
+
+
+_STATE_DIGEST = "state_sha256"
+
+
+def _state_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of state.json's content without this field (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != _STATE_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# How to get past a damaged checkpoint (the run resumes from the newest complete one).
+MOVE_ASIDE = "move that directory out of checkpoints/ to resume from the one before"
 
 
 def _metadata(path: Path) -> Any:
     """The checkpoint's DCP metadata, parsed without running code (see safe_load)."""
     try:
-        return safe_load.read_metadata(path)
+        return safe_load.read_metadata(path, _digests(path))
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {str(path)!r} is damaged: its .metadata file is missing"
@@ -240,7 +328,17 @@ def _metadata(path: Path) -> Any:
     except safe_load.UnsafeCheckpointError as exc:
         raise CheckpointError(str(exc)) from None
     except safe_load.DamagedCheckpointError as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {exc}") from None
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {exc}; {MOVE_ASIDE}") from None
+
+
+def _digests(path: Path) -> dict[str, str]:
+    """The content checksums state.json lists ({} for checkpoints written before them)."""
+    try:
+        meta = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    digests = meta.get(safe_load.DIGEST_KEY) if isinstance(meta, dict) else None
+    return digests if isinstance(digests, dict) else {}
 
 
 def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False,
@@ -250,9 +348,12 @@ def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False,
         metadata = _metadata(path)
     try:
         with quiet_single_process():
-            safe_load.dcp_load(sd, path, metadata=metadata, no_dist=no_dist)
+            safe_load.dcp_load(sd, path, metadata=metadata, no_dist=no_dist,
+                               digests=_digests(path))
     except safe_load.UnsafeCheckpointError as exc:
         raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from None
+    except safe_load.DamagedCheckpointError as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {exc}; {MOVE_ASIDE}") from None
     except (Exception, CheckpointException) as exc:  # DCP wraps per-rank failures (as a
         # BaseException); keep the last line
         first = str(exc).strip().splitlines()

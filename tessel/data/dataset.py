@@ -42,10 +42,14 @@ class TokenDataset:
         seq_len: int,
         doc_range: tuple[int, int] | None = None,
         name: str = "dataset",
+        fingerprint: str | None = None,
     ):
+        """`fingerprint`: what identifies the corpus's content (IndexedDataset.fingerprint),
+        recorded by the loader's state so that a resume on other data is refused."""
         first, last = doc_range if doc_range is not None else (0, len(doc_offsets) - 1)
         lo, hi = int(doc_offsets[first]), int(doc_offsets[last])
         self.name = name
+        self.fingerprint = fingerprint
         self.tokens = tokens[lo:hi]
         # document starts relative to this split, for the document-boundary mask
         self.doc_starts = np.asarray(doc_offsets[first:last], dtype=np.int64) - lo

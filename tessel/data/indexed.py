@@ -353,12 +353,35 @@ class IndexedDataset:
         """The tokenizer the data was made with (from PREFIX.tokenizer.json)."""
         return self._tokenizer
 
+    @property
+    def fingerprint(self) -> str:
+        """What identifies this dataset's content (sizes and the checksum written with it):
+        a checkpoint records it, so a resume on changed data is refused."""
+        return f"{self.n_docs}:{self.n_tokens}:{self._bin_crc:08x}"
+
     def verify(self) -> None:
-        """Check `.bin`'s contents against the checksum in the header (reads the whole file,
-        so it is not done on open); `DataError` if they differ."""
-        crc = 0
+        """Check `.bin`'s contents against the checksum in the header, and every id against
+        the vocabulary (reads the whole file); `DataError` if either is wrong."""
+        crc, top = 0, -1
         for start in range(0, self.n_tokens, _CHUNK_TOKENS):
-            crc = zlib.crc32(self.tokens[start: start + _CHUNK_TOKENS].tobytes(), crc)
+            chunk = self.tokens[start: start + _CHUNK_TOKENS]
+            crc = zlib.crc32(chunk.tobytes(), crc)
+            top = max(top, int(chunk.max()) if len(chunk) else -1)
         if crc != self._bin_crc:
             raise self._error(f"{self.bin_path.name} checksum mismatch (its contents are "
                               f"corrupted); {FIX}")
+        self._check_ids(top)
+
+    def check_sampled_ids(self, samples: int = 64) -> None:
+        """The cheap check for datasets too large to read whole at every start: the ids of
+        `samples` evenly spread chunks of 64 Ki tokens must be inside the vocabulary."""
+        width = 1 << 16
+        starts = np.linspace(0, max(self.n_tokens - width, 0), num=samples, dtype=np.int64)
+        top = max((int(self.tokens[a: a + width].max()) for a in np.unique(starts)
+                   if a < self.n_tokens), default=-1)
+        self._check_ids(top)
+
+    def _check_ids(self, top: int) -> None:
+        if top >= self.vocab_size:
+            raise self._error(f"{self.bin_path.name} holds token id {top}, outside its "
+                              f"{self.vocab_size}-token vocabulary (corrupted); {FIX}")

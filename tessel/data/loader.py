@@ -111,6 +111,7 @@ class BlendSchedule:
         return {
             "names": [ds.name for ds in self.datasets],
             "sizes": [ds.n_samples for ds in self.datasets],
+            "fingerprints": [ds.fingerprint for ds in self.datasets],
             "weights": self.weights,
             "consumed": list(self.consumed),
             "total": self.total,
@@ -130,6 +131,15 @@ class BlendSchedule:
             raise DataError(
                 f"the datasets' sizes changed since the checkpoint ({state['sizes']} samples then, "
                 f"{sizes} now); resume with the data the run was started with"
+            )
+        then = state.get("fingerprints")  # absent in checkpoints made before they existed
+        now = [ds.fingerprint for ds in self.datasets]
+        if then is not None and then != now:
+            changed = next(ds.name for ds, a, b in zip(self.datasets, then, now) if a != b)
+            raise DataError(
+                f"the content of dataset {changed!r} changed since the checkpoint (same sizes, "
+                "different tokens); resume with the data the run was started with, or start a "
+                "new run from these weights with --model.init_from=RUN_DIR"
             )
         self.consumed, self.total = list(state["consumed"]), int(state["total"])
         if np.allclose(state["weights"], self.weights, rtol=0, atol=1e-12):

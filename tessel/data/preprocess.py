@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from tessel.data.indexed import IndexedWriter, dtype_for_vocab, normalize_prefix
-from tessel.data.readers import InputPath, ReadStats, iter_documents
+from tessel.data.indexed import IndexedWriter, dataset_paths, dtype_for_vocab, normalize_prefix
+from tessel.data.readers import InputPath, ReadStats, iter_documents, resolve_inputs
 from tessel.data.tokenizer import Tokenizer, load_tokenizer
 from tessel.errors import DataError, TesselError
 
@@ -223,6 +223,21 @@ class _Progress:
             f"{stats.documents / s:,.0f} docs/s  {stats.bytes_read / 1e6 / s:,.2f} MB/s"))
 
 
+def _check_output(inputs: InputPath | Sequence[InputPath], prefix: Path, force: bool) -> None:
+    """Never overwrite an input (`--input X.bin --output X` turned the input into token
+    ids), nor an existing dataset unless asked to."""
+    outputs = dataset_paths(prefix)
+    sources = {p.resolve() for p in resolve_inputs(inputs)}
+    for out in outputs:
+        if out.resolve() in sources:
+            raise DataError(f"--output {str(prefix)!r} would overwrite the input {str(out)!r}; "
+                            "choose another output prefix")
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not force:
+        raise DataError(f"{existing[0]!r} already exists; choose another output prefix, or pass "
+                        "--force (preprocess(..., force=True)) to replace that dataset")
+
+
 def preprocess(
     inputs: InputPath | Sequence[InputPath],
     tokenizer: Tokenizer | str,
@@ -232,6 +247,7 @@ def preprocess(
     append_eod: bool = False,
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
+    force: bool = False,
 ) -> PreprocessSummary:
     """Tokenize every document of `inputs` into the indexed dataset `output_prefix`.
 
@@ -240,7 +256,8 @@ def preprocess(
     tokenizer's end-of-document id. `progress` shows a live line on stderr (never under
     CI=true or when stderr is not a terminal); nothing else is printed: the caller prints
     `summary.line()` if it wants to. Bad input raises `DataError` (`TesselError`) and leaves
-    no new files at the prefix.
+    no new files at the prefix. An existing dataset at the prefix is replaced only with
+    `force`; an output that is one of the inputs is refused always.
     """
     if workers < 1:
         raise TesselError(f"workers must be >= 1, got {workers}")
@@ -248,6 +265,7 @@ def preprocess(
         raise TesselError(f"batch_size must be >= 1, got {batch_size}")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     prefix = normalize_prefix(output_prefix)
+    _check_output(inputs, prefix, force)
     stats = ReadStats()
     docs = iter_documents(inputs, json_key, stats)  # resolves inputs now: errors before writing
     start = time.perf_counter()

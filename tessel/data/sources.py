@@ -16,6 +16,7 @@ import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +67,7 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
         ids = rng.integers(0, cfg.model.vocab_size, _SYNTHETIC_TOKENS).astype(np.int64)
         corpora = [("synthetic", ids, np.array([0, len(ids)], dtype=np.int64))]
         weights: list[float] | None = None
+        fingerprints = [f"synthetic:{t.seed}"]
     else:
         if d.source == "indexed":
             weighted = d.weighted_paths()
@@ -85,6 +87,8 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
                     f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= "
                     f"{s.vocab_size}"
                 )
+            verify_dataset(s, d.verify, console)
+        fingerprints = [s.fingerprint for s in sets]
     if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is "
@@ -93,10 +97,12 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
 
     fractions = d.split_fractions()
     train_sets, val_sets = [], []
-    for name, tokens, offsets in corpora:
+    for (name, tokens, offsets), fingerprint in zip(corpora, fingerprints):
         ranges = split_ranges(len(offsets) - 1, fractions)
-        train_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[0], f"{name}[train]"))
-        val_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[1], f"{name}[val]"))
+        train_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[0], f"{name}[train]",
+                                       fingerprint))
+        val_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[1], f"{name}[val]",
+                                     fingerprint))
     if weights is None:  # no weights given: mix in proportion to size
         weights = [float(ds.n_samples) for ds in train_sets]
     group = t.micro_batch_size * dp_size
@@ -112,6 +118,16 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
     if kept and sum(ds.n_samples for ds, _ in kept) >= group:
         val = Loader([ds for ds, _ in kept], [w for _, w in kept], t.micro_batch_size, t.seed,
                      False, dp_rank, dp_size, d.document_mask)
+    elif fractions[1] > 0 and d.source != "synthetic":
+        # a validation split was asked for: never end with val_loss null (random tokens,
+        # one endless "document", have nothing to validate on)
+        have = sum(ds.n_samples for ds in val_sets)
+        raise DataError(
+            f"data.split={d.split!r} asks for a validation split, but it holds {have} sample(s) "
+            f"of train.seq_len={t.seq_len} tokens and one micro-batch per data-parallel rank "
+            f"needs {group}; add documents, raise the validation share of data.split, or set "
+            "its validation part to 0 (e.g. data.split = \"100,0\") to train without validation"
+        )
     baseline = unigram_baseline(train_sets[0].tokens, val_sets[0].tokens, tok.vocab_size)
     return Data(train, val, tok, baseline)
 
@@ -141,6 +157,21 @@ def _common_tokenizer(sets: list, prefixes: list[str], spec: str) -> Tokenizer:
 
 
 # ---- raw text -> cached indexed corpus --------------------------------------------------
+
+
+_FULL_CHECK_BYTES = 2 << 30  # data.verify = "auto": token files up to this are read whole
+
+
+def verify_dataset(ds: Any, mode: str, console: Any = print) -> None:
+    """Check a dataset's token file as data.verify says (see DataConfig.verify)."""
+    size = ds.bin_path.stat().st_size
+    if mode == "full" or (mode == "auto" and size <= _FULL_CHECK_BYTES):
+        ds.verify()
+        return
+    if mode == "auto":
+        console(f"tessel: {ds.bin_path} is {size / 2**30:.1f} GiB: checking sampled token ids "
+                "only; data.verify = \"full\" also checks its checksum (reads it whole)")
+    ds.check_sampled_ids()
 
 
 def ensure_corpus(d: DataConfig, vocab_size: int, cache: Path, console=print) -> Path:

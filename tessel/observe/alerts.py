@@ -18,7 +18,7 @@ from typing import Any
 
 from tessel.config import AlertConfig, NotifyConfig
 from tessel.observe.events import EventLog
-from tessel.observe.notify import Alert, EmailSettings, Notifier
+from tessel.observe.notify import Alert, EmailSettings, Notifier, resolve_secret
 
 ACTIONS = ("continue", "pause", "stop")  # in order of strength
 
@@ -155,10 +155,14 @@ def check_alerts(rules: list[AlertConfig], notify: NotifyConfig) -> None:
                 f"alert {r.name!r} notifies a webhook but none is set; set TESSEL_WEBHOOK_URL "
                 "in the environment (or webhook_url in the rule)"
             )
+        if "webhook" in r.notify and r.webhook_url:
+            resolve_secret(r.webhook_url, f"alert {r.name!r} webhook_url")  # env:NAME is set
         if "email" in r.notify and not (notify.smtp_host and notify.email_to):
             raise TesselError(
                 f"alert {r.name!r} notifies by e-mail; set notify.smtp_host and notify.email_to"
             )
+        if "email" in r.notify and notify.smtp_user:
+            resolve_secret(notify.smtp_user, "notify.smtp_user")
 
 
 class AlertCenter:

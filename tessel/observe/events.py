@@ -15,10 +15,39 @@ from pathlib import Path
 from typing import Any
 
 
+def drop_partial_last_line(path: Path) -> None:
+    """Before appending to a .jsonl file: remove a last line that a crash cut short (no
+    newline at the end), so the next record starts a line of its own instead of being glued
+    to the fragment and lost with it."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = size
+        while pos > 0:  # find the last newline, reading backwards in blocks
+            start = max(0, pos - 65536)
+            f.seek(start)
+            block = f.read(pos - start)
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
 class EventLog:
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.path = run_dir / "events.jsonl"
+    def __init__(self, path: Path, enabled: bool):
+        """`path`: the run's events.jsonl (RunDir.events)."""
+        self.path = path
         self.enabled = enabled
+        if enabled:
+            drop_partial_last_line(path)
 
     def write(self, kind: str, step: int, message: str, **extra: Any) -> None:
         if not self.enabled:

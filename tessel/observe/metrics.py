@@ -7,20 +7,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tessel.observe.events import drop_partial_last_line, read_jsonl
 from tessel.observe.events import json_safe as _json_safe
-from tessel.observe.events import read_jsonl
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool, sinks: list[Any] | None = None):
+    """Writes each record to metrics.jsonl, TensorBoard and the other sinks. A sink is any
+    object with `write(record: dict)` and `close()` (the one protocol W&B, Prometheus and
+    tests implement)."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None, sinks: list[Any] | None = None):
+        """`path`: the run's metrics.jsonl (RunDir.metrics); `tensorboard_dir`: where event
+        files go, None for no TensorBoard."""
         self._sinks = list(sinks or [])
         # Append: a resumed run continues the same file; a reader takes the last line per step.
-        self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        drop_partial_last_line(path)
+        self._jsonl = path.open("a", buffering=1)
         self._tb = None
-        if tensorboard:
+        if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir))
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: _json_safe(v) for k, v in record.items()}

@@ -7,7 +7,11 @@ backoff and finally reported as one log line.
 
 Secrets (the webhook URL's path and query, which on Slack/Teams/Discord *is* the
 credential, and the SMTP password) never appear in a log line or a repr: every message that
-could carry them passes through `_Redactor` first.
+could carry them passes through `tessel.observe.secrets.Redactor` first.
+
+A webhook URL or SMTP login given as `env:NAME` is read from the environment variable NAME
+when the Notifier is built (`resolve_secret`), so config.toml, and every copy of it, need
+never hold the credential itself.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import queue
-import re
 import smtplib
 import socket
 import ssl
@@ -25,12 +29,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from email.message import EmailMessage
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from tessel.errors import TesselError
+from tessel.observe.secrets import Redactor, env_ref, redact_value
 
 CHANNELS = ("log", "webhook", "email")
 # Pending deliveries per channel; beyond this an alert storm against a dead endpoint would
@@ -79,44 +84,21 @@ class EmailSettings:
         )
 
 
-def redact_url(url: str) -> str:
-    """The URL with only scheme, host and port kept: "https://hooks.example.com/T0/B0" ->
-    "https://hooks.example.com/***". User info, path, query and fragment are dropped, since
-    webhook services put the credential in the path. Unparseable input gives "***"."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname
-        port = parts.port  # raises ValueError on a malformed port
-    except ValueError:
-        return "***"
-    if not parts.scheme or not host:
-        return "***"
-    if ":" in host:  # IPv6 literal: urlsplit strips the brackets
-        host = f"[{host}]"
-    netloc = host if port is None else f"{host}:{port}"
-    return f"{parts.scheme}://{netloc}/***"
-
-
-# Keys whose string values are credentials. "token" but not "tokenizer"/"tokenize": the data
-# config's tokenizer path is useful in an experiment tracker and not a secret.
-_SECRET_KEY = re.compile(r"webhook|password|passwd|secret|token(?!i[sz])", re.IGNORECASE)
-
-
-def scrub_secrets(d: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `d` (recursively, through dicts and lists) in which the string values of keys
-    containing "webhook", "password", "secret" or "token" are replaced by "***". A dict under
-    such a key (e.g. `webhook = {url = ...}`) is scrubbed entirely. `d` is not modified."""
-    return {k: _scrub_value(v, bool(_SECRET_KEY.search(str(k)))) for k, v in d.items()}
-
-
-def _scrub_value(value: Any, secret: bool) -> Any:
-    if isinstance(value, dict):
-        return {k: _scrub_value(v, secret or bool(_SECRET_KEY.search(str(k)))) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_scrub_value(v, secret) for v in value)
-    if secret and isinstance(value, str):
-        return "***"
-    return value
+def resolve_secret(value: str, what: str = "a secret") -> str:
+    """`value` itself, or for an `env:NAME` reference the environment variable NAME's value.
+    An unset (or empty) variable is a TesselError naming it; `what` says which setting
+    asked for it, e.g. "alert 'plateau' webhook_url"."""
+    name = env_ref(value)
+    if name is None:
+        return value
+    resolved = os.environ.get(name, "")
+    if not resolved.strip():
+        raise TesselError(
+            f"{what} = {value.strip()!r} but the environment variable {name} is "
+            f"{'empty' if name in os.environ else 'not set'}; export {name} on every node "
+            "that runs the job"
+        )
+    return resolved
 
 
 def alert_payload(alert: Alert) -> dict[str, Any]:
@@ -154,39 +136,6 @@ def log_line(alert: Alert) -> str:
     return f"alert {alert.rule} at step {alert.step}: {alert.message} -> {alert.action}"
 
 
-class _Redactor:
-    """Replaces every known secret string in a text with "***"."""
-
-    def __init__(self, secrets: list[str]):
-        # Longest first so a secret that contains another is replaced whole.
-        self._secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
-
-    def __call__(self, text: str) -> str:
-        for s in self._secrets:
-            text = text.replace(s, "***")
-        return text
-
-
-def _url_secrets(url: str) -> list[str]:
-    """Parts of a webhook URL that must never be shown: the URL itself, its path+query, the
-    user info and password."""
-    out = [url]
-    try:
-        p = urlsplit(url)
-    except ValueError:
-        return out
-    tail = urlunsplit(("", "", p.path, p.query, p.fragment))
-    if tail not in ("", "/"):
-        out.append(tail)
-        # urllib may quote the path differently from how it was written.
-        out.append(quote(tail, safe="/?=&"))
-    if "@" in p.netloc:
-        out.append(p.netloc.rsplit("@", 1)[0])
-    if p.password:
-        out.append(p.password)
-    return out
-
-
 class _Permanent(Exception):
     """A delivery failure that retrying cannot fix (HTTP 4xx, SMTP 5xx, bad certificate)."""
 
@@ -222,13 +171,21 @@ class Notifier:
         unknown = sorted(set(channels) - set(CHANNELS))
         if unknown:
             raise TesselError(f"unknown alert channel(s) {unknown}; choose from {list(CHANNELS)}")
+        # `env:NAME` values are read now: a missing variable fails before training starts,
+        # not at the first alert. Only for channels in use (one [notify] serves every rule).
+        if "webhook" in channels and webhook_url:
+            webhook_url = resolve_secret(webhook_url, "webhook_url")
+        if "email" in channels and email is not None:
+            user, password = email.user, email.password
+            email = replace(email, user=user and resolve_secret(user, "notify.smtp_user"),
+                            password=password and resolve_secret(password, "the SMTP password"))
         if "webhook" in channels and not webhook_url:
             raise TesselError(
                 "alert channel 'webhook' needs a URL: set webhook_url in the [[alerts]] rule "
                 "or the TESSEL_WEBHOOK_URL environment variable"
             )
-        if webhook_url and _scheme(webhook_url) not in ("http", "https"):
-            raise TesselError(f"webhook URL {redact_url(webhook_url)} must start with http:// or https://")
+        if webhook_url and env_ref(webhook_url) is None and _scheme(webhook_url) not in ("http", "https"):
+            raise TesselError(f"webhook URL {redact_value(webhook_url)} must start with http:// or https://")
         if "email" in channels and (email is None or not email.host or not email.to):
             raise TesselError(
                 "alert channel 'email' needs [notify] smtp_host and email_to (at least one recipient)"
@@ -242,12 +199,12 @@ class Notifier:
         self._webhook_url = webhook_url
         secrets: list[str] = []
         if webhook_url:
-            self._webhook_shown = redact_url(webhook_url)
+            self._webhook_shown = redact_value(webhook_url)
             self._webhook_request_url, self._webhook_auth = _split_userinfo(webhook_url)
-            secrets += _url_secrets(webhook_url) + _url_secrets(self._webhook_request_url)
+            secrets.append(webhook_url)  # the Redactor hides its path, user info, password too
         if email is not None and email.password:
             secrets.append(email.password)
-        self._redact = _Redactor(secrets)
+        self._redact = Redactor(secrets)
 
         # Outstanding deliveries (queued or in progress), for flush().
         self._pending = 0
@@ -359,13 +316,13 @@ class Notifier:
     def _give_up(self, channel: str, target: str, n: int, reason: str) -> None:
         plural = "" if n == 1 else "s"
         self._safe_log(
-            f"alert {channel} to {target} failed after {n} attempt{plural}: {self._redact(reason)}"
+            f"alert {channel} to {target} failed after {n} attempt{plural}: {self._redact.text(reason)}"
         )
 
     def _safe_log(self, line: str) -> None:
         # Runs on the worker thread: a raising log callback must not kill delivery.
         try:
-            self._log(self._redact(line))
+            self._log(self._redact.text(line))
         except Exception:
             pass
 
@@ -380,7 +337,7 @@ class Notifier:
             text = f"timed out after {self._timeout_s:g} s"
         else:
             text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return self._redact(" ".join(text.split()))
+        return self._redact.text(" ".join(text.split()))
 
     # -- webhook -----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tessel.errors import TesselError
-from tessel.observe.notify import scrub_secrets
+from tessel.observe.secrets import redact_config
 
 MODES = ("online", "offline")
 # Where the W&B run id of a tessel run is kept, so `tessel train --resume` continues the same
@@ -25,7 +25,7 @@ class WandbSink:
     """Logs each metrics record's numeric fields to one W&B run, at the record's step.
 
     `config` (the resolved tessel config, as a dict) becomes the W&B run config after
-    `scrub_secrets`, so webhook URLs, passwords and tokens never leave the machine.
+    `redact_config`, so webhook URLs' paths, passwords and tokens never leave the machine.
     """
 
     def __init__(self, run_dir: Path, project: str, name: str | None, mode: str, config: dict[str, Any]):
@@ -53,7 +53,7 @@ class WandbSink:
                 name=name,
                 mode=mode,
                 dir=str(run_dir),
-                config=scrub_secrets(config),
+                config=redact_config(config),
                 id=run_id,
                 resume="allow",
             )

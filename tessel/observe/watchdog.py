@@ -29,11 +29,11 @@ _GRACE_S = 30.0  # the C-level backstop fires this long after the Python watchdo
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, run_dir: Path, rank: int, world_size: int,
+    def __init__(self, timeout_s: float, directory: Path, rank: int, world_size: int,
                  on_wait: Callable[[float, int], None] | None = None,
                  on_fire: Callable[[str, int], None] | None = None):
         self.timeout_s = timeout_s
-        self.dir = run_dir / "watchdog"
+        self.dir = directory  # where each rank's stacks go (RunDir.watchdog)
         self.rank, self.world = rank, world_size
         self.on_wait = on_wait  # called each poll with (seconds without progress, step)
         self.on_fire = on_fire  # rank 0: (message, step), before the process ends

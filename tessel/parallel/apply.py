@@ -86,7 +86,7 @@ def build_parallel_model(
             assert mesh is not None
             apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel)
         if cfg.train.fp8:
-            from tessel.train.fp8 import apply_fp8
+            from tessel.parallel.fp8 import apply_fp8
 
             apply_fp8(stage)
         if p.activation_checkpointing != "none":
@@ -160,7 +160,7 @@ def _fsdp_offloaded(model: nn.Module) -> bool:
 
 # Selective: keep what is expensive to recompute (matrix multiplies and attention), recompute
 # the cheap element-wise ops (norms, activations, RoPE, residual adds) in the backward pass.
-_SAVE_OPS = {
+SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
@@ -173,7 +173,7 @@ _SAVE_OPS = {
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:

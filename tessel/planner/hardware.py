@@ -37,7 +37,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-# Matmul efficiency: fitted to published runs (tessel/planner/validation.py; the README's
+# Matmul efficiency: fitted to published runs (tessel/planner/validation.py; docs/planning.md's
 # table). Communication efficiency: an assumption (bus bandwidth ~75% of the link's).
 MATMUL_EFFICIENCY = 0.605
 COMM_EFFICIENCY = 0.75

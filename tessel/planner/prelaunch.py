@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -83,3 +84,55 @@ def check_memory(cfg: Config, world: int, hw: GpuProfile) -> tuple[Plan, str | N
 def _changed(new: Layout, old: Layout) -> dict[str, object]:
     a, b = new.overrides(), old.overrides()
     return {k: v for k, v in a.items() if b.get(k) != v}
+
+
+def auto_layout(cfg: Config, device: torch.device, world: int,
+                say: Callable[[str], None]) -> Config:
+    """With parallel.auto: the config with the fastest layout predicted to fit applied
+    (said in one line); otherwise the config unchanged."""
+    if not cfg.parallel.auto:
+        return cfg
+    hw = device_profile(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cfg, plan = choose_layout(cfg, world, hw, device.type)
+    say(
+        f"tessel: parallel.auto chose {plan.layout.short()} for {world} x {hw.name} "
+        f"({hw.memory_gib:.0f} GiB each): the fastest of the layouts predicted to fit "
+        f"(predicted {plan.memory.total / 2**30:.1f} GiB per device, "
+        f"{plan.tokens_per_s:,.0f} tokens/s)"
+    )
+    return cfg
+
+
+def refuse_if_too_big(cfg: Config, device: torch.device, world: int, force: bool,
+                      say: Callable[[str], None]) -> None:
+    """Refuse (MemoryRefusal) a checked layout predicted not to fit in GPU memory, unless
+    `force`. On a CPU the memory is the host's, shared and swappable: only a model that
+    cannot fit however it is sharded is refused (before the allocator fails on it)."""
+    if device.type != "cuda":
+        _refuse_beyond_host_memory(cfg, world)
+        return
+    if cfg.parallel.auto:  # auto chose a layout that fits
+        return
+    hw = device_profile(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    _, refusal = check_memory(cfg, world, hw)
+    if refusal is not None and not force:
+        raise MemoryRefusal(refusal)
+    if refusal is not None:
+        say(f"tessel: --force: {refusal.split('; layouts')[0]}; trying anyway")
+
+
+def _refuse_beyond_host_memory(cfg: Config, world: int) -> None:
+    """A lower bound that no layout beats: fp32 weights, gradients and AdamW's two moments
+    (16 bytes a parameter) spread perfectly over all ranks, for the ranks on this host."""
+    from tessel.models import param_count
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = 16 * param_count(cfg.model) * local / max(world, 1)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > host:
+        raise MemoryRefusal(
+            f"this model has {param_count(cfg.model):,} parameters and needs at least "
+            f"{need / GIB:,.0f} GiB for its weights, gradients and optimizer state on this "
+            f"machine, which has {host / GIB:,.0f} GiB; use a smaller model (model.* or "
+            "model.preset) or more machines"
+        )

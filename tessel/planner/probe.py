@@ -21,7 +21,7 @@ key/value width, ffn_hidden, vocabulary, heads, positions (masks), heads x posit
 planner with an error rather than a guess.
 
 Selective activation checkpointing keeps the outputs of the operators in
-`tessel.parallel.apply._SAVE_OPS` (recorded by a dispatch mode during the same probe); full
+`tessel.parallel.apply.SAVE_OPS` (recorded by a dispatch mode during the same probe); full
 checkpointing keeps each block's input.
 """
 
@@ -37,9 +37,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessel.config import ModelConfig
+from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import Transformer, document_causal_mask
-from tessel.parallel.apply import _SAVE_OPS
-from tessel.train.loss import token_loss_sum
+from tessel.parallel.apply import SAVE_OPS
 
 # Probe shape. Widths per token, all distinct: see the module docstring.
 _B, _T = 2, 8
@@ -153,7 +153,7 @@ class _OutputRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        if func in _SAVE_OPS:
+        if func in SAVE_OPS:
             for t in out if isinstance(out, tuple) else (out,):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     self.outputs.append((self.modules.current, t))

@@ -116,23 +116,14 @@ def check_layout(cfg: Config, layout: Layout, full: bool = False, device_type: s
                  ) -> str | None:
     """None if tessel can run `layout` for `cfg` on `device_type` devices, else why not (one
     line). `full` also re-validates the whole config (what a launch does)."""
-    import torch
-
-    from tessel.parallel.context import check_context_parallel
-    from tessel.parallel.fsdp import check_offload
+    from tessel.parallel.check import check_layout as check_parallel_layout
 
     try:
         c = cfg.with_overrides(layout.overrides()) if full else _light_config(cfg, layout)
         if not full:  # the config's own combination rules, which model_copy skips
-            type(cfg.parallel)._combinations(c.parallel)
-        ParallelDims.from_config(c.parallel, layout.world).validate(c)
-        device = torch.device(device_type)
-        check_offload(c.parallel, device)
-        check_context_parallel(c, device)
-        if precision_for(cfg, device_type) == "fp16" and layout.world > 1 and (
-            layout.zero > 0 or layout.tp > 1 or layout.pp > 1
-        ):
-            raise TesselError("fp16 loss scaling is supported for one process or DDP only")
+            c.parallel.check_combinations()
+        dims = ParallelDims.from_config(c.parallel, layout.world)
+        check_parallel_layout(c, dims, device_type, precision_for(cfg, device_type))
     except (TesselError, ValueError) as exc:
         return str(exc)
     return None

@@ -28,6 +28,27 @@ class RecoveryGaveUp(TesselError):
     exit_code = 6
 
 
+class TrainingDiverged(TesselError):
+    """The loss or gradient norm became NaN/Inf and recovery is off: the run ends (exit
+    code 6, like RecoveryGaveUp) without saving the non-finite weights."""
+
+    exit_code = 6
+
+
+def check_finite(step: int, loss: float, grad_norm: float, last_good: int | None,
+                 run_dir: Path) -> None:
+    """Raise TrainingDiverged unless the step's loss and gradient norm are finite."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    kept = (f"the last checkpoint (step {last_good}) holds finite weights"
+            if last_good is not None and last_good >= 0 else "no checkpoint was saved")
+    raise TrainingDiverged(
+        f"step {step}: loss {loss:.4g}, grad norm {grad_norm:.4g} is not finite; training "
+        f"diverged and nothing was saved from it ({kept}); lower optim.lr or set "
+        f"recovery.spike_sigma (automatic rollback), then `tessel train --resume {run_dir}`"
+    )
+
+
 class SpikeDetector:
     def __init__(self, cfg: RecoveryConfig):
         self.cfg = cfg
@@ -67,8 +88,9 @@ class SkipList:
     """Global batches never to train on: the config's plus those rollbacks added
     (RUN_DIR/skipped_batches.json, which also counts the rollbacks)."""
 
-    def __init__(self, run_dir: Path, configured: list[int], writer: bool):
-        self.path = run_dir / "skipped_batches.json"
+    def __init__(self, path: Path, configured: list[int], writer: bool):
+        """`path`: the run's skipped_batches.json (RunDir.skipped_batches)."""
+        self.path = path
         self.writer = writer
         self.records: list[dict[str, Any]] = []
         if self.path.is_file():
@@ -90,3 +112,47 @@ class SkipList:
         self.records.append({"batch": batch, "step": step, "reason": reason, "rolled_back_to": to_step})
         if self.writer:
             write_text_atomic(self.path, json.dumps({"skipped": self.records}, indent=1))
+
+
+class Recovery:
+    """Spike and NaN recovery for the trainer: judges each step and decides rollbacks.
+    Every rank holds one and judges the same (all-reduced) numbers the same way."""
+
+    def __init__(self, cfg: RecoveryConfig, skips: SkipList):
+        self.cfg = cfg
+        self.skips = skips
+        self.spikes = SpikeDetector(cfg) if cfg.spike_sigma > 0 else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.spikes is not None
+
+    def judge(self, loss: float, grad_norm: float) -> str | None:
+        """Why the step just taken is bad, or None."""
+        assert self.spikes is not None
+        return self.spikes.judge(loss, grad_norm)
+
+    def check_rollback(self, reason: str, bad_step: int, bad_batch: int,
+                       checkpoint: Path | None, run_dir: Path) -> Path:
+        """The checkpoint to roll back to, or RecoveryGaveUp (exit 6) when there is none or
+        the rollbacks are used up."""
+        if self.skips.rollbacks >= self.cfg.max_rollbacks:
+            raise RecoveryGaveUp(
+                f"step {bad_step}: {reason}; recovery.max_rollbacks={self.cfg.max_rollbacks} "
+                f"rollbacks already done, giving up (last good checkpoint: {checkpoint}); "
+                f"inspect the data around global batch {bad_batch} or lower optim.lr, then "
+                f"`tessel train --resume {run_dir}`"
+            )
+        if checkpoint is None:
+            raise RecoveryGaveUp(
+                f"step {bad_step}: {reason}; no checkpoint to roll back to yet; lower "
+                "checkpoint.interval so a good state is saved before spikes can occur"
+            )
+        return checkpoint
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.spikes.state_dict() if self.spikes is not None else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.spikes is not None:
+            self.spikes.load_state_dict(state)

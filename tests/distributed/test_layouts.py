@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model
+from tessel.checkpoint.init_from import load_config
 from tessel.config import Config
 from tessel.models import build_model
 from tessel.observe.metrics import read_metrics
@@ -190,7 +191,7 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     corpus = write_corpus(root / "corpus")
     out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
     for name, extra in (("llama", {}), ("gpt", GPT), ("llama_hf", {"model.init_from": str(out["hf"])})):
-        Trainer(Config.load(None, base(root / name, corpus, **extra)), console=False).train()
+        Trainer(load_config(None, base(root / name, corpus, **extra)), console=False).train()
         out[name] = root / name
     return out
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessel.config import Config
+from tessel.checkpoint.init_from import load_config
 from tessel.errors import TesselError
 from tessel.parallel.dist import exit_process
 from tessel.train import Trainer
@@ -32,7 +32,7 @@ from tessel.train import Trainer
 
 def _install_faults(spec: dict) -> None:
     rank = int(os.environ["RANK"])
-    original = Trainer._train_step
+    original = Trainer.run_step
 
     def faulty(self):  # noqa: ANN001, ANN202
         hang, term = spec.get("hang"), spec.get("sigterm")
@@ -42,7 +42,7 @@ def _install_faults(spec: dict) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         return original(self)
 
-    Trainer._train_step = faulty  # type: ignore[method-assign]
+    Trainer.run_step = faulty  # type: ignore[method-assign]
     slow = spec.get("slow_async_save")
     if slow and slow["rank"] == rank:
         from tessel.checkpoint import PendingSave
@@ -62,7 +62,7 @@ def _install_meter(spec: dict) -> None:
 
     meter_selective_checkpointing()
 
-    original = Trainer._train_step
+    original = Trainer.run_step
 
     def measured(self):  # noqa: ANN001, ANN202
         if self.step != 1:
@@ -73,7 +73,7 @@ def _install_meter(spec: dict) -> None:
         self.measured_saved_peak = meter.peak
         return result
 
-    Trainer._train_step = measured  # type: ignore[method-assign]
+    Trainer.run_step = measured  # type: ignore[method-assign]
 
 
 def _record_memory(trainer: Trainer) -> None:
@@ -84,7 +84,7 @@ def _record_memory(trainer: Trainer) -> None:
     def local(t: torch.Tensor) -> int:
         return (t.to_local() if isinstance(t, DTensor) else t).numel()
 
-    mesh = trainer.mesh
+    mesh = trainer.train_step.mesh
     record = {
         "params": sum(local(p) for p in trainer.model.parameters()),
         "exp_avg": sum(local(s["exp_avg"]) for o in trainer.optimizers for s in o.state.values()),
@@ -114,7 +114,7 @@ def main() -> int:
     _install_meter(spec)
     try:
         for run in spec["runs"]:
-            cfg = Config.load(None, run["overrides"])
+            cfg = load_config(None, run["overrides"])  # shape from model.init_from, if set
             if "copy_from" in run:
                 _copy_run(Path(run["copy_from"]), Path(cfg.run.dir), run["copy_step"])
             trainer = Trainer(cfg, resume=run.get("resume", False), console=False)

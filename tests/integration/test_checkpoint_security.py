@@ -88,10 +88,14 @@ def _copy(run: Path, dest: Path) -> tuple[Path, Path]:
 
 
 def _forge_sizes(ckpt: Path) -> None:
-    """Make state.json agree with the tampered files, as an attacker who controls the whole
-    directory would."""
+    """Make state.json agree with the tampered files (sizes and checksums), as an attacker
+    who controls the whole directory would."""
+    from tessel.checkpoint.safe_load import DIGEST_KEY, file_digest
+
     state = json.loads((ckpt / "state.json").read_text())
     state["files"] = {f: (ckpt / f).stat().st_size for f in state["files"]}
+    state[DIGEST_KEY] = {f: file_digest(ckpt / f) for f in state["files"]}
+    state.pop("state_sha256", None)  # its self-checksum: an attacker drops it too
     (ckpt / "state.json").write_text(json.dumps(state))
 
 
@@ -195,6 +199,7 @@ def test_metadata_cannot_point_outside_the_checkpoint(trained_run: Path, tmp_pat
     for info in md.storage_data.values():
         info.relative_path = "../../../secret.bin"
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    _forge_sizes(ckpt)
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
         read_full(ckpt, "model")
 
@@ -202,9 +207,13 @@ def test_metadata_cannot_point_outside_the_checkpoint(trained_run: Path, tmp_pat
 def test_damaged_or_missing_metadata_is_one_line(trained_run: Path, tmp_path: Path):
     run, ckpt = _copy(trained_run, tmp_path / "run")
     (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match="is damaged: .metadata does not match its checksum"):
+        read_full(ckpt, "model")
+    _forge_sizes(ckpt)
     with pytest.raises(CheckpointError, match="is damaged"):
         read_full(ckpt, "model")
     (ckpt / ".metadata").write_bytes(struct.pack("<I", 7))
+    _forge_sizes(ckpt)
     with pytest.raises(CheckpointError, match="is damaged"):
         read_full(ckpt, "model")
     (ckpt / ".metadata").unlink()

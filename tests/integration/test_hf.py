@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from tessel.checkpoint import latest_checkpoint
-from tessel.checkpoint.init_from import WeightSource
+from tessel.checkpoint.init_from import WeightSource, load_config
 from tessel.cli import main
 from tessel.config import Config, ModelConfig
 from tessel.data.tokenizer import train_bpe
@@ -65,7 +65,7 @@ def save_hf(model, path: Path, corpus: Path | None = None) -> Path:
 def tessel_model(path: Path, m: ModelConfig | None = None) -> Transformer:
     """A tessel model initialised from `path` (any source init_from accepts)."""
     if m is None:
-        m = Config.load(None, {"model.init_from": str(path)}).model
+        m = load_config(None, {"model.init_from": str(path)}).model
     with torch.device("meta"):
         model = Transformer(m)
     materialise(model, torch.device("cpu"), 0, WeightSource(path, m).get)

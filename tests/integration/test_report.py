@@ -18,7 +18,13 @@ import pytest
 from PIL import Image
 
 from tessel.cli import main
-from tessel.observe.report import Redactor, redact_value, tomllib, write_report
+from tessel.observe.report import write_report
+from tessel.observe.secrets import Redactor
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 PLOT_IDS = ("plot-loss", "plot-lr", "plot-grad_norm", "plot-tokens_per_s", "plot-mfu",
             "plot-memory", "plot-step_time")
@@ -219,24 +225,15 @@ def test_secrets_are_redacted_in_any_toml_shape():
             'api_key = "sk-abcdef"  # a comment\nsmtp_password = """\nmultiline-secret-2\n"""\n'
             'webhook_urls = ["https://a.example.org/list-secret-3"]\ntokenizer = "bytes"\n'
             'url = "https://user:pw-secret-4@example.org/x"\n')
-    shown = Redactor(tomllib.loads(text)).toml(text)
+    shown = Redactor.for_config(tomllib.loads(text)).toml(text)
     for secret in ("inline-secret-1", "sk-abcdef", "multiline-secret-2", "list-secret-3", "pw-secret-4"):
         assert secret not in shown, shown
     assert 'tokenizer = "bytes"' in shown and "https://h.example.org/***" in shown
     # A config.toml that does not parse still has its secret lines hidden.
     broken = 'webhook_url = "https://h.example.org/zzz-secret"\n[unclosed\n'
-    redactor = Redactor(None, broken)
+    redactor = Redactor.for_config(None, broken)
     assert "zzz-secret" not in redactor.toml(broken)
     assert redactor.text("posted to https://h.example.org/zzz-secret") == "posted to https://h.example.org/***"
-
-
-@pytest.mark.parametrize("value, shown", [
-    ("https://hooks.slack.com/services/A/B/C", "https://hooks.slack.com/***"),
-    ("https://user:pw@example.com:8443/x?y=1", "https://example.com:8443/***"),
-    ("hunter2", "***"),
-])
-def test_redact_value(value, shown):
-    assert redact_value(value) == shown
 
 
 def test_cli_writes_the_report_and_prints_one_line(tmp_path: Path):

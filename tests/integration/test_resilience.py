@@ -158,7 +158,7 @@ def test_threshold_and_nan_rules_fire_once_per_episode_and_stop(tiny_config):
 def test_preemption_signals_checkpoint_and_exit_zero(tiny_config, monkeypatch, capsys, signame):
     cfg = tiny_config(**{"train.steps": 10})
     trainer = Trainer(cfg, console=True)
-    real_step, calls = trainer._train_step, {"n": 0}
+    real_step, calls = trainer.run_step, {"n": 0}
 
     def step_then_signal():
         out = real_step()
@@ -167,7 +167,7 @@ def test_preemption_signals_checkpoint_and_exit_zero(tiny_config, monkeypatch, c
             os.kill(os.getpid(), getattr(signal, signame))
         return out
 
-    monkeypatch.setattr(trainer, "_train_step", step_then_signal)
+    monkeypatch.setattr(trainer, "run_step", step_then_signal)
     result = trainer.train()
     assert (result.stopped_by, result.step, result.exit_code) == (signame, 3, 0)
     assert (Path(cfg.run.dir) / "checkpoints/step_000003").is_dir() or \
@@ -195,7 +195,7 @@ def test_a_stalled_step_alerts_while_it_hangs(tiny_config, monkeypatch):
     cfg = _with_alerts(tiny_config(**{"train.steps": 3, "watchdog.timeout_s": 0}),
                        {"name": "stall", "when": "step_time.stall", "threshold": 1.5})
     trainer = Trainer(cfg, console=False)
-    real_step, calls = trainer._train_step, {"n": 0}
+    real_step, calls = trainer.run_step, {"n": 0}
 
     def slow_second_step():
         calls["n"] += 1
@@ -203,7 +203,7 @@ def test_a_stalled_step_alerts_while_it_hangs(tiny_config, monkeypatch):
             time.sleep(3.5)  # a stall the watchdog thread sees while it lasts
         return real_step()
 
-    monkeypatch.setattr(trainer, "_train_step", slow_second_step)
+    monkeypatch.setattr(trainer, "run_step", slow_second_step)
     assert trainer.train().exit_code == 0
     alerts = [e for e in read_events(Path(cfg.run.dir)) if e["kind"] == "alert"]
     assert [(a["rule"], a["step"]) for a in alerts] == [("stall", 1)]

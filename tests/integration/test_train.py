@@ -88,7 +88,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_config, monkey
 
     stopped = tiny_config("stopped", **extra)
     trainer = Trainer(stopped, console=False)
-    real_step = trainer._train_step
+    real_step = trainer.run_step
     calls = {"n": 0}
 
     def step_then_sigterm():
@@ -98,7 +98,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_config, monkey
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(trainer, "_train_step", step_then_sigterm)
+    monkeypatch.setattr(trainer, "run_step", step_then_sigterm)
     result = trainer.train()
     assert result.stopped_by == "SIGTERM" and result.step == 5 and result.exit_code == 0
     assert [s for s, _ in list_checkpoints(Path(stopped.run.dir) / "checkpoints")][-1] == 5

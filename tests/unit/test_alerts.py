@@ -91,7 +91,7 @@ def test_fault_specs():
 
 
 def test_watchdog_names_the_rank_that_is_not_in_a_collective(tmp_path):
-    w = Watchdog(30, tmp_path, rank=0, world_size=3)
+    w = Watchdog(30, tmp_path / "watchdog", rank=0, world_size=3)
     ranks = [
         {"rank": 0, "step": 7, "phase": "collective: all-reduce of the stop flags", "in_collective": True,
          "idle_s": 31.0},

@@ -124,12 +124,44 @@ def test_metadata_that_could_run_code_is_refused(tmp_path: Path):
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
 
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"damaged: \.metadata does not match its checksum"):
+        load_model(path, model)  # a plain tamper: state.json's checksum disagrees
+    _forge_state(path)  # an attacker rewrites state.json too: the unpickler still refuses
     with pytest.raises(CheckpointError, match="refusing to load .*names posix.system"):
         load_model(path, model)
     assert not (tmp_path / "pwned").exists()
     (path / ".metadata").write_bytes(b"\x80\x04garbage")
+    _forge_state(path)
     with pytest.raises(CheckpointError, match="damaged"):
         load_model(path, model)
+
+
+def _forge_state(path: Path) -> None:
+    """state.json made to agree with the files as they are now (sizes and checksums)."""
+    from tessel.checkpoint.safe_load import DIGEST_KEY, file_digest
+
+    state = json.loads((path / "state.json").read_text())
+    state["files"] = {f: (path / f).stat().st_size for f in state["files"]}
+    state[DIGEST_KEY] = {f: file_digest(path / f) for f in state["files"]}
+    state.pop("state_sha256", None)  # its self-checksum: an attacker drops it too
+    (path / "state.json").write_text(json.dumps(state))
+
+
+def test_a_shard_with_flipped_bytes_is_refused_naming_the_file(tmp_path: Path):
+    """Same size, different content: only the checksum can tell (issue: step 121's loss was
+    686 after such a flip, and the run went on saving checkpoints from it)."""
+    model, opt = _model_and_opt()
+    path = save_checkpoint(tmp_path, 1, model, opt, {})
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    read_state(path)  # the sizes still agree
+    with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum.*move "
+                                              "that directory out of checkpoints/"):
+        load_model(path, model)
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        load_optimizer(path, model, opt)
 
 
 def test_files_are_dcp_shards_plus_json(tmp_path: Path):

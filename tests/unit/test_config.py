@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ def test_llama_ffn_rule_and_gqa():
 def test_file_then_overrides(tmp_path: Path):
     f = tmp_path / "c.toml"
     f.write_text('[train]\nsteps = 7\nseq_len = 64\n[optim]\nlr = 1e-3\n')
-    cfg = Config.load(f, ["--train.steps=9", "--optim.schedule=wsd", "--data.paths=['a', 'b']"])
+    cfg = Config.load(f, ["--train.steps=9", "--optim.schedule=wsd", "--data.source=files",
+                          "--data.paths=['a', 'b']"])
     assert (cfg.train.steps, cfg.train.seq_len, cfg.optim.lr) == (9, 64, 1e-3)
     assert cfg.optim.schedule == "wsd" and cfg.data.paths == ["a", "b"]
 
@@ -132,16 +134,131 @@ def test_every_recipe_loads():
 
 
 def test_readme_reference_matches_the_typed_config():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "config-reference.md").read_text()
     assert reference_markdown() in readme, (
-        "README config reference is stale: regenerate it with `tessel config --reference`"
+        "docs/config-reference.md is stale: regenerate it with "
+        "`tessel config --reference > docs/config-reference.md`"
     )
 
 
 def test_every_field_is_documented():
-    from tessel.config import _table_model
+    from tessel.config import table_model
 
     for section in Config.model_fields.values():
-        model = _table_model(section.annotation)  # [[alerts]] is a list of AlertConfig
+        model = table_model(section.annotation)  # [[alerts]] is a list of AlertConfig
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no docstring"
+
+
+# ---- model.init_from: the weights fix the shape, read once by load_config -----------------
+
+LLAMA_HF = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320,
+    "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+}
+
+
+def hf_dir(path: Path) -> Path:
+    """A Hugging Face directory as far as the shape goes: config.json (no weights needed)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(LLAMA_HF))
+    return path
+
+
+def test_building_a_config_with_init_from_never_reads_the_weights(tmp_path: Path):
+    missing = str(tmp_path / "not-there")
+    cfg = Config.from_dict({"model": {"init_from": missing}})
+    assert cfg.model.init_from == missing and cfg.model.preset is None
+    assert cfg.with_overrides({"train.steps": 3}).train.steps == 3
+    assert Config.load(None, {"model.init_from": missing}).model.d_model == 192
+    # Weights that are there are not read either: the field defaults stand.
+    present = hf_dir(tmp_path / "hf")
+    assert Config.load(None, {"model.init_from": str(present)}).model.d_model == 192
+
+
+def test_init_fields_sit_between_the_preset_and_explicit_fields():
+    init = {"n_layers": 2, "d_model": 64, "n_heads": 4, "max_seq_len": 128}
+    cfg = Config.from_dict({"model": {"init_from": "w", "max_seq_len": 64}},
+                           {"train.seq_len": 64}, init_fields=init)
+    m = cfg.model
+    assert (m.preset, m.n_layers, m.d_model, m.n_heads, m.max_seq_len) == (None, 2, 64, 4, 64)
+    explicit = Config.from_dict({"model": {"init_from": "w", "preset": "tiny-llama"}},
+                                {"train.seq_len": 128}, init_fields=init)
+    assert (explicit.model.preset, explicit.model.d_model, explicit.model.mlp) == (
+        "tiny-llama", 64, "swiglu")  # the weights win over the preset, the preset fills the rest
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({"model": {"init_from": "w", "d_model": 128}}, init_fields=init)
+    assert "model.d_model=128 but the weights of model.init_from have 64; drop model.d_model" in (
+        str(err.value))
+
+
+def test_load_config_fills_the_shape_from_a_hugging_face_directory(tmp_path: Path):
+    from tessel.checkpoint.init_from import load_config
+
+    src = hf_dir(tmp_path / "hf")
+    f = tmp_path / "c.toml"
+    f.write_text(f'[model]\ninit_from = "{src}"\ndropout = 0.1\n[train]\nseq_len = 64\n')
+    cfg = load_config(f, {"train.steps": 5})
+    m = cfg.model
+    assert (m.preset, m.n_layers, m.d_model, m.n_heads, m.n_kv_heads) == (None, 2, 64, 4, 2)
+    assert (m.ffn_hidden, m.vocab_size, m.position, m.mlp, m.rope_theta) == (
+        160, 320, "rope", "swiglu", 500000.0)
+    assert m.dropout == 0.1 and cfg.train.steps == 5
+    # The resolved config states every field: copies and its config.toml keep the shape
+    # without the weights.
+    (src / "config.json").unlink()
+    assert cfg.with_overrides({"train.steps": 7}).model == m
+    resolved = tmp_path / "config.toml"
+    resolved.write_text(cfg.to_toml())
+    assert Config.load(resolved) == cfg
+    import tessel
+
+    assert tessel.load_config is load_config
+
+
+def test_load_config_fills_the_shape_from_tessel_safetensors(tmp_path: Path):
+    import torch
+    from safetensors.torch import save_file
+
+    from tessel.checkpoint.init_from import load_config
+
+    shape = ModelConfig(preset="tiny-llama")
+    (tmp_path / "w").mkdir()
+    save_file({"tok_embeddings.weight": torch.zeros(1)}, str(tmp_path / "w/model.safetensors"),
+              metadata={"format": "tessel", "model_config": json.dumps(shape.model_dump())})
+    m = load_config(None, {"model.init_from": str(tmp_path / "w"), "train.seq_len": 64}).model
+    assert m.preset is None
+    assert m.model_dump(exclude={"preset", "init_from"}) == shape.model_dump(
+        exclude={"preset", "init_from"})
+
+
+def test_load_config_refuses_shape_that_contradicts_the_weights(tmp_path: Path):
+    from tessel.checkpoint.init_from import load_config
+
+    src = str(hf_dir(tmp_path / "hf"))
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--model.d_model=128", f"--model.init_from={json.dumps(src)}"])
+    msg = str(err.value)
+    assert "model.d_model=128 but the weights of model.init_from have 64; drop model.d_model" in msg
+    assert "\n" not in msg
+    # A field the weights do not fix may differ.
+    cfg = load_config(None, {"model.init_from": src, "model.max_seq_len": 128,
+                             "train.seq_len": 128})
+    assert cfg.model.max_seq_len == 128
+
+
+def test_load_config_refuses_missing_or_unreadable_weights_in_one_line(tmp_path: Path):
+    from tessel.checkpoint.init_from import load_config
+    from tessel.errors import TesselError
+
+    missing = str(tmp_path / "not-there")
+    with pytest.raises(TesselError) as err:
+        load_config(None, {"model.init_from": missing})
+    assert str(err.value) == f"model.init_from={missing!r} does not exist or holds no weights"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TesselError, match="holds no model tessel can read"):
+        load_config(None, {"model.init_from": str(tmp_path / "empty")})
+    # Without init_from it is Config.load.
+    assert load_config(None, {"train.steps": 3}) == Config.load(None, {"train.steps": 3})

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs/tiny.toml")
 # An override whose value has a space, quotes and shell syntax that must reach tessel verbatim.
 NASTY = """--data.paths=["my corpus/it's $(HOME) $$"]"""
+FILES = "--data.source=files"  # data.paths is read by the files source
 # configs/tiny.toml's global batch of 16 split over 8 data-parallel ranks.
 MB2 = "--train.micro_batch_size=2"
 
@@ -154,7 +155,7 @@ def test_run_local_forwards_signals_and_returns_the_exit_code(tmp_path: Path, mo
 def test_slurm_script_is_valid_bash_with_rendezvous_restarts_and_resume(capsys, tmp_path: Path):
     code, script, err = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes", "4", "--gpus-per-node",
                                 "2", "--time", "1-12:00:00", "--partition", "gpu", "--port", "29555",
-                                "--run.dir", "runs/a b", NASTY, MB2)
+                                "--run.dir", "runs/a b", NASTY, FILES, MB2)
     assert code == 0, err
     (tmp_path / "job.sh").write_text(script)
     subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], check=True)
@@ -168,7 +169,7 @@ def test_slurm_script_is_valid_bash_with_rendezvous_restarts_and_resume(capsys, 
     assert re.search(r"srun torchrun .*-m tessel train \"\$\{TRAIN\[@\]\}\"", script, re.S)
 
     # Every start of the job (and every torchrun restart) continues the run if it exists.
-    overrides = ["--run.dir=runs/a b", NASTY, MB2]
+    overrides = ["--run.dir=runs/a b", NASTY, FILES, MB2]
     assert train_array(script, tmp_path) == [CONFIG, *overrides, "--auto-resume"]
 
 
@@ -198,7 +199,7 @@ def test_k8s_manifest_for_one_node_has_only_a_master(capsys):
 
 def test_k8s_manifest_for_four_nodes(capsys, tmp_path: Path):
     _, job = _manifest(capsys, "--nodes", "4", "--gpus-per-node", "2", "--name", "gpt-run",
-                          "--namespace", "ml", NASTY)
+                          "--namespace", "ml", NASTY, FILES)
     assert job["metadata"] == {"name": "gpt-run", "namespace": "ml"}
     assert job["spec"]["nprocPerNode"] == "2"
     specs = job["spec"]["pytorchReplicaSpecs"]
@@ -217,7 +218,7 @@ def test_k8s_manifest_for_four_nodes(capsys, tmp_path: Path):
         subprocess.run(["bash", "-n", "-c", script], check=True)
         assert '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' in script
         assert "--nnodes 4 --nproc-per-node 2" in script and "--max-restarts 3" in script
-        assert train_array(script, tmp_path) == [CONFIG, MB2, NASTY, "--auto-resume"]
+        assert train_array(script, tmp_path) == [CONFIG, MB2, NASTY, FILES, "--auto-resume"]
 
 
 # ---- bad input ----------------------------------------------------------------------------

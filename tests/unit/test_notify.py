@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tessel.errors import TesselError
-from tessel.observe.notify import Alert, EmailSettings, Notifier, redact_url, scrub_secrets
+from tessel.observe.notify import Alert, EmailSettings, Notifier, resolve_secret
 
 FAST = dict(backoff_s=0.01, timeout_s=2.0)
 
@@ -431,45 +431,83 @@ def test_email_closed_port_fails_after_retries() -> None:
     assert "SECRET" not in logs.text()
 
 
-# -- helpers -------------------------------------------------------------------------------
+# -- env: references ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("url", "shown"),
-    [
-        ("https://hooks.example.com/T0/B0", "https://hooks.example.com/***"),
-        ("https://hooks.slack.com/services/T0/B0/XYZ?x=1#f", "https://hooks.slack.com/***"),
-        ("https://user:pw@host/x", "https://host/***"),
-        ("http://user@host:8080/x", "http://host:8080/***"),
-        ("http://127.0.0.1:9000", "http://127.0.0.1:9000/***"),
-        ("http://[::1]:9000/a/b", "http://[::1]:9000/***"),
-        ("not a url", "***"),
-        ("http://host:notaport/x", "***"),
-        ("", "***"),
-    ],
-)
-def test_redact_url(url: str, shown: str) -> None:
-    assert redact_url(url) == shown
+def test_resolve_secret_reads_env_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSEL_TEST_HOOK", "https://hooks.example.com/T0SECRET")
+    assert resolve_secret("env:TESSEL_TEST_HOOK") == "https://hooks.example.com/T0SECRET"
+    assert resolve_secret(" env:TESSEL_TEST_HOOK ") == "https://hooks.example.com/T0SECRET"
+    # Anything that is not exactly env:NAME is the value itself.
+    for value in ("https://h/x", "env:", "env:1BAD", "ENV:TESSEL_TEST_HOOK", "xenv:A"):
+        assert resolve_secret(value) == value
 
 
-def test_scrub_secrets_is_recursive_and_leaves_the_rest() -> None:
-    config = {
-        "data": {"tokenizer": "gpt2.json", "paths": ["a"], "sample_tokens": 200},
-        "alerts": [
-            {"name": "plateau", "webhook_url": "https://h/T0SECRET", "notify": ["webhook"]},
-            {"name": "nan", "webhook_url": None},
-        ],
-        "notify": {"smtp_user": "bot", "smtp_password": "PWSECRET"},
-        "hf_token": "hf_SECRET",
-        "secrets": {"url": "https://h/SECRET", "n": 3},
-        "lr": 3e-4,
-    }
-    out = scrub_secrets(config)
-    assert "SECRET" not in json.dumps(out)
-    assert out["data"] == config["data"]  # "tokenizer" is not a token
-    assert out["alerts"][0] == {"name": "plateau", "webhook_url": "***", "notify": ["webhook"]}
-    assert out["alerts"][1]["webhook_url"] is None
-    assert out["notify"] == {"smtp_user": "bot", "smtp_password": "***"}
-    assert out["hf_token"] == "***" and out["secrets"] == {"url": "***", "n": 3}
-    assert out["lr"] == 3e-4
-    assert config["hf_token"] == "hf_SECRET"  # the input is not modified
+@pytest.mark.parametrize("value", [None, "", "  "])
+def test_resolve_secret_unset_variable_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                             value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv("TESSEL_TEST_HOOK", raising=False)
+    else:
+        monkeypatch.setenv("TESSEL_TEST_HOOK", value)
+    with pytest.raises(TesselError) as e:
+        resolve_secret("env:TESSEL_TEST_HOOK", "alert 'plateau' webhook_url")
+    msg = str(e.value)
+    assert msg.startswith("alert 'plateau' webhook_url = 'env:TESSEL_TEST_HOOK' but the environment "
+                          "variable TESSEL_TEST_HOOK is ")
+    assert ("not set" if value is None else "empty") in msg
+    assert "export TESSEL_TEST_HOOK" in msg and "\n" not in msg
+
+
+def test_notifier_delivers_to_an_env_webhook_and_never_shows_it(hook_factory, monkeypatch) -> None:
+    hook = hook_factory([500])
+    monkeypatch.setenv("TESSEL_TEST_HOOK", hook.url)
+    logs = Logs()
+    n = Notifier(["webhook"], "env:TESSEL_TEST_HOOK", None, logs, retries=0, **FAST)
+    n.send(make_alert())
+    assert n.flush(5)
+    (req,) = hook.requests  # the URL from the environment was used
+    assert req["path"] == "/T0SECRET/B0SECRET?token=QSECRET"
+    assert logs == [f"alert webhook to http://127.0.0.1:{hook.port}/*** failed after 1 attempt: "
+                    "HTTP 500 Internal Server Error"]
+    assert "SECRET" not in repr(n)
+
+
+def test_notifier_refuses_an_unset_env_webhook_but_only_when_used(monkeypatch) -> None:
+    monkeypatch.delenv("TESSEL_TEST_HOOK", raising=False)
+    with pytest.raises(TesselError, match="TESSEL_TEST_HOOK is not set"):
+        Notifier(["webhook"], "env:TESSEL_TEST_HOOK", None, print)
+    mail = EmailSettings("smtp", 25, "a@b", ["c@d"], "env:TESSEL_TEST_USER", "env:TESSEL_TEST_PW", False)
+    with pytest.raises(TesselError, match="notify.smtp_user = 'env:TESSEL_TEST_USER'"):
+        Notifier(["email"], None, mail, print)
+    # A rule that only logs needs neither variable.
+    Notifier(["log"], "env:TESSEL_TEST_HOOK", mail, print).close()
+
+
+def test_email_login_from_env_references(smtp_factory, monkeypatch) -> None:
+    smtp = smtp_factory()
+    monkeypatch.setenv("TESSEL_TEST_USER", "bot")
+    monkeypatch.setenv("TESSEL_TEST_PW", "PWSECRET")
+    settings = smtp.settings(user="env:TESSEL_TEST_USER", password="env:TESSEL_TEST_PW")
+    logs = Logs()
+    n = Notifier(["email"], None, settings, logs, **FAST)
+    n.send(make_alert())
+    assert n.flush(5)
+    assert logs == [] and len(smtp.messages) == 1
+    (auth,) = smtp.auth  # the values from the environment reached the server
+    assert base64.b64decode(auth.split()[2]) == b"\0bot\0PWSECRET"
+    assert "user='bot'" in repr(n) and "SECRET" not in repr(n)
+
+
+def test_check_alerts_refuses_an_unset_env_reference_before_the_run(monkeypatch) -> None:
+    from tessel.config import AlertConfig, NotifyConfig
+    from tessel.observe.alerts import check_alerts
+
+    monkeypatch.delenv("TESSEL_TEST_HOOK", raising=False)
+    rule = AlertConfig(name="plateau", when="nan", notify=["webhook"], webhook_url="env:TESSEL_TEST_HOOK")
+    with pytest.raises(TesselError) as e:
+        check_alerts([rule], NotifyConfig())
+    assert str(e.value).startswith("alert 'plateau' webhook_url = 'env:TESSEL_TEST_HOOK' but the "
+                                   "environment variable TESSEL_TEST_HOOK is not set")
+    monkeypatch.setenv("TESSEL_TEST_HOOK", "https://hooks.example.com/T0SECRET")
+    check_alerts([rule], NotifyConfig())

@@ -14,10 +14,10 @@ from saved_memory import SavedTensorMeter, metered_contexts
 
 import tessel.parallel.apply as apply
 from tessel.config import ModelConfig
+from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import build_model
 from tessel.planner.layout import Layout
 from tessel.planner.memory import estimate_memory
-from tessel.train.loss import token_loss_sum
 
 LLAMA = dict(preset="tiny-llama", n_layers=3, d_model=128, n_heads=8, n_kv_heads=2,
              ffn_hidden=352, vocab_size=1000)

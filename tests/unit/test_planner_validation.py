@@ -2,7 +2,7 @@
 
 Two checks: every run the efficiency was fitted on is predicted within 15% of what was
 published (the issue's target), and every prediction equals the value pinned here, so that a
-change to the model shows up as a change to this table (update it, and the README's, on
+change to the model shows up as a change to this table (update it, and docs/planning.md's, on
 purpose: `python benchmarks/planner_validation.py`).
 """
 

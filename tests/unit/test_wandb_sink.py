@@ -56,7 +56,7 @@ def test_offline_init_log_finish(fake_wandb: list, tmp_path: Path) -> None:
     (_, init), *rest = fake_wandb
     assert init["mode"] == "offline" and init["dir"] == str(tmp_path)
     assert init["project"] == "tessel" and init["name"] == "exp1"
-    assert init["config"]["alerts"][0]["webhook_url"] == "***"
+    assert init["config"]["alerts"][0]["webhook_url"] == "https://hooks.example.com/***"
     assert init["config"]["notify"]["smtp_password"] == "***"
     assert init["config"]["data"]["tokenizer"] == "auto"
     assert "SECRET" not in repr(init)

@@ -1,44 +1,38 @@
-"""The one typed configuration of a tessel run.
+"""The one typed configuration of a tessel run: its sections, a docstring under every field,
+and the checks that run when it is built (which never touch the disk).
 
-Sources, later ones winning: field defaults (which describe the embedded demo), a TOML file,
-dotted overrides (`--train.steps=100` on the command line, or a dict in Python). Everything
-is validated before anything starts; `ConfigError` carries a one-line message that names the
-key and says how to fix it.
+Reading TOML files and merging dotted overrides is `tessel.config.load`; the model fields fixed
+by the weights of `model.init_from` are read by `tessel.checkpoint.init_from.load_config` and
+passed in through the validation context (`Config.from_dict(..., init_fields=...)`).
 """
 
 from __future__ import annotations
 
-import difflib
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from tessel.errors import TesselError
+from tessel.config.base import ConfigError, Section
+from tessel.config.load import INIT_FIELDS, merge, read_toml, validate
+from tessel.config.monitoring import (
+    AlertConfig,
+    MetricsConfig,
+    NotifyConfig,
+    RecoveryConfig,
+    WatchdogConfig,
+)
 from tessel.models.presets import PRESETS
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+__all__ = [
+    "SHAPE_FIELDS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+]
 
 
-class ConfigError(TesselError):
-    """Bad configuration; the message is one line meant for the user."""
-
-
-class _Section(BaseModel):
-    # strict: a string where a number belongs is an error, not a silent conversion;
-    # forbid: a misspelt key is an error, not a silently ignored setting.
-    model_config = ConfigDict(
-        extra="forbid", strict=True, use_attribute_docstrings=True, validate_assignment=True
-    )
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     preset: str | None = "demo"
     """Named shape (`tessel presets` lists them). It fills the shape fields below; any field
     set explicitly wins over the preset."""
@@ -95,13 +89,20 @@ class ModelConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _apply_preset(cls, data: Any) -> Any:
+    def _apply_preset(cls, data: Any, info: ValidationInfo) -> Any:
         """Shape sources, weakest first: the preset, the weights of init_from (whose shape
-        cannot be changed: an explicit field that disagrees is an error), explicit fields."""
+        cannot be changed: an explicit field that disagrees is an error), explicit fields.
+
+        The fields the weights fix are not read here (validation never touches the disk):
+        whoever loads the weights passes them as the validation context's `init_fields`
+        (`tessel.checkpoint.init_from.load_config`). A config that already states every
+        field (a resolved config.toml, `with_overrides`) needs none."""
         if not isinstance(data, Mapping):
             return data
-        init = _init_from_fields(data.get("init_from"))
-        default = None if init else cls.model_fields["preset"].default
+        init = dict((info.context or {}).get(INIT_FIELDS) or {})
+        from_weights = bool(init) or (isinstance(data.get("init_from"), str)
+                                      and bool(data.get("init_from")))
+        default = None if from_weights else cls.model_fields["preset"].default
         name = data.get("preset", default)
         preset = {}
         if name is not None:
@@ -112,13 +113,13 @@ class ModelConfig(_Section):
                 )
             preset = PRESETS[name]
         for key, value in init.items():
-            if key in data and data[key] != value and key in _SHAPE_FIELDS:
+            if key in data and data[key] != value and key in SHAPE_FIELDS:
                 raise ValueError(
                     f"model.{key}={data[key]!r} but the weights of model.init_from have "
                     f"{value!r}; drop model.{key} (init_from sets the shape)"
                 )
         merged = {**preset, **init, **data}
-        if init and "preset" not in data:
+        if from_weights and "preset" not in data:
             merged["preset"] = None
         return merged
 
@@ -156,24 +157,14 @@ class ModelConfig(_Section):
 
 
 # What weights fix (other model fields, e.g. dropout, may differ from the source's).
-_SHAPE_FIELDS = {
+SHAPE_FIELDS = {
     "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "position",
     "norm", "mlp", "tie_embeddings", "bias", "rope_theta", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
 }
 
 
-def _init_from_fields(path: Any) -> dict[str, Any]:
-    """The model fields of the weights at `path` (empty when unset or not there: a resumed
-    run's config.toml already states every field, and a new run checks the path itself)."""
-    if not isinstance(path, str) or not path:
-        return {}
-    from tessel.checkpoint.init_from import model_fields_of
-
-    return model_fields_of(Path(path))
-
-
-class DataConfig(_Section):
+class DataConfig(Section):
     source: Literal["stdlib", "files", "indexed", "synthetic"] = "stdlib"
     """Where training tokens come from: `stdlib` is the embedded demo corpus (this Python's
     own standard-library sources), `files` tokenizes the text/JSONL files or directories in
@@ -192,6 +183,11 @@ class DataConfig(_Section):
     split: str = "98,2"
     """Train/validation[/test] split of each dataset's documents, as relative weights
     ("98,2" or "969,30,1"); contiguous ranges of documents, Megatron style."""
+    verify: Literal["auto", "full", "sampled"] = "auto"
+    """How datasets are checked when training opens them (besides the index, which is always
+    checked): `full` reads every token file whole (its checksum, and every id inside the
+    vocabulary); `sampled` checks the ids of 64 spread chunks only; `auto` is `full` for
+    token files up to 2 GiB and `sampled` above (said in one line)."""
     document_mask: bool = False
     """Attention does not cross document boundaries inside a packed sample."""
     cache_dir: str = ""
@@ -203,6 +199,12 @@ class DataConfig(_Section):
         self.split_fractions()  # raises on a malformed split
         if self.source in ("files", "indexed") and not self.paths:
             raise ValueError(f'data.source = "{self.source}" needs data.paths = ["...", ...]')
+        if self.paths and self.source not in ("files", "indexed"):
+            raise ValueError(
+                f'data.paths is set but data.source = "{self.source}" does not read it; set '
+                'data.source = "files" (text/JSONL/Parquet) or "indexed" (tessel preprocess '
+                "output), or drop data.paths"
+            )
         if self.source == "indexed":
             self.weighted_paths()  # raises on malformed weights
         return self
@@ -247,7 +249,7 @@ class DataConfig(_Section):
         return out
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(400, gt=0)
     """Optimizer steps to train for."""
     seed: int = Field(1234, ge=0)
@@ -279,9 +281,9 @@ class TrainConfig(_Section):
     """Device to train on; `auto` picks CUDA when present."""
 
 
-class OptimConfig(_Section):
-    lr: float = Field(2e-3, gt=0)
-    """Peak learning rate."""
+class OptimConfig(Section):
+    lr: float = Field(2e-3, gt=0, le=1)
+    """Peak learning rate (AdamW's trains at 1e-4 to 1e-2; above 1 is refused as a typo)."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of `lr` (cosine, linear and wsd schedules)."""
     warmup_steps: int = Field(50, ge=0)
@@ -301,7 +303,7 @@ class OptimConfig(_Section):
     """AdamW epsilon."""
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """Degrees multiply to the world size: dp_replicate * dp_shard * cp * tp * pp. Applied in a
     fixed order: pipeline split -> tensor parallel -> activation checkpointing -> compile ->
     data parallel (DDP or FSDP2)."""
@@ -357,6 +359,12 @@ class ParallelConfig(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> ParallelConfig:
+        self.check_combinations()
+        return self
+
+    def check_combinations(self) -> None:
+        """Raise ValueError if the settings do not go together (run when the section is
+        built; public for copies made without validation, e.g. the planner's)."""
         if self.pp_virtual_stages > 1 and self.pp_schedule in ("gpipe", "1f1b"):
             raise ValueError(
                 f"pp_virtual_stages={self.pp_virtual_stages} needs an interleaved schedule; set "
@@ -371,7 +379,6 @@ class ParallelConfig(_Section):
             raise ValueError(
                 "offload='params' is FSDP2's CPU offload and needs parallel.zero=3"
             )
-        return self
 
     @property
     def dp_size(self) -> int:
@@ -379,7 +386,7 @@ class ParallelConfig(_Section):
         return self.dp_replicate * max(self.dp_shard, 1)
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     interval: int = Field(200, ge=0)
     """Save every N steps (0: only at the end and on SIGTERM/SIGINT)."""
     keep_last: int = Field(3, gt=0)
@@ -393,111 +400,10 @@ class CheckpointConfig(_Section):
     transformers) with every checkpoint whose step is a multiple of N (0: never)."""
 
 
-class MetricsConfig(_Section):
-    log_interval: int = Field(10, gt=0)
-    """Log metrics to the console, metrics.jsonl and TensorBoard every N steps."""
-    tensorboard: bool = True
-    """Write TensorBoard event files to the run directory."""
-    wandb: bool = False
-    """Also log to Weights & Biases (needs `pip install wandb`; rank 0 only)."""
-    wandb_project: str = "tessel"
-    """W&B project name."""
-    wandb_mode: Literal["online", "offline"] = "offline"
-    """offline writes to RUN_DIR/wandb with no network (upload later with `wandb sync`);
-    online streams to the W&B server."""
-    prometheus_port: int | None = Field(None, ge=0, le=65535)
-    """Serve the latest metrics as Prometheus text on http://HOST:PORT/metrics from rank 0
-    (0: any free port, printed at start; unset: no endpoint)."""
-
-
-AlertCondition = Literal[
-    "val_loss.no_improvement", "loss.no_improvement", "loss.above", "val_loss.above",
-    "grad_norm.above", "nan", "tokens_per_s.drop", "step_time.stall",
-]
-
-
-class AlertConfig(_Section):
-    name: str = Field(min_length=1)
-    """The rule's name, shown in notifications and the report."""
-    when: AlertCondition
-    """Condition: `val_loss.no_improvement` / `loss.no_improvement` (no new best by more
-    than `min_delta` over `patience` evaluations / log steps); `loss.above`,
-    `val_loss.above`, `grad_norm.above` (over `threshold`); `nan` (NaN/Inf loss or grad
-    norm); `tokens_per_s.drop` (below `fraction` of the moving median of the last `window`
-    log steps); `step_time.stall` (no step finished for `threshold` seconds)."""
-    patience: int = Field(3, gt=0)
-    """Evaluations (or log steps) without improvement before a no_improvement rule fires."""
-    min_delta: float = Field(0.0, ge=0)
-    """Smallest decrease that counts as an improvement."""
-    threshold: float | None = None
-    """Limit for the .above rules; seconds for step_time.stall."""
-    fraction: float = Field(0.5, gt=0, lt=1)
-    """tokens_per_s.drop fires below this fraction of the moving median."""
-    window: int = Field(10, gt=1)
-    """Log steps in tokens_per_s.drop's moving median."""
-    notify: list[Literal["log", "webhook", "email"]] = Field(default_factory=lambda: ["log"])
-    """Where to send it: the run's log, a webhook (JSON POST), e-mail (see [notify])."""
-    webhook_url: str | None = None
-    """Webhook for this rule; falls back to the TESSEL_WEBHOOK_URL environment variable
-    (prefer it: config.toml is saved in the run directory). Never printed."""
-    action: Literal["continue", "pause", "stop"] = "continue"
-    """What the run does: continue; pause (checkpoint, exit code 4, `tessel train --resume`
-    continues); stop (checkpoint, exit code 5)."""
-
-    @model_validator(mode="after")
-    def _needs(self) -> AlertConfig:
-        if self.when.endswith(".above") or self.when == "step_time.stall":
-            if self.threshold is None:
-                raise ValueError(f"alert {self.name!r}: when={self.when!r} needs a threshold")
-        if self.when == "step_time.stall" and self.action != "continue":
-            raise ValueError(
-                f"alert {self.name!r}: a stalled step cannot checkpoint; use action='continue' "
-                "(the watchdog ends a hung job)"
-            )
-        return self
-
-
-class NotifyConfig(_Section):
-    smtp_host: str | None = None
-    """SMTP server for alerts with notify = ["email"]."""
-    smtp_port: int = Field(587, gt=0, le=65535)
-    """SMTP port (587 with STARTTLS, 25 without)."""
-    smtp_starttls: bool = True
-    """Upgrade the SMTP connection with STARTTLS."""
-    smtp_user: str | None = None
-    """SMTP login; the password comes only from the TESSEL_SMTP_PASSWORD environment
-    variable, never from a file."""
-    email_from: str = "tessel@localhost"
-    """Sender address."""
-    email_to: list[str] = Field(default_factory=list)
-    """Recipients."""
-
-
-class RecoveryConfig(_Section):
-    spike_sigma: float = Field(0.0, ge=0)
-    """Roll back when a step's loss or grad norm exceeds the mean of the last `window` steps
-    by this many standard deviations, or is NaN/Inf (0: off). Costs one host sync per step."""
-    window: int = Field(50, gt=1)
-    """Steps in the moving window of loss and grad-norm statistics."""
-    min_history: int = Field(10, gt=1)
-    """Steps seen before a spike can be judged (NaN/Inf are judged from the first step)."""
-    max_rollbacks: int = Field(3, ge=0)
-    """Rollbacks allowed in a run; the next spike ends it (exit code 6)."""
-    skip_batches: list[int] = Field(default_factory=list)
-    """Global batch indices (0-based positions in the training stream) never trained on;
-    rollbacks add the offending ones to RUN_DIR/skipped_batches.json."""
-
-
-class WatchdogConfig(_Section):
-    timeout_s: int = Field(480, ge=0)
-    """No progress (step, evaluation or checkpoint) for this many seconds: every rank dumps
-    its Python stacks to RUN_DIR/watchdog/ and the job exits with code 3 (0: off). Below
-    parallel.timeout_s, so it sees a hang before the collective times out."""
-
-
-class RunConfig(_Section):
-    dir: str = "runs/demo"
-    """Output directory: config.toml, metrics.jsonl, checkpoints/, TensorBoard events."""
+class RunConfig(Section):
+    dir: str = Field("runs/demo", min_length=1, pattern=r"\S")
+    """Output directory: config.toml, metrics.jsonl, checkpoints/, TensorBoard events
+    (never empty: an empty name would write the run into the current directory)."""
     sample_tokens: int = Field(200, ge=0)
     """Tokens to sample from the model after training (0: no sample)."""
     sample_prompt: str = "def "
@@ -505,7 +411,8 @@ class RunConfig(_Section):
 
 
 class Config(BaseModel):
-    """A whole run. Build it with `Config.load(path, overrides)`."""
+    """A whole run. Build it with `Config.load(path, overrides)`, or with `tessel.load_config`
+    (the same, with the model's shape read from the weights of model.init_from)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
@@ -539,7 +446,7 @@ class Config(BaseModel):
             )
         return self
 
-    # ---- construction -------------------------------------------------------------------
+    # ---- construction (reading and merging: tessel.config.load) -------------------------
 
     @classmethod
     def load(
@@ -547,29 +454,27 @@ class Config(BaseModel):
         path: str | Path | None = None,
         overrides: Mapping[str, Any] | Sequence[str] | None = None,
     ) -> Config:
-        """Read a TOML file (or start from the defaults), apply dotted overrides, validate."""
-        data: dict[str, Any] = {}
-        if path is not None:
-            data = read_toml(path)
-        return cls.from_dict(data, overrides)
+        """Read a TOML file (or start from the defaults), apply dotted overrides, validate.
+        Never reads the weights of model.init_from: `tessel.load_config` does."""
+        return cls.from_dict(read_toml(path) if path is not None else {}, overrides)
 
     @classmethod
     def from_dict(
-        cls, data: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] | None = None
+        cls,
+        data: Mapping[str, Any],
+        overrides: Mapping[str, Any] | Sequence[str] | None = None,
+        *,
+        init_fields: Mapping[str, Any] | None = None,
     ) -> Config:
-        merged = _deep_copy(data)
-        changes = _normalise_overrides(overrides)
-        if "model.preset" in changes:
-            _forget_old_preset(merged, changes["model.preset"])
-        for key, value in changes.items():
-            _set_dotted(merged, key, value)
-        try:
-            return cls.model_validate(merged)
-        except ValidationError as exc:
-            raise ConfigError(_one_line(exc)) from None
+        """`data` (a parsed TOML file) with dotted overrides applied, validated. `init_fields`
+        are the model fields fixed by the weights of model.init_from, when the caller read
+        them (they sit between the preset and explicit fields; an explicit shape field that
+        disagrees is an error)."""
+        return validate(cls, merge(cls, data, overrides), init_fields)
 
     def with_overrides(self, overrides: Mapping[str, Any] | Sequence[str]) -> Config:
-        """A new, re-validated config with dotted overrides applied."""
+        """A new, re-validated config with dotted overrides applied (the model fields this
+        one states, e.g. those filled from model.init_from, are kept as they are)."""
         return Config.from_dict(self.to_dict(), overrides)
 
     # ---- output -------------------------------------------------------------------------
@@ -584,156 +489,9 @@ class Config(BaseModel):
         return tomli_w.dumps(self.to_dict())
 
 
-# ---- helpers ---------------------------------------------------------------------------
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a .toml file")
-    try:
-        with p.open("rb") as f:
-            return tomllib.load(f)
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
-
-
-def parse_override_value(text: str) -> Any:
-    """Interpret a command-line value as a TOML value (6e-4, true, [1, 2], "x"), else a string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _normalise_overrides(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:
-    if overrides is None:
-        return {}
-    if isinstance(overrides, Mapping):
-        return dict(overrides)
-    out: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, value = item.removeprefix("--").partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like --section.key=value")
-        out[key] = parse_override_value(value)
-    return out
-
-
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(
-            f"override key {key!r} must be section.key, e.g. train.steps "
-            f"(sections: {', '.join(Config.model_fields)})"
-        )
-    section, field = parts
-    node = data.setdefault(section, {})
-    if not isinstance(node, dict):
-        raise ConfigError(f"{section!r} in the config file must be a [table]")
-    node[field] = value
-
-
-def _forget_old_preset(data: dict[str, Any], new_preset: Any) -> None:
-    """When an override switches the preset, drop the shape fields the old preset supplied
-    (a resolved config.toml writes them all out) so the new preset can fill them; fields the
-    user changed from the old preset's values stay."""
-    section = data.get("model")
-    if not isinstance(section, dict):
-        return
-    old = section.get("preset", ModelConfig.model_fields["preset"].default)
-    if old == new_preset or old not in PRESETS:
-        return
-    supplied = ModelConfig(preset=old).model_dump()
-    for key in list(section):
-        if key != "preset" and key in supplied and section[key] == supplied[key]:
-            del section[key]
-
-
-def _one_line(exc: ValidationError) -> str:
-    msgs = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        kind = err["type"]
-        if kind == "extra_forbidden":
-            msgs.append(_unknown_key_message(err["loc"]))
-            continue
-        text = err["msg"].removeprefix("Value error, ")
-        if kind == "value_error":
-            msgs.append(f"{loc}: {text}" if loc else text)
-        else:
-            got = err.get("input")
-            msgs.append(f"{loc}: {text[0].lower()}{text[1:]} (got {got!r})")
-    return "invalid config: " + "; ".join(msgs)
-
-
-def _unknown_key_message(loc: tuple[Any, ...]) -> str:
-    *parents, name = [str(p) for p in loc]
-    model: type[BaseModel] = Config
-    for p in parents:
-        if p.isdigit():  # an index into a list of tables ([[alerts]])
-            continue
-        model = _table_model(model.model_fields[p].annotation)
-    where = ".".join(parents) or "the top level"
-    close = difflib.get_close_matches(name, model.model_fields, n=1)
-    hint = f"did you mean {'.'.join([*parents, close[0]])!r}?" if close else (
-        f"known keys: {', '.join(model.model_fields)}"
-    )
-    return f"unknown key {'.'.join([*parents, name])!r} in {where}; {hint}"
-
-
-def _table_model(annotation: Any) -> type[BaseModel]:
-    """The section class of a field: `XConfig`, or `AlertConfig` for `list[AlertConfig]`."""
-    args = getattr(annotation, "__args__", None)
-    model = args[0] if args else annotation
-    assert isinstance(model, type) and issubclass(model, BaseModel)
-    return model
-
-
 def _drop_none(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _drop_none(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
         return [_drop_none(v) for v in value]
     return value
-
-
-def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
-
-
-def reference_markdown() -> str:
-    """The config reference table, generated from the typed sections (used by the README)."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    defaults = Config().to_dict()
-    for section, info in Config.model_fields.items():
-        model = _table_model(info.annotation)
-        listed = model is not info.annotation  # [[alerts]]: a list of tables, no defaults
-        for name, field in model.model_fields.items():
-            tname = _type_name(field.annotation)
-            if listed:
-                default = None if field.is_required() else field.get_default(call_default_factory=True)
-                key = f"[[{section}]] {name}"
-            else:
-                default = defaults.get(section, {}).get(name)
-                key = f"{section}.{name}"
-            dtext = ("(required)" if listed and field.is_required() else
-                     "(derived)" if default is None else f"`{_toml_value(default)}`")
-            desc = " ".join((field.description or "").split())
-            lines.append(f"| `{key}` | {tname} | {dtext} | {desc} |")
-    return "\n".join(lines) + "\n"
-
-
-def _type_name(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "")
-    if isinstance(annotation, type):
-        text = annotation.__name__
-    return text.replace("|", "or").replace("Literal", "one of ")
-
-
-def _toml_value(value: Any) -> str:
-    import tomli_w
-
-    return tomli_w.dumps({"v": value})[4:].strip()

@@ -7,55 +7,48 @@ import sys
 import time
 from pathlib import Path
 
-from tessel.cli import _Parser, _split_train_args
+from tessel.cli.args import Parser, add_config_arguments, parse_config_args
 from tessel.errors import TesselError
 
-PLAN_HELP = """\
-usage: tessel plan [CONFIG.toml] --gpus N [--gpu NAME] [--json] [--top K] [--hardware FILE]
-                   [--calibrate RUN_DIR|RUN.json] [--save-hardware FILE] [--section.key=value ...]
+_DEGREES = {"dp_replicate", "dp_shard", "tp", "pp", "cp", "zero"}
+_NOT_TRAIN = ("tessel plan takes a config and overrides, not train's flags; "
+              "to plan a run, pass RUN_DIR/config.toml")
 
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="tessel plan",
+        description="""\
 Predict per-GPU memory, step time, tokens/s, MFU and the time to the configured token budget
 (train.steps x global batch) before launch, for the config and overrides `tessel train` would
 take. Without a layout in the config (no parallel degree or zero stage set, or
 parallel.auto = true) it searches every layout tessel can run on N GPUs and ranks those that
 fit by predicted tokens/s; with one (e.g. --parallel.tp=2 --parallel.pp=2) it evaluates that
-layout and, if it does not fit, names the nearest that do.
-
-options:
-  --gpus N             GPUs in the job (required)
-  --gpu NAME           hardware profile (default h100-sxm); --gpu list shows them
-  --json               machine-readable output
-  --top K              layouts to show (default 10)
-  --hardware FILE      extra or overriding profiles ([gpu.NAME] tables; also $TESSEL_HARDWARE)
-  --calibrate PATH     fit the profile's matmul efficiency to a measured run: a run directory
-                       of `tessel train`, or a JSON file with tokens_per_s, world_size, config
-  --save-hardware FILE write the (calibrated) profile as a TOML table for --hardware
-"""
-
-_DEGREES = {"dp_replicate", "dp_shard", "tp", "pp", "cp", "zero"}
+layout and, if it does not fit, names the nearest that do.""")
+    add_config_arguments(p)
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs in the job (required)")
+    p.add_argument("--gpu", default="h100-sxm", metavar="NAME",
+                   help="hardware profile (default h100-sxm); --gpu list shows them")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to show (default 10)")
+    p.add_argument("--hardware", metavar="FILE",
+                   help="extra or overriding profiles ([gpu.NAME] tables; also $TESSEL_HARDWARE)")
+    p.add_argument("--calibrate", metavar="PATH",
+                   help="fit the profile's matmul efficiency to a measured run: a run directory "
+                        "of `tessel train`, a JSON file with tokens_per_s, world_size, config, "
+                        "or the JSON of `tessel bench`")
+    p.add_argument("--save-hardware", metavar="FILE",
+                   help="write the (calibrated) profile as a TOML table for --hardware")
+    return p
 
 
 def cmd_plan(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(PLAN_HELP, end="")
-        return 0
-    p = _Parser(prog="tessel plan", add_help=False)
-    p.add_argument("--gpus", type=int)
-    p.add_argument("--gpu", default="h100-sxm")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--hardware")
-    p.add_argument("--calibrate")
-    p.add_argument("--save-hardware")
-    args, rest = p.parse_known_args(argv)
-    config_path, resume, flags, overrides = _split_train_args(rest)
-    if resume is not None or flags:
-        raise TesselError("tessel plan takes a config and overrides, not train's flags; "
-                          "to plan a run, pass RUN_DIR/config.toml")
+    args, overrides = parse_config_args(build_parser(), argv, refused=dict.fromkeys(
+        ("--resume", "--quiet", "--auto-resume", "--force"), _NOT_TRAIN))
     if args.top < 1:
         raise TesselError("--top must be >= 1")
 
-    from tessel.config import Config
+    from tessel.checkpoint.init_from import load_config
     from tessel.planner import hardware, report, search
 
     profiles = hardware.load_profiles(args.hardware)
@@ -69,7 +62,7 @@ def cmd_plan(argv: list[str]) -> int:
     if args.gpus is None or args.gpus < 1:
         raise TesselError("tessel plan needs --gpus N (N >= 1), the number of GPUs of the job")
     hw = hardware.get_profile(args.gpu, profiles)
-    cfg = Config.load(config_path, overrides)
+    cfg = load_config(args.config, overrides)
     if args.calibrate:
         hw = _calibrated(hw, Path(args.calibrate))
     if args.save_hardware:
@@ -88,7 +81,7 @@ def cmd_plan(argv: list[str]) -> int:
                                  result.too_big[: report.TOP_REJECTED], result.invalid)
             print(json.dumps(out, indent=1))
         else:
-            print(report.search_text(cfg, args.gpus, hw, result, took, config_path, args.top),
+            print(report.search_text(cfg, args.gpus, hw, result, took, args.config, args.top),
                   end="")
         return 0
 

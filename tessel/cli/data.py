@@ -1,9 +1,4 @@
-"""The data commands of the `tessel` CLI.
-
-    tessel tokenizer train --input PATH [PATH ...] [--json-key text] --vocab-size N --output tok.json
-    tessel preprocess --input PATH [PATH ...] [--json-key text] [--tokenizer SPEC] --output PREFIX
-                      [--workers N] [--append-eod] [--quiet]
-    tessel data inspect PREFIX [--verify]
+"""The data commands: `tessel tokenizer train`, `tessel preprocess`, `tessel data inspect`.
 
 Each returns an exit code; bad input raises `TesselError` (one line on stderr, exit 2, via
 `tessel.cli.main`) before anything is written, and never leaves half-written outputs.
@@ -16,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tessel.cli import _Parser
+from tessel.cli.args import Parser
 from tessel.errors import TesselError
 from tessel.fileio import write_text_atomic
 
@@ -28,18 +23,23 @@ _INPUT_HELP = ("text files (one document each), .jsonl/.json (one object per lin
 _SAMPLE_CHARS = 200
 
 
-def cmd_tokenizer(argv: list[str]) -> int:
-    """`tessel tokenizer train`: train a byte-level BPE and save it as a tokenizer.json."""
-    p = _Parser(prog="tessel tokenizer", description="Train tokenizers.")
+def tokenizer_parser() -> Parser:
+    p = Parser(prog="tessel tokenizer", description="Train tokenizers.")
     sub = p.add_subparsers(dest="action", required=True, metavar="{train}")
     t = sub.add_parser("train", help="train a byte-level BPE (GPT-2 style) on text",
                        description="Train a byte-level BPE (GPT-2 style) and save it as tokenizer.json.")
     t.add_argument("--input", nargs="+", required=True, metavar="PATH", help=_INPUT_HELP)
-    t.add_argument("--json-key", default="text", help="JSONL/Parquet field holding the text")
-    t.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary (> 257)")
-    t.add_argument("--min-frequency", type=int, default=2, help="least count of a merged pair")
+    t.add_argument("--json-key", default="text", metavar="KEY", help="JSONL/Parquet field holding the text")
+    t.add_argument("--vocab-size", type=int, required=True, metavar="N", help="ids in the vocabulary (> 257)")
+    t.add_argument("--min-frequency", type=int, default=2, metavar="N",
+                   help="least count of a merged pair")
     t.add_argument("--output", required=True, metavar="TOKENIZER.json", help="file to write")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_tokenizer(argv: list[str]) -> int:
+    """`tessel tokenizer train`: train a byte-level BPE and save it as a tokenizer.json."""
+    args = tokenizer_parser().parse_args(argv)
     if args.min_frequency < 1:
         raise TesselError("--min-frequency must be >= 1")
     output = Path(args.output)
@@ -64,23 +64,29 @@ def cmd_tokenizer(argv: list[str]) -> int:
     return 0
 
 
-def cmd_preprocess(argv: list[str]) -> int:
-    """`tessel preprocess`: tokenize raw text into an indexed dataset PREFIX.bin/.idx."""
-    p = _Parser(prog="tessel preprocess",
-                description="Tokenize raw text into an indexed dataset: PREFIX.bin (token ids), "
-                            "PREFIX.idx (document index) and PREFIX.tokenizer.json.")
+def preprocess_parser() -> Parser:
+    p = Parser(prog="tessel preprocess",
+               description="Tokenize raw text into an indexed dataset: PREFIX.bin (token ids),\n"
+                           "PREFIX.idx (document index) and PREFIX.tokenizer.json.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=_INPUT_HELP)
-    p.add_argument("--json-key", default="text", help="JSONL/Parquet field holding the text")
+    p.add_argument("--json-key", default="text", metavar="KEY", help="JSONL/Parquet field holding the text")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
                    help="bytes (default), a tokenizer.json, or gpt2-files:VOCAB.json,MERGES.txt")
     p.add_argument("--output", required=True, metavar="PREFIX",
                    help="output prefix, e.g. data/web -> data/web.bin, data/web.idx")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="tokenizer processes (default 1: the tokenizer already uses every core)")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the end-of-document token")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary")
-    args = p.parse_args(argv)
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing dataset at the output prefix")
+    return p
+
+
+def cmd_preprocess(argv: list[str]) -> int:
+    """`tessel preprocess`: tokenize raw text into an indexed dataset PREFIX.bin/.idx."""
+    args = preprocess_parser().parse_args(argv)
     if args.workers < 1:
         raise TesselError(f"--workers must be >= 1, got {args.workers}")
 
@@ -90,22 +96,26 @@ def cmd_preprocess(argv: list[str]) -> int:
     tok = load_tokenizer(args.tokenizer)
     summary = preprocess(args.input, tok, args.output, json_key=args.json_key,
                          workers=args.workers, append_eod=args.append_eod,
-                         progress=not args.quiet)
+                         progress=not args.quiet, force=args.force)
     if not args.quiet:
         print(summary.line())
     return 0
 
 
-def cmd_data(argv: list[str]) -> int:
-    """`tessel data inspect`: describe an indexed dataset."""
-    p = _Parser(prog="tessel data", description="Look at indexed datasets.")
+def data_parser() -> Parser:
+    p = Parser(prog="tessel data", description="Look at indexed datasets.")
     sub = p.add_subparsers(dest="action", required=True, metavar="{inspect}")
     i = sub.add_parser("inspect", help="sizes, tokenizer and a decoded sample of a dataset",
                        description="Print a dataset's sizes, tokenizer and a decoded sample.")
     i.add_argument("prefix", metavar="PREFIX", help="dataset prefix (PREFIX.bin/.idx)")
     i.add_argument("--verify", action="store_true",
                    help="also check PREFIX.bin's checksum (reads the whole file)")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_data(argv: list[str]) -> int:
+    """`tessel data inspect`: describe an indexed dataset."""
+    args = data_parser().parse_args(argv)
 
     from tessel.data.indexed import IndexedDataset
 

@@ -1,0 +1,49 @@
+"""`tessel convert`: models between tessel and the Hugging Face format."""
+
+from __future__ import annotations
+
+from tessel.cli.args import Parser
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="tessel convert", description="Convert models between tessel and the "
+               "Hugging Face format\n(GPT2LMHeadModel, LlamaForCausalLM).")
+    sub = p.add_subparsers(dest="direction", required=True, metavar="{hf-to-tessel,tessel-to-hf}")
+    a = sub.add_parser(
+        "hf-to-tessel", help="an HF model directory -> tessel weights, config and tokenizer",
+        description="Convert a Hugging Face model directory (config.json, safetensors, "
+                    "tokenizer.json)\ninto OUT_DIR: model.safetensors in tessel's names, a "
+                    "config.toml that fine-tunes\nfrom it (model.init_from), tokenizer.json.")
+    a.add_argument("source", metavar="HF_DIR", help="a GPT-2 or Llama model directory of Hugging Face")
+    a.add_argument("output", metavar="OUT_DIR", help="directory to write")
+    b = sub.add_parser(
+        "tessel-to-hf", help="a run, checkpoint (any layout) or safetensors file -> HF directory",
+        description="Write a Hugging Face model directory that transformers loads "
+                    "(AutoModelForCausalLM,\nAutoTokenizer), reading the checkpoint tensor by "
+                    "tensor whatever parallel layout\nsaved it.")
+    b.add_argument("source", metavar="RUN_DIR|CHECKPOINT|FILE",
+                   help="a run directory (its latest checkpoint), a checkpoint, or a safetensors file")
+    b.add_argument("output", metavar="HF_DIR", help="directory to write")
+    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights' dtype in the export (default float32, as trained)")
+    b.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="split the weights into files of at most this size (default 5GB)")
+    return p
+
+
+def cmd_convert(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+
+    from pathlib import Path
+
+    import torch
+
+    from tessel.checkpoint.hf_convert import hf_to_tessel, parse_size, tessel_to_hf
+
+    if args.direction == "hf-to-tessel":
+        print(hf_to_tessel(Path(args.source), Path(args.output)))
+    else:
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+        print(tessel_to_hf(Path(args.source), Path(args.output), dtype,
+                           parse_size(args.max_shard_size)))
+    return 0

@@ -1,0 +1,43 @@
+"""`tessel generate`: sample text from a trained run."""
+
+from __future__ import annotations
+
+import math
+
+from tessel.cli.args import Parser
+from tessel.errors import TesselError
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="tessel generate", description="Sample text from a trained run.")
+    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_DIR",
+                   help="run directory (its latest checkpoint) or a checkpoint dir")
+    p.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: empty)")
+    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="0 is greedy decoding")
+    p.add_argument("--top-k", type=int, default=50, metavar="K",
+                   help="sample among the k most likely (0: all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto (CUDA when present), cpu or cuda")
+    return p
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens <= 0:
+        raise TesselError("--max-new-tokens must be positive")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise TesselError("--temperature must be >= 0 (0 is greedy decoding)")
+    if args.top_k < 0:
+        raise TesselError("--top-k must be >= 0 (0 disables top-k)")
+
+    from tessel.generate import load_run_for_inference, sample
+    from tessel.train.device import pick_device
+
+    model, tok = load_run_for_inference(args.run_dir, pick_device(args.device))
+    ids = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature,
+                 args.top_k or None, args.seed, stop_id=tok.eod_id)
+    print(args.prompt + tok.decode(ids))
+    return 0

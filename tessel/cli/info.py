@@ -1,0 +1,66 @@
+"""`tessel presets` (the named model shapes) and `tessel config` (the resolved config, or
+the reference of every key)."""
+
+from __future__ import annotations
+
+from tessel.cli.args import Parser, add_config_arguments, parse_config_args
+from tessel.errors import TesselError
+
+
+def presets_parser() -> Parser:
+    return Parser(prog="tessel presets",
+                  description="List the named model shapes with their exact parameter counts.")
+
+
+def cmd_presets(argv: list[str]) -> int:
+    presets_parser().parse_args(argv)
+    from tessel.config import ModelConfig
+    from tessel.models import PRESETS, flops_per_token, param_count
+
+    head = f"{'preset':<12} {'params':>17} {'layers':>6} {'d_model':>7} {'heads':>5} " \
+           f"{'kv':>3} {'ffn':>6} {'vocab':>6} {'ctx':>5}  {'style':<26} {'GFLOP/token':>11}"
+    print(head)
+    for name in PRESETS:
+        m = ModelConfig(preset=name)
+        style = "/".join([m.position, m.norm, m.mlp, "tied" if m.tie_embeddings else "untied"])
+        gflop = flops_per_token(m, m.max_seq_len) / 1e9
+        print(f"{name:<12} {param_count(m):>17,} {m.n_layers:>6} {m.d_model:>7} {m.n_heads:>5} "
+              f"{m.n_kv_heads:>3} {m.ffn_hidden:>6} {m.vocab_size:>6} {m.max_seq_len:>5}  "
+              f"{style:<26} {gflop:>11.3g}")
+    print("GFLOP/token: training FLOPs per token at the preset's full context "
+          "(6 x matmul params + 12 x layers x d_model x seq_len)")
+    return 0
+
+
+def config_parser() -> Parser:
+    p = Parser(prog="tessel config", allow_abbrev=False,
+               description="Print the resolved config as TOML (what `tessel train` would run "
+                           "with), or with --reference\nevery key as Markdown.")
+    add_config_arguments(p)
+    p.add_argument("--reference", action="store_true",
+                   help="print every config key with its type, default and meaning (Markdown)")
+    return p
+
+
+def cmd_config(argv: list[str]) -> int:
+    args, overrides = parse_config_args(config_parser(), argv, refused={
+        "--resume": "tessel config takes no --resume; pass RUN_DIR/config.toml instead"})
+    if args.reference:
+        if args.config is not None or overrides:
+            raise TesselError("tessel config --reference takes no config file or overrides")
+        from tessel.config import reference_markdown
+
+        print(reference_markdown(), end="")
+        return 0
+    import tomli_w
+
+    from tessel.checkpoint.init_from import load_config
+    from tessel.observe.secrets import redact_config
+
+    cfg = load_config(args.config, overrides).to_dict()
+    shown = redact_config(cfg)
+    if shown != cfg:  # never print a secret; say so, so nobody trains on the printed copy
+        print("# secrets are redacted below (webhook paths, passwords, tokens); keep them in\n"
+              "# your own config file, or give them as env:NAME references")
+    print(tomli_w.dumps(shown), end="")
+    return 0

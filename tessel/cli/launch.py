@@ -1,0 +1,63 @@
+"""`tessel launch slurm|k8s CONFIG.toml ...`: print a job file that trains CONFIG on a
+cluster (an sbatch script, or a Kubeflow PyTorchJob); the user submits it."""
+
+from __future__ import annotations
+
+from tessel.cli.args import Parser, add_config_arguments, parse_config_args
+from tessel.errors import TesselError
+
+ABOUT = ("Print a job file that trains CONFIG.toml (with any --section.key=value overrides,\n"
+         "checked now) with torchrun on every node; it resumes the run when its run\n"
+         "directory already holds one.")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="tessel launch",
+               description="Print a job file that trains CONFIG.toml on a cluster; submit it yourself.")
+    targets = p.add_subparsers(dest="target", required=True, metavar="{slurm,k8s}")
+    slurm = targets.add_parser("slurm", help="an sbatch script (one torchrun per node)",
+                               description=ABOUT)
+    k8s = targets.add_parser("k8s", help="a Kubeflow PyTorchJob manifest (kubeflow.org/v1)",
+                             description=ABOUT)
+    for target in (slurm, k8s):
+        add_config_arguments(target, "the TOML recipe the job trains (required)")
+        target.add_argument("--nodes", type=int, required=True, metavar="N",
+                            help="machines (pods) to train on")
+        target.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                            help="processes (GPUs) per machine (default: 8)")
+    slurm.add_argument("--partition", metavar="P", help="SLURM partition")
+    slurm.add_argument("--time", metavar="HH:MM:SS", help="time limit (or D-HH:MM:SS)")
+    slurm.add_argument("--job-name", metavar="NAME", help="default: tessel-<config file name>")
+    slurm.add_argument("--account", metavar="A", help="account to charge")
+    slurm.add_argument("--port", type=int, default=29500,
+                       help="rendezvous port on the first node (default: 29500)")
+    k8s.add_argument("--image", required=True, help="container image with tessel installed")
+    k8s.add_argument("--name", help="job name, a DNS-1123 label (default: tessel-<config file name>)")
+    k8s.add_argument("--namespace", metavar="NS", help="default: kubectl's current namespace")
+    return p
+
+
+def cmd_launch(argv: list[str]) -> int:
+    args, overrides = parse_config_args(build_parser(), argv)
+    prog = f"tessel launch {args.target}"
+    if args.config is None:
+        raise TesselError(f"{prog} needs a config file, e.g. {prog} configs/gpt2-124m.toml --nodes 2")
+
+    from tessel.checkpoint.init_from import load_config
+    from tessel.parallel import launch
+    from tessel.parallel.dims import ParallelDims
+
+    cfg = load_config(args.config, overrides)  # what `tessel train` would load: fail now
+    if args.target == "slurm":
+        text = launch.slurm_script(
+            args.config, overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            partition=args.partition, time=args.time, job_name=args.job_name,
+            account=args.account, port=args.port)
+    else:
+        text = launch.k8s_manifest(
+            args.config, overrides, nodes=args.nodes, image=args.image,
+            gpus_per_node=args.gpus_per_node, name=args.name, namespace=args.namespace)
+    # ... and the layout against the job's world size (after the builders checked the counts).
+    ParallelDims.from_config(cfg.parallel, args.nodes * args.gpus_per_node).validate(cfg)
+    print(text, end="")
+    return 0

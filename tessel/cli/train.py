@@ -1,0 +1,113 @@
+"""`tessel train`: train a model (the demo without arguments), resume a run, or start N
+processes on this machine through torchrun (--nproc)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessel.cli.args import Parser, add_config_arguments, parse_config_args, toml_str
+from tessel.errors import TesselError
+
+EXIT_CODES = """\
+exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad input,
+            3 a collective failed or timed out, or the watchdog saw no progress,
+            4 paused by an alert (checkpoint written; --resume continues),
+            5 stopped by an alert (checkpoint written), 6 spike recovery gave up
+            (recovery.max_rollbacks), 130 interrupted by Ctrl-C (a checkpoint was saved)
+"""
+
+
+def config_keys() -> str:
+    """Every config key by section, one line a section (the end of `tessel train --help`)."""
+    from tessel.config import Config, table_model
+
+    lines = []
+    for section, info in Config.model_fields.items():
+        model = table_model(info.annotation)
+        head = f"[[{section}]]" if model is not info.annotation else f"[{section}]"
+        lines.append(f"  {head} {', '.join(model.model_fields)}")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="tessel train", allow_abbrev=False,
+        description="Train a model. With no arguments, trains the embedded demo (a small GPT on\n"
+                    "this Python's standard-library sources) into runs/demo.",
+        epilog=EXIT_CODES + "\nconfig keys (`tessel config --reference` prints them with "
+                            "descriptions):\n" + config_keys())
+    add_config_arguments(p)
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its latest checkpoint, with its config.toml; "
+                        "overrides may change e.g. train.steps but not the model or data")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue run.dir from its latest checkpoint if it holds a run, else "
+                        "start it (what job scripts and torchrun restarts use)")
+    p.add_argument("--force", action="store_true",
+                   help="train even if the planner predicts the layout does not fit in GPU memory")
+    p.add_argument("--quiet", action="store_true",
+                   help="no console output (metrics still go to RUN_DIR/metrics.jsonl)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="train as N processes on this machine, started through torchrun (on "
+                        "several machines use torchrun yourself, or `tessel launch`)")
+    return p
+
+
+def cmd_train(argv: list[str]) -> int:
+    from tessel.parallel.launch import split_nproc
+
+    # --nproc is taken out first: the workers get the other arguments exactly as given.
+    nproc, argv = split_nproc(argv)
+    args, overrides = parse_config_args(build_parser(), argv)
+    if args.config is not None and args.resume is not None:
+        raise TesselError(
+            "--resume reads the config saved in the run directory; drop the config file "
+            "and pass overrides instead"
+        )
+    if args.resume is not None and args.auto_resume:
+        raise TesselError("--auto-resume and --resume exclude each other; pass one")
+
+    from tessel.checkpoint.init_from import load_config
+    from tessel.config import Config
+
+    resume = args.resume
+    if args.auto_resume:
+        # Continue the run if its directory already holds one (a restarted job), else start
+        # it. Safe with many ranks: rank 0 writes config.toml only after every rank has
+        # passed the trainer's start-up barrier, i.e. after all of them decided here.
+        start = load_config(args.config, overrides)
+        if (Path(start.run.dir) / "config.toml").is_file():
+            resume = start.run.dir
+            overrides = [o for o in overrides if not o.removeprefix("--").startswith("run.dir=")]
+
+    if resume is not None:
+        if any(o.removeprefix("--").startswith("run.dir=") for o in overrides):
+            raise TesselError("--resume RUN_DIR names the run directory; drop --run.dir")
+        run_config = Path(resume) / "config.toml"
+        if not run_config.is_file():
+            raise TesselError(
+                f"cannot resume {resume!r}: it is not a tessel run directory (no config.toml)"
+            )
+        # The run directory is where the run is now (it may have been moved).
+        cfg = Config.load(run_config, [*overrides, f"--run.dir={toml_str(resume)}"])
+    else:
+        cfg = load_config(args.config, overrides)
+    if nproc is not None and nproc > 1:
+        # The config and layout are checked here, so bad input fails once rather than in N
+        # workers.
+        from tessel.parallel.dims import ParallelDims
+        from tessel.parallel.launch import run_local
+
+        ParallelDims.from_config(cfg.parallel, nproc).validate(cfg)
+        return run_local(nproc, argv)
+
+    from tessel.train import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg, resume=resume is not None, console=not args.quiet,
+                          force=args.force, auto_resume=args.auto_resume)
+        return trainer.train().exit_code
+    finally:
+        if trainer is not None:
+            trainer.close()

@@ -1,0 +1,41 @@
+"""The one typed configuration of a tessel run.
+
+- `schema` (with `monitoring`): the sections, a docstring under every field, the checks run
+  when a config is built. They never touch the disk.
+- `load`: TOML files and dotted overrides, merged and validated; one-line errors.
+- `reference`: the Markdown table of every key (`tessel config --reference`).
+
+The model fields that the weights of `model.init_from` fix are read by
+`tessel.checkpoint.init_from.load_config` (also `tessel.load_config`), which passes them in;
+`Config.load` reads only the TOML file.
+"""
+
+from tessel.config.base import ConfigError, table_model
+from tessel.config.load import parse_override_value, read_toml
+from tessel.config.monitoring import (
+    AlertCondition,
+    AlertConfig,
+    MetricsConfig,
+    NotifyConfig,
+    RecoveryConfig,
+    WatchdogConfig,
+)
+from tessel.config.reference import reference_markdown
+from tessel.config.schema import (
+    SHAPE_FIELDS,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "SHAPE_FIELDS", "AlertCondition", "AlertConfig", "CheckpointConfig", "Config", "ConfigError",
+    "DataConfig", "MetricsConfig", "ModelConfig", "NotifyConfig", "OptimConfig", "ParallelConfig",
+    "RecoveryConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "parse_override_value",
+    "read_toml", "reference_markdown", "table_model",
+]

@@ -1,0 +1,112 @@
+"""The sections that watch a run and act on what they see: metrics sinks, alert rules and
+their notifications, loss-spike recovery, the hang watchdog."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tessel.config.base import Section
+
+
+class MetricsConfig(Section):
+    log_interval: int = Field(10, gt=0)
+    """Log metrics to the console, metrics.jsonl and TensorBoard every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to the run directory."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`; rank 0 only)."""
+    wandb_project: str = "tessel"
+    """W&B project name."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """offline writes to RUN_DIR/wandb with no network (upload later with `wandb sync`);
+    online streams to the W&B server."""
+    prometheus_port: int | None = Field(None, ge=0, le=65535)
+    """Serve the latest metrics as Prometheus text on http://HOST:PORT/metrics from rank 0
+    (0: any free port, printed at start; unset: no endpoint)."""
+
+
+AlertCondition = Literal[
+    "val_loss.no_improvement", "loss.no_improvement", "loss.above", "val_loss.above",
+    "grad_norm.above", "nan", "tokens_per_s.drop", "step_time.stall",
+]
+
+
+class AlertConfig(Section):
+    name: str = Field(min_length=1)
+    """The rule's name, shown in notifications and the report."""
+    when: AlertCondition
+    """Condition: `val_loss.no_improvement` / `loss.no_improvement` (no new best by more
+    than `min_delta` over `patience` evaluations / log steps); `loss.above`,
+    `val_loss.above`, `grad_norm.above` (over `threshold`); `nan` (NaN/Inf loss or grad
+    norm); `tokens_per_s.drop` (below `fraction` of the moving median of the last `window`
+    log steps); `step_time.stall` (no step finished for `threshold` seconds)."""
+    patience: int = Field(3, gt=0)
+    """Evaluations (or log steps) without improvement before a no_improvement rule fires."""
+    min_delta: float = Field(0.0, ge=0)
+    """Smallest decrease that counts as an improvement."""
+    threshold: float | None = None
+    """Limit for the .above rules; seconds for step_time.stall."""
+    fraction: float = Field(0.5, gt=0, lt=1)
+    """tokens_per_s.drop fires below this fraction of the moving median."""
+    window: int = Field(10, gt=1)
+    """Log steps in tokens_per_s.drop's moving median."""
+    notify: list[Literal["log", "webhook", "email"]] = Field(default_factory=lambda: ["log"])
+    """Where to send it: the run's log, a webhook (JSON POST), e-mail (see [notify])."""
+    webhook_url: str | None = None
+    """Webhook for this rule; falls back to the TESSEL_WEBHOOK_URL environment variable
+    (prefer it: config.toml is saved in the run directory). Never printed."""
+    action: Literal["continue", "pause", "stop"] = "continue"
+    """What the run does: continue; pause (checkpoint, exit code 4, `tessel train --resume`
+    continues); stop (checkpoint, exit code 5)."""
+
+    @model_validator(mode="after")
+    def _needs(self) -> AlertConfig:
+        if self.when.endswith(".above") or self.when == "step_time.stall":
+            if self.threshold is None:
+                raise ValueError(f"alert {self.name!r}: when={self.when!r} needs a threshold")
+        if self.when == "step_time.stall" and self.action != "continue":
+            raise ValueError(
+                f"alert {self.name!r}: a stalled step cannot checkpoint; use action='continue' "
+                "(the watchdog ends a hung job)"
+            )
+        return self
+
+
+class NotifyConfig(Section):
+    smtp_host: str | None = None
+    """SMTP server for alerts with notify = ["email"]."""
+    smtp_port: int = Field(587, gt=0, le=65535)
+    """SMTP port (587 with STARTTLS, 25 without)."""
+    smtp_starttls: bool = True
+    """Upgrade the SMTP connection with STARTTLS."""
+    smtp_user: str | None = None
+    """SMTP login; the password comes only from the TESSEL_SMTP_PASSWORD environment
+    variable, never from a file."""
+    email_from: str = "tessel@localhost"
+    """Sender address."""
+    email_to: list[str] = Field(default_factory=list)
+    """Recipients."""
+
+
+class RecoveryConfig(Section):
+    spike_sigma: float = Field(0.0, ge=0)
+    """Roll back when a step's loss or grad norm exceeds the mean of the last `window` steps
+    by this many standard deviations, or is NaN/Inf (0: off). Costs one host sync per step."""
+    window: int = Field(50, gt=1)
+    """Steps in the moving window of loss and grad-norm statistics."""
+    min_history: int = Field(10, gt=1)
+    """Steps seen before a spike can be judged (NaN/Inf are judged from the first step)."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks allowed in a run; the next spike ends it (exit code 6)."""
+    skip_batches: list[int] = Field(default_factory=list)
+    """Global batch indices (0-based positions in the training stream) never trained on;
+    rollbacks add the offending ones to RUN_DIR/skipped_batches.json."""
+
+
+class WatchdogConfig(Section):
+    timeout_s: int = Field(480, ge=0)
+    """No progress (step, evaluation or checkpoint) for this many seconds: every rank dumps
+    its Python stacks to RUN_DIR/watchdog/ and the job exits with code 3 (0: off). Below
+    parallel.timeout_s, so it sees a hang before the collective times out."""

@@ -1,0 +1,34 @@
+"""The one layout check: can tessel run this config's parallel layout on this kind of device?
+
+Called by the trainer before anything is built and by the planner for every candidate
+layout, so a layout the planner proposes is one the trainer accepts, with the same words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessel.config import Config
+from tessel.parallel.context import check_context_parallel
+from tessel.parallel.dims import ParallelDims, ParallelError
+from tessel.parallel.fsdp import check_offload
+
+
+def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
+                 precision: str) -> None:
+    """Raise ParallelError (one line, with the fix) unless `dims` can run `cfg` on `device`
+    (a real device or just its type) in `precision` (resolved: fp32, bf16 or fp16)."""
+    device = torch.device(device)
+    dims.validate(cfg)
+    p = cfg.parallel
+    check_offload(p, device)
+    if p.dp_comm_hook == "bf16" and device.type != "cuda":
+        raise ParallelError(
+            "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"
+        )
+    check_context_parallel(cfg, device)
+    if precision == "fp16" and dims.world_size > 1 and (p.zero > 0 or dims.tp > 1 or dims.pp > 1):
+        raise ParallelError(
+            "fp16 loss scaling is supported for one process or DDP (zero=0) only; use "
+            "train.precision='bf16' (no loss scaling needed) for sharded layouts"
+        )

@@ -1,0 +1,118 @@
+"""What a run says and records as it starts and ends: the announcement, run.json, the
+timeline events (start, resume, restart, finish, preemption, halt) and the closing lines.
+Functions of a Trainer, kept out of the loop so that it reads as orchestration."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tessel.errors import CollectiveTimeout
+from tessel.generate import sample
+from tessel.models import param_count
+from tessel.train.control import EXIT_PAUSED, EXIT_STOPPED
+
+if TYPE_CHECKING:
+    from tessel.train.trainer import Trainer
+
+
+def run_info(tr: Trainer) -> dict[str, Any]:
+    """Where this run (or its latest resumption) ran: what calibrating the planner from
+    the run directory needs besides config.toml and metrics.jsonl."""
+    name = torch.cuda.get_device_name(tr.device) if tr.device.type == "cuda" else "cpu"
+    return {"world_size": tr.proc.world_size, "device": tr.device.type,
+            "device_name": name, "layout": tr.dims.describe(), "torch": torch.__version__}
+
+
+def announce(tr: Trainer) -> None:
+    cfg, t = tr.cfg, tr.cfg.train
+    planned = t.steps * t.global_batch_size * t.seq_len
+    verb = f"resuming at step {tr.step}" if tr.step else "training"
+    tr.display.print(
+        f"tessel: {verb} {param_count(cfg.model):,}-parameter model "
+        f"({cfg.model.preset or 'custom'}) on {tr.proc.world_size} x {tr.device.type} "
+        f"({tr.precision.name}; {tr.dims.describe()}), "
+        f"{t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens = {planned:,} tokens "
+        f"(accumulation {tr.train_step.accum}); run dir {tr.run_dir}"
+    )
+
+
+def start_event(tr: Trainer) -> None:
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if tr.checkpoints.last_saved_step < 0:
+        kind, msg = "start", "started"
+    elif tr.auto_resume or restarts:
+        kind, msg = "restart", f"resumed automatically at step {tr.step}"
+    else:
+        kind, msg = "resume", f"resumed at step {tr.step}"
+    if restarts:
+        msg += f" (torchrun restart {restarts})"
+    tr.events.write(kind, tr.step, msg, world_size=tr.proc.world_size, layout=tr.dims.describe())
+
+
+def halt(tr: Trainer, code: int, message: str, kind: str, detail: str) -> None:
+    """Record that the run ended on purpose, so automatic restarts do not undo it."""
+    tr.events.write(kind, tr.step, detail)
+    if tr.proc.is_main:
+        tr.run.write_halted(code, message, tr.step)
+
+
+def ended(tr: Trainer, stopped_by: str | None) -> None:
+    """The closing event and lines of a run that finished or stopped (`stopped_by`)."""
+    latest = tr.run.latest_link
+    if stopped_by in ("pause", "stop"):
+        code = EXIT_PAUSED if stopped_by == "pause" else EXIT_STOPPED
+        what = "paused" if stopped_by == "pause" else "stopped"
+        msg = f"{what} by an alert at step {tr.step} with a checkpoint in {latest}"
+        halt(tr, code, msg, stopped_by, msg)
+        tr.display.print(
+            f"tessel: {msg}; continue with `tessel train --resume {tr.run_dir}` (exit code {code})"
+        )
+    elif stopped_by:
+        what = " (preemption warning)" if stopped_by == "SIGUSR1" else ""
+        msg = f"{stopped_by}{what}: stopped at step {tr.step} with a checkpoint in {latest}"
+        tr.events.write("preempt" if stopped_by != "SIGINT" else "interrupt", tr.step, msg)
+        tr.display.print(f"{msg}; continue with `tessel train --resume {tr.run_dir}`")
+    else:
+        tr.events.write("finish", tr.step, f"finished at step {tr.step}",
+                        val_loss=tr.last_val_loss)
+        _finish_message(tr)
+
+
+def _finish_message(tr: Trainer) -> None:
+    msg = f"done: step {tr.step}"
+    if tr.last_val_loss is not None:
+        msg += (f", val loss {tr.last_val_loss:.4f} "
+                f"(unigram baseline {tr.data.unigram_baseline:.4f})")
+    tr.display.print(msg + f"; checkpoint in {tr.run.latest_link}")
+    n = tr.cfg.run.sample_tokens
+    if n and tr.proc.distributed:
+        tr.display.print(
+            f"(no sample under a parallel layout; `tessel generate {tr.run_dir}` samples "
+            "from the checkpoint)"
+        )
+    elif n:
+        prompt = tr.cfg.run.sample_prompt
+        ids = sample(tr.model.inner[0], tr.tokenizer.encode(prompt), n, seed=tr.cfg.train.seed,
+                     stop_id=tr.tokenizer.eod_id)
+        tr.display.print("sample:\n" + prompt + tr.tokenizer.decode(ids))
+
+
+def collective_failure(tr: Trainer, exc: BaseException) -> CollectiveTimeout:
+    """The one-line error (exit 3) of a collective that failed or timed out."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return CollectiveTimeout(
+        f"rank {tr.proc.rank}: a collective failed or did not complete within "
+        f"parallel.timeout_s={tr.cfg.parallel.timeout_s}s (a peer process died or hangs: "
+        f"{first}); resume from the last checkpoint with `tessel train --resume {tr.run_dir}`"
+    )
+
+
+def is_collective_failure(exc: RuntimeError) -> bool:
+    """A collective that timed out or lost its peer (a process died: gloo sees the
+    connection reset), as opposed to a bug."""
+    text = str(exc).lower()
+    return any(k in text for k in ("timed out", "timeout", "connection reset", "connection closed",
+                                   "broken pipe", "gloo/transport", "nccl"))

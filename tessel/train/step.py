@@ -1,0 +1,191 @@
+"""TrainStep: one optimizer step (forward, backward, clip, step) for the plain and the
+pipelined case, on one rank of any layout. What `tessel bench` times.
+
+The loss of a step is a mean over every target token of the step, not a mean of
+micro-batch means, so the accumulation count never changes its value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tessel.data import Batch
+from tessel.models.loss import token_loss_sum
+from tessel.observe.timing import PhaseTimer
+from tessel.parallel.context import context_parallel_step
+from tessel.parallel.dims import ParallelDims
+from tessel.parallel.dist import all_reduce_sum
+from tessel.parallel.grad_norm import clip_grad_norm
+from tessel.parallel.pipeline import build_schedule
+from tessel.parallel.tensor import local_value, loss_context
+from tessel.train.precision import Precision
+
+
+class TrainStep:
+    def __init__(self, model: Any, optimizers: list[torch.optim.Optimizer], dims: ParallelDims,
+                 mesh: Any, device: torch.device, precision: Precision, *, accum: int,
+                 grad_clip: float, parallel_cfg: Any, distributed: bool,
+                 timer: PhaseTimer | None = None, phase: Callable[[str], None] | None = None):
+        """`model`: the ParallelModel of this rank (its parts, stages and data-parallel
+        wrapper); `accum`: micro-batches per step; `phase`: the watchdog's phase marker."""
+        self.model = model
+        self.optimizers = optimizers
+        self.dims = dims
+        self.mesh = mesh
+        self.device = device
+        self.precision = precision
+        self.accum = accum
+        self.grad_clip = grad_clip
+        self.reports_loss = reports_loss(dims, mesh, parallel_cfg.pp_virtual_stages)
+        self.distributed = distributed
+        self.timer = timer or PhaseTimer(device)
+        self.phase = phase or (lambda _what: None)
+        self.cp_mesh = mesh["cp"] if mesh is not None and dims.cp > 1 else None
+        self.loss_factor = 1.0  # fault injection only (TESSEL_FAULT)
+        self._loss_tokens = 1  # the divisor of the pipeline's loss function
+        self.schedule = None
+        if dims.pp > 1:
+            stages = list(zip(model.stage_ids, model.parts))
+            self.schedule = build_schedule(stages, parallel_cfg, mesh["pp"], device, accum,
+                                           self._pipeline_loss)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def __call__(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `batches` (the step's micro-batches); returns the loss
+        and the gradient norm before clipping as device tensors (no host sync). The loss is
+        this replica's on the rank that reports it, zero elsewhere."""
+        self.phase("forward/backward (DDP/FSDP/TP/PP collectives inside)")
+        self.timer.start("compute")
+        n_tokens = sum(b.targets.numel() for b in batches)
+        scaler = self.precision.scaler
+        total = torch.zeros((), device=self.device)
+        if self.schedule is not None:
+            total = self._pipeline_step(batches, n_tokens)
+        else:
+            model = self.model.parts[0]
+            # Under context parallelism each rank holds 1/cp of every sequence's tokens and
+            # gradients are averaged over the cp ranks too: scale so they sum instead.
+            divisor = n_tokens / self.dims.cp
+            for i, batch in enumerate(batches):
+                x, y, docs = self.on_device(batch)
+                last = i == len(batches) - 1
+                with (self.model.dp.micro_batch(self.model.parts, last),
+                      loss_context(self.dims.tp > 1),
+                      context_parallel_step(self.model.inner[0], self.cp_mesh, x, y)):
+                    with self.precision.autocast():
+                        logits = model(x, docs)  # (B, T, V)
+                    loss = token_loss_sum(logits, y) / divisor
+                    if self.loss_factor != 1.0:
+                        loss = loss * self.loss_factor
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                total += local_value(loss.detach())
+        self.phase("optimizer (grad-norm all-reduce inside)")
+        self.timer.start("optimizer")
+        if scaler is not None:
+            for opt in self.optimizers:
+                scaler.unscale_(opt)
+        clip = self.grad_clip if self.grad_clip > 0 else math.inf
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 and self.mesh is not None else None
+        grad_norm = clip_grad_norm(self.model.parameters(), clip, pp_group)
+        for opt in self.optimizers:
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update()
+        self.timer.end()
+        return total, grad_norm
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = token_loss_sum(logits, targets) / self._loss_tokens
+        return loss * self.loss_factor if self.loss_factor != 1.0 else loss
+
+    def _pipeline_step(self, batches: list[Batch], n_tokens: int) -> torch.Tensor:
+        """All micro-batches of the step through the pipeline schedule (which interleaves
+        their forward and backward passes); the loss lives on the last stage."""
+        x, y, docs = self.on_device(concat(batches))
+        self._loss_tokens = n_tokens
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.model.has_first else ()
+        kwargs = {"doc_ids": docs} if docs is not None else {}
+        target = y if self.model.has_last else None
+        assert self.schedule is not None
+        with loss_context(self.dims.tp > 1), self.precision.autocast():
+            self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([local_value(v.detach()).float() for v in losses]).sum()
+
+    def pipeline_eval_sum(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
+        """Summed loss of `batches` through the pipeline schedule without gradients, and
+        the number of target tokens (the sum is on the last stage, zero elsewhere)."""
+        x, y, docs = self.on_device(concat(batches))
+        self._loss_tokens = 1  # sums
+        losses: list[torch.Tensor] = []
+        assert self.schedule is not None
+        with loss_context(self.dims.tp > 1), self.precision.autocast():
+            self.schedule.eval(*((x,) if self.model.has_first else ()),
+                               target=y if self.model.has_last else None,
+                               losses=losses, **({"doc_ids": docs} if docs is not None else {}))
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for v in losses:
+            total += local_value(v).double()
+        return total, y.numel()
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def on_device(self, batch: Batch) -> tuple[Any, ...]:
+        if self.device.type != "cuda":
+            return tuple(batch)
+        # Pinned memory lets the copy overlap with compute (non_blocking).
+        return tuple(
+            t.pin_memory().to(self.device, non_blocking=True) if t is not None else None
+            for t in batch
+        )
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss averaged over data-parallel replicas (a host sync)."""
+        if not self.distributed:
+            return loss.item()
+        self.phase("collective: all-reduce of the loss")
+        mine = (loss.detach().float().reshape(1) if self.reports_loss
+                else torch.zeros(1, device=self.device))
+        return all_reduce_sum(mine.to(self.device)).item() / (self.dims.dp * self.dims.cp)
+
+    def first_lr(self) -> float:
+        return self.optimizers[0].param_groups[0]["lr"]
+
+
+def reports_loss(dims: ParallelDims, mesh: Any, virtual_stages: int) -> bool:
+    """Whether this rank holds its replica's loss: in each data-parallel replica, the last
+    pipeline stage's first tensor-parallel rank (once per context-parallel part)."""
+    if mesh is None:
+        return True
+    if dims.pp > 1:
+        n_stages = dims.pp * virtual_stages
+        if (n_stages - 1) % dims.pp != mesh["pp"].get_local_rank():
+            return False
+    return mesh["tp"].get_local_rank() == 0
+
+
+def concat(batches: list[Batch]) -> Batch:
+    """Micro-batches stacked into one batch (the pipeline schedule splits it again)."""
+    docs = [b.doc_ids for b in batches]
+    return Batch(
+        torch.cat([b.inputs for b in batches]),
+        torch.cat([b.targets for b in batches]),
+        torch.cat(docs) if docs[0] is not None else None,  # type: ignore[arg-type]
+    )
+

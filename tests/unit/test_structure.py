@@ -1,0 +1,157 @@
+"""The shape of the tree (docs/architecture.md): no import circles, no module reaching into
+another's private names, no file past ~500 lines, no module importing the CLI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "tessel"
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under `if TYPE_CHECKING:` (never imported at run time)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def _package(name: str) -> str:
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _imports(name: str, tree: ast.AST) -> set[str]:
+    """The tessel modules `name` imports, at module level or inside functions."""
+    found = set()
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = _package(name).split(".")
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("tessel"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else base)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+
+
+def test_no_import_circles():
+    graph = {name: _imports(name, tree) for name, tree in TREES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_only_the_cli_imports_the_cli():
+    graph = {name: _imports(name, tree) for name, tree in TREES.items()}
+    offenders = sorted(n for n, deps in graph.items()
+                       if not n.startswith("tessel.cli") and n != "tessel.__main__"
+                       and any(d.startswith("tessel.cli") for d in deps))
+    assert offenders == []
+
+
+def _private_definitions(tree: ast.AST) -> set[str]:
+    """Private names a module defines: top-level functions/classes/variables, methods, and
+    attributes it assigns on self."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_uses_another_modules_private_names():
+    defined = {name: _private_definitions(tree) for name, tree in TREES.items()}
+    offenders = []
+    for name, tree in TREES.items():
+        elsewhere = set().union(*(d for n, d in defined.items() if n != name)) - defined[name]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tessel"):
+                offenders += [f"{name}: from {node.module} import {a.name}"
+                              for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Attribute) and node.attr in elsewhere:
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    offenders.append(f"{name}:{node.lineno}: .{node.attr}")
+    assert offenders == []
+
+
+def test_no_file_is_past_the_size_limit():
+    big = {str(p.relative_to(ROOT.parent)): n for p in MODULES.values()
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert big == {}
