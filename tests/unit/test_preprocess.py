@@ -162,9 +162,11 @@ def test_a_refused_input_keeps_an_existing_dataset(tmp_path: Path):
     before = {p.name: p.read_bytes() for p in tmp_path.glob("d.*")}
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\nnot json\n')
     for workers in (1, 2):
-        with pytest.raises(DataError, match="bad.jsonl:2"):
+        with pytest.raises(DataError, match="already exists"):  # not replaced unless asked
+            preprocess([tmp_path / "good.jsonl"], "bytes", tmp_path / "d", progress=False)
+        with pytest.raises(DataError, match="bad.jsonl:2"):  # asked, but the input is bad
             preprocess([tmp_path / "good.jsonl", tmp_path / "bad.jsonl"], "bytes", tmp_path / "d",
-                       workers=workers, batch_size=1, progress=False)
+                       workers=workers, batch_size=1, progress=False, force=True)
         assert {p.name: p.read_bytes() for p in tmp_path.glob("d.*")} == before
         assert not list(tmp_path.glob(".d.*"))  # no temporaries left behind
 
