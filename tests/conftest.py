@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -77,3 +78,15 @@ def tiny_config(tmp_path: Path, corpus: Path):
         return Config.load(None, tiny_overrides(tmp_path / run_name, corpus, **extra))
 
     return make
+
+
+def forge_state(path: Path) -> None:
+    """Make a checkpoint's state.json agree with its files as they are now (sizes and
+    checksums), as an attacker who controls the whole directory would."""
+    from tessel.checkpoint.checksum import DIGEST_KEY, file_digests
+
+    state = json.loads((path / "state.json").read_text())
+    state["files"] = {f: (path / f).stat().st_size for f in state["files"]}
+    state[DIGEST_KEY] = file_digests([path / f for f in state["files"]])
+    state.pop("state_sha256", None)  # its self-checksum: an attacker drops it too
+    (path / "state.json").write_text(json.dumps(state))

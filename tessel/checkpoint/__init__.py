@@ -1,10 +1,9 @@
 """Checkpoints: atomic DCP save/load that reshards across layouts."""
 
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.pending import CheckpointWriteError, PendingSave
 from tessel.checkpoint.store import (
     CHECKPOINTS_DIR,
-    CheckpointError,
-    CheckpointWriteError,
-    PendingSave,
     checkpoint_shapes,
     find_checkpoint,
     latest_checkpoint,

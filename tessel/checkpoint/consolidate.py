@@ -9,7 +9,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from tessel.checkpoint.store import CheckpointError, find_checkpoint, read_full, read_state
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.store import find_checkpoint, read_full, read_state
 from tessel.fileio import fsync_dir
 
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.pending import PendingSave
 from tessel.checkpoint.store import (
-    CheckpointError,
     Models,
     Optimizers,
-    PendingSave,
     latest_checkpoint,
     load_model,
     load_optimizer,
@@ -80,13 +80,16 @@ class CheckpointManager:
         pending = self.pending
         if pending is None or not (wait or all_written):
             return
-        path = pending.finish()
+        path = pending.finish(barrier=self._barrier if self.distributed else None)
         self.pending = None
         if self.hf_export is not None:
             self.hf_export.after_publish(path, int(path.name.removeprefix("step_")))
         if self.distributed:
             self.phase("collective: barrier after publishing a checkpoint")
-            dist.barrier(group=self.barrier_group())
+            self._barrier()
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.barrier_group())
 
     def restore(self, ckpt: Path, device: torch.device) -> None:
         """Model and optimizer state from `ckpt` (saved under any layout) into this rank's

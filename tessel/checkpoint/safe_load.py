@@ -21,7 +21,6 @@ replace both:
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pathlib
 import pickle
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from tessel.checkpoint import checksum
 from tessel.errors import TesselError
 
 METADATA_FILE = ".metadata"
@@ -93,28 +93,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError("it holds a persistent reference, which a checkpoint never holds")
 
 
-# state.json key of the per-file content checksums written at save.
-DIGEST_KEY = "sha256"
-
-
-def file_digest(path: Path) -> str:
-    """SHA-256 of a file's content (hashlib; hardware-accelerated where the CPU has it)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def check_digest(path: Path, expected: str | None) -> None:
-    """Raise DamagedCheckpointError when `path`'s content does not have checksum `expected`
-    (None: the checkpoint predates checksums; nothing to check)."""
-    if expected is not None and file_digest(path) != expected:
-        raise DamagedCheckpointError(
-            f"{path.name} does not match its checksum (the file changed after it was saved)"
-        )
-
-
 def read_metadata(path: Path, digests: dict[str, str] | None = None) -> dcp_metadata.Metadata:
     """The checkpoint's DCP metadata, parsed without running code, with every storage file
     checked to be a file of this checkpoint; `digests`: the checksums from state.json.
@@ -122,7 +100,7 @@ def read_metadata(path: Path, digests: dict[str, str] | None = None) -> dcp_meta
     meta_file = path / METADATA_FILE
     data = meta_file.read_bytes()
     expected = (digests or {}).get(METADATA_FILE)
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+    if expected is not None and checksum.bytes_digest(data) != expected:
         raise DamagedCheckpointError(
             f"{METADATA_FILE} does not match its checksum (the file changed after it was saved)"
         )
@@ -168,10 +146,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
         for name in sorted(files - self._verified):
             try:
-                check_digest(Path(self.path) / name, self._digests.get(name))
-            except DamagedCheckpointError as exc:
+                checksum.check(Path(self.path) / name, self._digests.get(name))
+            except checksum.ChecksumMismatch as exc:
                 self.damaged = str(exc)  # DCP wraps what a reader raises: keep our line
-                raise
+                raise DamagedCheckpointError(self.damaged) from None
             self._verified.add(name)
         return super().read_data(plan, planner)
 

@@ -29,8 +29,6 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +45,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tessel.checkpoint import safe_load
-from tessel.errors import TesselError
+from tessel.checkpoint import checksum, safe_load
+from tessel.checkpoint.errors import CheckpointError, short
+from tessel.checkpoint.pending import (
+    PendingSave,
+    failed_save_is_one_line,
+    then,
+)
 from tessel.fileio import fsync_dir
 
 
@@ -65,10 +68,6 @@ _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 # `no_dist` on async_save (where this torch has it): one process saves without a process group, and
 # its writer thread then does not warn about it.
 _ASYNC_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
-
-
-class CheckpointError(TesselError):
-    """Unusable checkpoint; the message is one line meant for the user."""
 
 
 def step_dir_name(step: int) -> str:
@@ -121,6 +120,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -138,65 +141,6 @@ def _state_dict(models: Models, optimizers: Optimizers) -> dict[str, Any]:
         for m, o in zip(ms, opts):
             sd["optim"].update(get_optimizer_state_dict(m, o, options=_OPTIM))
     return sd
-
-
-@dataclass
-class PendingSave:
-    """An asynchronous save in flight; `finish()` waits for it and publishes it."""
-
-    future: Future | None
-    publish: Any  # () -> Path
-    tmp: Path | None = None  # the temporary directory, removed if the save fails
-    step: int = 0
-
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
-    def finish(self) -> Path:
-        with _failed_save_is_one_line(self.tmp, self.step):
-            if self.future is not None:
-                self.future.result()
-            return self.publish()
-
-
-class CheckpointWriteError(CheckpointError):
-    """A save could not be written (disk full, unwritable directory); the checkpoints
-    saved before are intact and the temporary directory is removed."""
-
-
-@contextlib.contextmanager
-def _failed_save_is_one_line(tmp: Path | None, step: int) -> Iterator[None]:
-    """A failed save (disk full, ...) removes its temporary directory and becomes one line;
-    a Ctrl-C during it (DCP wraps it in a CheckpointException) stays a KeyboardInterrupt."""
-    try:
-        yield
-    except (Exception, KeyboardInterrupt, CheckpointException) as exc:
-        cause = _root_cause(exc)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(cause, KeyboardInterrupt):
-            raise KeyboardInterrupt from None
-        if isinstance(cause, TesselError):
-            raise
-        where = tmp.parent if tmp is not None else "the run directory"
-        raise CheckpointWriteError(
-            f"could not save the checkpoint of step {step} in {where}: {_describe(cause)}; "
-            "the checkpoints saved before are intact"
-        ) from None
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """The first rank's own exception inside DCP's wrapper (recursively)."""
-    while isinstance(exc, CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]
-    return exc
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
-    lines = str(exc).strip().splitlines()
-    return _short(lines[-1] if lines else type(exc).__name__)
 
 
 def save_checkpoint(
@@ -226,16 +170,19 @@ def save_checkpoint(
     sd = _state_dict(models, optimizers)
     sd["extra"] = dict(tensors or {})
 
+    def hash_share() -> None:
+        checksum.hash_share(tmp, _rank(), _world())
+
     def publish() -> Path:
         final = root / name
         if _rank() == 0:
+            # Content checksums (each rank hashed its share), verified whenever a file is
+            # read back: a shard with flipped bytes but the right size is never trained on.
+            digests = checksum.gather_shares(tmp, _world())
             files = [f for f in sorted(tmp.iterdir()) if f.is_file()]
             sizes = {f.name: f.stat().st_size for f in files}
-            # Content checksums, verified whenever a file is read back (safe_load): a shard
-            # with flipped bytes but the right size is refused, never trained on.
-            digests = {f.name: safe_load.file_digest(f) for f in files}
             meta = {"format": FORMAT_VERSION, "step": step, "files": sizes,
-                    safe_load.DIGEST_KEY: digests, **state}
+                    checksum.DIGEST_KEY: digests, **state}
             meta[_STATE_DIGEST] = _state_digest(meta)  # state.json vouches for itself too
             _write_json(tmp / "state.json", meta)  # written last: its presence marks completeness
             fsync_dir(tmp)
@@ -255,14 +202,17 @@ def save_checkpoint(
         # Tensors are staged to host memory before this returns; writing continues in the
         # background. Only rank 0 publishes, once its future (which waits for all) is done.
         single = {"no_dist": True} if not dist.is_initialized() and _ASYNC_NO_DIST else {}
-        with _failed_save_is_one_line(tmp, step), quiet_single_process():
+        with failed_save_is_one_line(tmp, step), quiet_single_process():
             # the background thread warns too unless no_dist says it is one process
             future = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group,
                                     **single)
-        return PendingSave(future, publish, tmp, step)
-    with _failed_save_is_one_line(tmp, step):
+        # hashing this rank's share runs in the background too, once DCP has written
+        return PendingSave(then(future, hash_share), publish, tmp, step)
+    with failed_save_is_one_line(tmp, step):
         with quiet_single_process():
             dcp.save(sd, checkpoint_id=str(tmp))
+        hash_share()
+        _barrier()  # every rank's share of the checksums is written
         path = publish()
     _barrier()  # nobody reads `latest` before it points at the new checkpoint
     return path
@@ -337,7 +287,7 @@ def _digests(path: Path) -> dict[str, str]:
         meta = json.loads((path / "state.json").read_text())
     except (OSError, ValueError):
         return {}
-    digests = meta.get(safe_load.DIGEST_KEY) if isinstance(meta, dict) else None
+    digests = meta.get(checksum.DIGEST_KEY) if isinstance(meta, dict) else None
     return digests if isinstance(digests, dict) else {}
 
 
@@ -359,12 +309,8 @@ def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False,
         first = str(exc).strip().splitlines()
         raise CheckpointError(
             f"checkpoint {str(path)!r} does not match this model: "
-            f"{_short(first[-1] if first else type(exc).__name__)}"
+            f"{short(first[-1] if first else type(exc).__name__)}"
         ) from None
-
-
-def _short(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import forge_state, tiny_overrides, write_corpus
 
 from tessel.checkpoint import CheckpointError, latest_checkpoint, read_full
 from tessel.checkpoint.safe_load import read_metadata
 from tessel.cli import main
 from tessel.config import Config
 from tessel.train import Trainer
-from tests.conftest import tiny_overrides, write_corpus
 
 
 def _unicode(s: str) -> bytes:
@@ -87,18 +87,6 @@ def _copy(run: Path, dest: Path) -> tuple[Path, Path]:
     return dest, ckpt
 
 
-def _forge_sizes(ckpt: Path) -> None:
-    """Make state.json agree with the tampered files (sizes and checksums), as an attacker
-    who controls the whole directory would."""
-    from tessel.checkpoint.safe_load import DIGEST_KEY, file_digest
-
-    state = json.loads((ckpt / "state.json").read_text())
-    state["files"] = {f: (ckpt / f).stat().st_size for f in state["files"]}
-    state[DIGEST_KEY] = {f: file_digest(ckpt / f) for f in state["files"]}
-    state.pop("state_sha256", None)  # its self-checksum: an attacker drops it too
-    (ckpt / "state.json").write_text(json.dumps(state))
-
-
 def _entry_points(run: Path, ckpt: Path, tmp: Path) -> dict[str, list[str]]:
     corpus = (run / "corpus_path").read_text()
     fresh = tiny_overrides(tmp / "fresh", Path(corpus), **{"train.steps": 1})
@@ -137,7 +125,7 @@ def test_crafted_metadata_is_refused_by_every_entry_point(
     marker.unlink()
 
     (ckpt / ".metadata").write_bytes(payload)
-    _forge_sizes(ckpt)
+    forge_state(ckpt)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     for name, argv in _entry_points(run, ckpt, tmp_path).items():
         _assert_refused(argv, capsys, "names ")
@@ -184,7 +172,7 @@ def test_crafted_value_in_a_shard_is_refused(trained_run: Path, tmp_path: Path,
             n += 1
     assert n > 0, "the optimizer state must hold non-tensor values for this test to mean anything"
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    _forge_sizes(ckpt)
+    forge_state(ckpt)
 
     _assert_refused(["train", "--resume", str(run), "--train.steps=3", "--quiet"], capsys,
                     "is not plain data")
@@ -199,7 +187,7 @@ def test_metadata_cannot_point_outside_the_checkpoint(trained_run: Path, tmp_pat
     for info in md.storage_data.values():
         info.relative_path = "../../../secret.bin"
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    _forge_sizes(ckpt)
+    forge_state(ckpt)
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
         read_full(ckpt, "model")
 
@@ -209,11 +197,11 @@ def test_damaged_or_missing_metadata_is_one_line(trained_run: Path, tmp_path: Pa
     (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(CheckpointError, match="is damaged: .metadata does not match its checksum"):
         read_full(ckpt, "model")
-    _forge_sizes(ckpt)
+    forge_state(ckpt)
     with pytest.raises(CheckpointError, match="is damaged"):
         read_full(ckpt, "model")
     (ckpt / ".metadata").write_bytes(struct.pack("<I", 7))
-    _forge_sizes(ckpt)
+    forge_state(ckpt)
     with pytest.raises(CheckpointError, match="is damaged"):
         read_full(ckpt, "model")
     (ckpt / ".metadata").unlink()

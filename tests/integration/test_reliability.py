@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_overrides, write_corpus
 
 from tessel.checkpoint import list_checkpoints, read_full, save_checkpoint
-from tessel.checkpoint.safe_load import DIGEST_KEY
+from tessel.checkpoint.checksum import DIGEST_KEY
 from tessel.cli import main
 from tessel.config import ModelConfig
 from tessel.models import build_model
 from tessel.observe.events import read_jsonl
 from tessel.train.run_dir import RunDir
-from tests.conftest import tiny_overrides, write_corpus
 
 SECRET_URL = "https://bot:hunter2@hooks.example.com/services/T0KEN-SECRET"
 

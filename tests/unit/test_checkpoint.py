@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import forge_state
 
 from tessel.checkpoint import (
     CheckpointError,
@@ -126,25 +127,14 @@ def test_metadata_that_could_run_code_is_refused(tmp_path: Path):
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(CheckpointError, match=r"damaged: \.metadata does not match its checksum"):
         load_model(path, model)  # a plain tamper: state.json's checksum disagrees
-    _forge_state(path)  # an attacker rewrites state.json too: the unpickler still refuses
+    forge_state(path)  # an attacker rewrites state.json too: the unpickler still refuses
     with pytest.raises(CheckpointError, match="refusing to load .*names posix.system"):
         load_model(path, model)
     assert not (tmp_path / "pwned").exists()
     (path / ".metadata").write_bytes(b"\x80\x04garbage")
-    _forge_state(path)
+    forge_state(path)
     with pytest.raises(CheckpointError, match="damaged"):
         load_model(path, model)
-
-
-def _forge_state(path: Path) -> None:
-    """state.json made to agree with the files as they are now (sizes and checksums)."""
-    from tessel.checkpoint.safe_load import DIGEST_KEY, file_digest
-
-    state = json.loads((path / "state.json").read_text())
-    state["files"] = {f: (path / f).stat().st_size for f in state["files"]}
-    state[DIGEST_KEY] = {f: file_digest(path / f) for f in state["files"]}
-    state.pop("state_sha256", None)  # its self-checksum: an attacker drops it too
-    (path / "state.json").write_text(json.dumps(state))
 
 
 def test_a_shard_with_flipped_bytes_is_refused_naming_the_file(tmp_path: Path):
@@ -192,3 +182,39 @@ def test_consolidate_writes_the_whole_model_once(tmp_path: Path):
     out.unlink()
     assert main(["checkpoint", "consolidate", str(tmp_path)]) == 0 and out.is_file()
     assert main(["checkpoint", "consolidate", str(tmp_path / "nothing")]) == 2
+
+
+def test_checksum_is_the_standard_crc32_of_the_whole_file_across_blocks(tmp_path, monkeypatch):
+    import os
+    import zlib
+
+    from tessel.checkpoint import checksum
+
+    monkeypatch.setattr(checksum, "_BLOCK", 1000)  # many blocks, combined on a thread pool
+    for n in (0, 1, 999, 1000, 1001, 7777):
+        data = os.urandom(n)
+        (tmp_path / "f").write_bytes(data)
+        assert checksum.file_digests([tmp_path / "f"]) == {"f": f"{zlib.crc32(data):08x}"}
+    with pytest.raises(checksum.ChecksumMismatch, match="f does not match its checksum"):
+        checksum.check(tmp_path / "f", f"{zlib.crc32(data) ^ 1:08x}")
+
+
+def test_every_rank_hashes_a_share_and_rank_0_gathers_all_of_them(tmp_path):
+    import zlib
+
+    from tessel.checkpoint import checksum
+
+    files = {".metadata": b"m" * 10, **{f"__{r}_0.distcp": bytes([r]) * (100 + r)
+                                         for r in range(5)}}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "state.json").write_text("{}")  # not a DCP file: not hashed here
+    for rank in range(3):
+        checksum.hash_share(tmp_path, rank, 3)
+    digests = checksum.gather_shares(tmp_path, 3)
+    assert digests == {n: f"{zlib.crc32(d):08x}" for n, d in files.items()}
+    assert not list(tmp_path.glob(".crc32-*"))  # the share files are gone
+    checksum.hash_share(tmp_path, 0, 2)  # rank 1 never wrote its share
+    (tmp_path / ".crc32-rank1.json").write_text("{}")
+    with pytest.raises(OSError, match="no checksum was written"):
+        checksum.gather_shares(tmp_path, 2)
