@@ -18,8 +18,9 @@ from tessel.fileio import write_text_atomic
 if TYPE_CHECKING:
     from tessel.data.indexed import IndexedDataset
 
-_INPUT_HELP = ("text files (one document each), .jsonl/.json (one object per line), .parquet, "
-               "any of them .gz, directories (recursive) or glob patterns")
+_INPUT_HELP = ("text files (one document each), .jsonl/.json (one object per line), Parquet, "
+               "Arrow, Hugging Face save_to_disk directories; text and JSONL also gzip/zstd/"
+               "bzip2/xz-compressed (recognised by content); directories (recursive) or globs")
 _SAMPLE_CHARS = 200
 
 
@@ -29,7 +30,8 @@ def tokenizer_parser() -> Parser:
     t = sub.add_parser("train", help="train a byte-level BPE (GPT-2 style) on text",
                        description="Train a byte-level BPE (GPT-2 style) and save it as tokenizer.json.")
     t.add_argument("--input", nargs="+", required=True, metavar="PATH", help=_INPUT_HELP)
-    t.add_argument("--json-key", default="text", metavar="KEY", help="JSONL/Parquet field holding the text")
+    t.add_argument("--json-key", default="text", metavar="KEY",
+                   help="JSONL/Parquet/Arrow field holding the text")
     t.add_argument("--vocab-size", type=int, required=True, metavar="N", help="ids in the vocabulary (> 257)")
     t.add_argument("--min-frequency", type=int, default=2, metavar="N",
                    help="least count of a merged pair")
@@ -69,7 +71,8 @@ def preprocess_parser() -> Parser:
                description="Tokenize raw text into an indexed dataset: PREFIX.bin (token ids),\n"
                            "PREFIX.idx (document index) and PREFIX.tokenizer.json.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help=_INPUT_HELP)
-    p.add_argument("--json-key", default="text", metavar="KEY", help="JSONL/Parquet field holding the text")
+    p.add_argument("--json-key", default="text", metavar="KEY",
+                   help="JSONL/Parquet/Arrow field holding the text")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
                    help="bytes (default), a tokenizer.json, or gpt2-files:VOCAB.json,MERGES.txt")
     p.add_argument("--output", required=True, metavar="PREFIX",

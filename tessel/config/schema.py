@@ -175,7 +175,7 @@ class DataConfig(Section):
     style (["0.7 data/web", "0.3 data/books"]); without weights they mix in proportion to
     their sizes."""
     json_key: str = "text"
-    """Field holding the text in JSONL/Parquet inputs (`files` source)."""
+    """Field holding the text in JSONL/Parquet/Arrow inputs (`files` source)."""
     tokenizer: str = "auto"
     """`auto` (an `indexed` dataset's own tokenizer; for `stdlib`/`files` a byte-level BPE
     trained on the corpus with model.vocab_size ids), `bytes`, `bpe` (that BPE explicitly),
@@ -202,8 +202,8 @@ class DataConfig(Section):
         if self.paths and self.source not in ("files", "indexed"):
             raise ValueError(
                 f'data.paths is set but data.source = "{self.source}" does not read it; set '
-                'data.source = "files" (text/JSONL/Parquet) or "indexed" (tessel preprocess '
-                "output), or drop data.paths"
+                'data.source = "files" (text/JSONL/Parquet/Arrow, compressed too) or '
+                '"indexed" (tessel preprocess output), or drop data.paths'
             )
         if self.source == "indexed":
             self.weighted_paths()  # raises on malformed weights

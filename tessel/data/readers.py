@@ -1,32 +1,36 @@
 """Raw documents from files, streamed one at a time (memory does not grow with the corpus).
 
-Inputs are paths, directories or glob patterns. Each file's format comes from its name:
+Inputs are paths, directories or glob patterns. Each file's format is recognised by its
+content first (`tessel.data.formats`): gzip/zstd/bzip2/xz compression by its magic bytes,
+Parquet and Arrow by theirs; otherwise the name decides:
 
 - `*.jsonl`, `*.json`: one JSON object per line, one document per line, the text under
   `json_key`; blank lines are skipped; a line that is not a JSON object holding a string
   under that key is a `DataError` naming `file:line`.
-- `*.parquet`: the string column `json_key`, read in row batches (needs `pyarrow`).
+- Parquet, Arrow (IPC file or stream, as Hugging Face `datasets` writes): the string column
+  `json_key`, read in record batches (needs `pyarrow`).
 - anything else: a text file, the whole file one document.
-- `*.gz`: any of the above, gzip-compressed (`corpus.jsonl.gz`, `book.txt.gz`).
 
-Directories are walked recursively in sorted order (hidden files and directories, such as
-`.git`, are skipped), so the document order, and with it every dataset made from it, is
-deterministic. Bytes that are not UTF-8 are replaced (U+FFFD) and the documents where that
-happened are counted; empty documents are skipped and counted (`ReadStats`).
+A Hugging Face `save_to_disk` directory (its `state.json` lists `data-*.arrow` files) is read
+as those Arrow files in their order. Other directories are walked recursively in sorted order
+(hidden files and directories, such as `.git`, are skipped), so the document order, and with
+it every dataset made from it, is deterministic. Binary files that are none of these are
+refused, not read as text. A few bytes that are not UTF-8 are replaced (U+FFFD) and the
+documents where that happened are counted; a document that is mostly not UTF-8 is refused.
+Empty documents are skipped and counted (`ReadStats`).
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import os
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from tessel.data.formats import check_decoded, decompress_errors, detect, open_decompressed
 from tessel.errors import DataError
 
 _GLOB_CHARS = frozenset("*?[")
@@ -71,7 +75,7 @@ def resolve_inputs(inputs: InputPath | Sequence[InputPath]) -> list[Path]:
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            files.extend(_walk(path))
+            files.extend(_hf_saved(path) or _walk(path))
         elif _GLOB_CHARS & set(str(raw)):
             matches = sorted(glob.glob(str(raw), recursive=True))
             if not matches:
@@ -86,6 +90,32 @@ def resolve_inputs(inputs: InputPath | Sequence[InputPath]) -> list[Path]:
     return files
 
 
+def _hf_saved(root: Path) -> list[Path] | None:
+    """The Arrow files of a Hugging Face `save_to_disk` directory, in its order (None: not
+    one). A DatasetDict directory (one sub-directory per split) is refused: name the split."""
+    if (root / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in root.iterdir() if (p / "state.json").is_file())
+        raise DataError(f"{root} is a Hugging Face DatasetDict; name one split's directory, "
+                        f"e.g. {root / (splits[0] if splits else 'train')}")
+    state = root / "state.json"
+    if not (state.is_file() and (root / "dataset_info.json").is_file()):
+        return None
+    try:
+        listed = json.loads(state.read_text())["_data_files"]
+        names = [entry["filename"] for entry in listed]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{state}: not a Hugging Face dataset state file ({exc!r}); "
+                        "re-save the dataset with save_to_disk") from None
+    files = []
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+            raise DataError(f"{state}: data file {name!r} is not a plain file name in {root}")
+        if not (root / name).is_file():
+            raise DataError(f"{state}: lists {name}, which is missing from {root}")
+        files.append(root / name)
+    return files
+
+
 def _walk(root: Path) -> list[Path]:
     """Every non-hidden file under `root`, sorted by path (deterministic on every filesystem)."""
     found: list[Path] = []
@@ -93,18 +123,6 @@ def _walk(root: Path) -> list[Path]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # prune .git and friends
         found.extend(Path(dirpath, f) for f in filenames if not f.startswith("."))
     return sorted(found, key=lambda p: p.relative_to(root).parts)
-
-
-def file_format(path: Path) -> tuple[str, bool]:
-    """(format, gzipped) from the file name: format is `jsonl`, `parquet` or `text`."""
-    suffixes = [s.lower() for s in path.suffixes]
-    gz = bool(suffixes) and suffixes[-1] == ".gz"
-    inner = suffixes[-2] if gz and len(suffixes) > 1 else (suffixes[-1] if suffixes and not gz else "")
-    if inner in (".jsonl", ".json"):
-        return "jsonl", gz
-    if inner == ".parquet":
-        return "parquet", gz
-    return "text", gz
 
 
 def iter_documents(
@@ -119,25 +137,24 @@ def iter_documents(
     files, bytes, empty and invalid-UTF-8 documents.
     """
     files = resolve_inputs(inputs)
-    for path in files:  # fail before reading anything, not after the first files
-        fmt, gz = file_format(path)
-        if fmt == "parquet" and gz:
-            raise DataError(f"{path}: gzip-compressed Parquet is not supported; decompress it "
-                            "(Parquet compresses its columns itself)")
-        if fmt == "parquet":
-            _require_pyarrow(path)
-    return _documents(files, json_key, stats if stats is not None else ReadStats())
+    # Every file's format is settled before any is read: a bad one fails now, not after hours.
+    formats = {path: detect(path) for path in files}
+    if any(f.kind in ("parquet", "arrow") for f in formats.values()):
+        _require_pyarrow(next(p for p, f in formats.items() if f.kind in ("parquet", "arrow")))
+    return _documents(files, formats, json_key, stats if stats is not None else ReadStats())
 
 
-def _documents(files: list[Path], json_key: str, stats: ReadStats) -> Iterator[str]:
+def _documents(files: list[Path], formats: dict[Path, Any], json_key: str,
+               stats: ReadStats) -> Iterator[str]:
     for path in files:
         stats.files += 1
-        fmt, gz = file_format(path)
-        if fmt == "parquet":
-            docs = _parquet_documents(path, json_key, stats)
+        fmt = formats[path]
+        if fmt.kind in ("parquet", "arrow"):
+            docs = _columnar_documents(path, fmt.kind, json_key, stats)
+        elif fmt.kind == "jsonl":
+            docs = _jsonl_documents(path, fmt.compression, json_key, stats)
         else:
-            docs = _jsonl_documents(path, gz, json_key, stats) if fmt == "jsonl" else \
-                _text_document(path, gz, stats)
+            docs = _text_document(path, fmt.compression, stats)
         for doc in docs:
             if doc:
                 stats.documents += 1
@@ -146,39 +163,42 @@ def _documents(files: list[Path], json_key: str, stats: ReadStats) -> Iterator[s
                 stats.empty_skipped += 1
 
 
-def _open(path: Path, gz: bool) -> IO[bytes]:
-    return gzip.open(path, "rb") if gz else open(path, "rb")  # closed by the caller
-
-
-def _decode(raw: bytes, stats: ReadStats) -> str:
+def _decode(raw: bytes, path: Path, stats: ReadStats, where: str = "") -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        check_decoded(path, text, text.count("\ufffd") - raw.count("\ufffd".encode()), where)
         stats.invalid_utf8 += 1
-        return raw.decode("utf-8", errors="replace")
+        return text
 
 
-def _text_document(path: Path, gz: bool, stats: ReadStats) -> Iterator[str]:
+def _text_document(path: Path, compression: str | None, stats: ReadStats) -> Iterator[str]:
     # One file is one document, so memory is bounded by the largest file, not the corpus.
     try:
-        with _open(path, gz) as f:
+        with open_decompressed(path, compression) as f:
             raw = f.read()
-    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: not a valid gzip file ({exc}); re-compress or decompress it") from None
+    except decompress_errors() as exc:
+        raise DataError(f"{path}: not a valid {compression} file ({exc}); "
+                        "re-compress or decompress it") from None
     stats.bytes_read += len(raw)
-    yield _decode(raw, stats)
+    yield _decode(raw, path, stats)
 
 
-def _jsonl_documents(path: Path, gz: bool, json_key: str, stats: ReadStats) -> Iterator[str]:
+def _jsonl_documents(path: Path, compression: str | None, json_key: str,
+                     stats: ReadStats) -> Iterator[str]:
     try:
-        with _open(path, gz) as f:
+        with open_decompressed(path, compression) as f:
             for lineno, line in enumerate(f, 1):
                 stats.bytes_read += len(line)
                 if line.isspace():
                     continue  # blank lines (often one at the end) hold no document
                 yield _json_text(line, path, lineno, json_key, stats)
-    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: not a valid gzip file ({exc}); re-compress or decompress it") from None
+    except decompress_errors() as exc:
+        if isinstance(exc, OSError) and not compression:
+            raise
+        raise DataError(f"{path}: not a valid {compression} file ({exc}); "
+                        "re-compress or decompress it") from None
 
 
 def _json_text(line: bytes, path: Path, lineno: int, json_key: str, stats: ReadStats) -> str:
@@ -208,6 +228,8 @@ def _json_text(line: bytes, path: Path, lineno: int, json_key: str, stats: ReadS
     if (b"\\ud" in line or b"\\uD" in line) and not _is_utf8_clean(doc):
         doc, replaced = doc.encode("utf-8", errors="replace").decode("utf-8"), True
     if replaced and doc:
+        check_decoded(path, doc, doc.count("\ufffd") - line.count("\ufffd".encode()),
+                      f":{lineno}")
         stats.invalid_utf8 += 1
     return doc
 
@@ -220,38 +242,61 @@ def _is_utf8_clean(text: str) -> bool:
     return True
 
 
-def _require_pyarrow(path: Path) -> Any:
+def _require_pyarrow(path: Path) -> None:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow; pip install pyarrow") from None
-    return pq
+        raise DataError(f"{path}: reading Parquet or Arrow needs pyarrow; pip install pyarrow") from None
 
 
-def _parquet_documents(path: Path, json_key: str, stats: ReadStats) -> Iterator[str]:
-    pq = _require_pyarrow(path)
+def _columnar_documents(path: Path, kind: str, json_key: str, stats: ReadStats) -> Iterator[str]:
+    """The `json_key` column of a Parquet or Arrow (IPC file or stream) file, batch by batch."""
+    _require_pyarrow(path)
     import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        if kind == "parquet":
+            pf = pq.ParquetFile(path)
+            schema = pf.schema_arrow
+        else:
+            source = pa.memory_map(str(path))  # Arrow's own zero-copy reading
+            try:
+                reader: Any = ipc.open_file(source)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = ipc.open_stream(source)
+            schema = reader.schema
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
-    if json_key not in pf.schema_arrow.names:
-        raise DataError(f"{path}: no column {json_key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+        raise DataError(f"{path}: not a readable {kind.capitalize()} file ({exc})") from None
+    if json_key not in schema.names:
+        raise DataError(f"{path}: no column {json_key!r} (columns: {', '.join(schema.names)}); "
                         "set the JSON key to the column that holds the text")
-    kind = pf.schema_arrow.field(json_key).type
-    binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
-    if not (binary or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"{path}: column {json_key!r} is {kind}, not a string column")
+    column = schema.get_field_index(json_key)
+    value_type = schema.field(json_key).type
+    binary = pa.types.is_binary(value_type) or pa.types.is_large_binary(value_type)
+    if not (binary or pa.types.is_string(value_type) or pa.types.is_large_string(value_type)):
+        raise DataError(f"{path}: column {json_key!r} is {value_type}, not a string column")
+    if kind == "parquet":
+        batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[json_key])
+        column = 0
+    elif isinstance(reader, ipc.RecordBatchFileReader):
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    else:
+        batches = iter(reader)
     row = 0
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[json_key]):
-        for value in batch.column(0).to_pylist():
-            if value is None:
-                raise DataError(f"{path}: row {row}: {json_key!r} is null; drop or fill such rows")
-            row += 1
-            if binary:  # raw bytes: decode like a text file
-                stats.bytes_read += len(value)
-                yield _decode(value, stats)
-            else:  # Arrow strings are valid UTF-8 by construction
-                stats.bytes_read += len(value.encode("utf-8"))
-                yield value
+    try:
+        for batch in batches:
+            for value in batch.column(column).to_pylist():
+                if value is None:
+                    raise DataError(f"{path}: row {row}: {json_key!r} is null; drop or fill such rows")
+                if binary:  # raw bytes: decode like a text file
+                    stats.bytes_read += len(value)
+                    yield _decode(value, path, stats, f": row {row}")
+                else:  # Arrow strings are valid UTF-8 by construction
+                    stats.bytes_read += len(value.encode("utf-8"))
+                    yield value
+                row += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: damaged after row {row} ({exc})") from None
