@@ -84,6 +84,9 @@ def preprocess_parser() -> Parser:
     p.add_argument("--quiet", action="store_true", help="no progress and no summary")
     p.add_argument("--force", action="store_true",
                    help="replace an existing dataset at the output prefix")
+    p.add_argument("--format", choices=("tessel", "megatron"), default="tessel",
+                   help="index format: tessel (default; checksummed) or megatron (MMIDIDX, "
+                        "read by Megatron-LM and by tessel)")
     return p
 
 
@@ -99,7 +102,7 @@ def cmd_preprocess(argv: list[str]) -> int:
     tok = load_tokenizer(args.tokenizer)
     summary = preprocess(args.input, tok, args.output, json_key=args.json_key,
                          workers=args.workers, append_eod=args.append_eod,
-                         progress=not args.quiet, force=args.force)
+                         progress=not args.quiet, force=args.force, fmt=args.format)
     if not args.quiet:
         print(summary.line())
     return 0
@@ -112,7 +115,10 @@ def data_parser() -> Parser:
                        description="Print a dataset's sizes, tokenizer and a decoded sample.")
     i.add_argument("prefix", metavar="PREFIX", help="dataset prefix (PREFIX.bin/.idx)")
     i.add_argument("--verify", action="store_true",
-                   help="also check PREFIX.bin's checksum (reads the whole file)")
+                   help="also check PREFIX.bin's checksum and ids (reads the whole file)")
+    i.add_argument("--tokenizer", metavar="SPEC",
+                   help="for a Megatron-LM dataset (which keeps none): the tokenizer it was "
+                        "made with (a tokenizer.json, or gpt2-files:VOCAB.json,MERGES.txt)")
     return p
 
 
@@ -121,8 +127,9 @@ def cmd_data(argv: list[str]) -> int:
     args = data_parser().parse_args(argv)
 
     from tessel.data.indexed import IndexedDataset
+    from tessel.data.tokenizer import load_tokenizer
 
-    ds = IndexedDataset(args.prefix)
+    ds = IndexedDataset(args.prefix, load_tokenizer(args.tokenizer) if args.tokenizer else None)
     if args.verify:
         ds.verify()
     print(inspect_text(ds, verified=args.verify))
@@ -140,12 +147,14 @@ def inspect_text(ds: IndexedDataset, verified: bool = False) -> str:
         ("documents", f"{ds.n_docs:,}"),
         ("tokens", f"{ds.n_tokens:,}"),
         ("dtype", f"{ds.dtype.name} ({ds.bin_path.stat().st_size / 1e6:,.1f} MB)"),
+        ("format", "tessel" if ds.format == "tessel" else "Megatron-LM (MMIDIDX index)"),
         ("vocab size", f"{ds.vocab_size:,}"),
         ("tokenizer", f"{ds.tokenizer_fingerprint[:12]} (eod id {tok.eod_id})"),
         ("doc length", f"mean {mean:,.1f}, max {longest:,} tokens"),
     ]
     if verified:
-        rows.append(("checksum", "ok"))
+        rows.append(("checksum", "ok" if ds.format == "tessel" else
+                     "none in the Megatron format; every id is inside the vocabulary"))
     lines = [f"{name:<11} {value}" for name, value in rows]
     if ds.n_docs:
         # Enough ids for 200 characters (a token is at least one byte), decoded, cut to length.

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from tessel.config.base import ConfigError, Section
+from tessel.config.blend import weighted_paths
 from tessel.config.load import INIT_FIELDS, merge, read_toml, validate
 from tessel.config.monitoring import (
     AlertConfig,
@@ -225,28 +226,8 @@ class DataConfig(Section):
         return fractions[0], fractions[1], fractions[2]
 
     def weighted_paths(self) -> list[tuple[float | None, str]]:
-        """`paths` as (weight or None, prefix) pairs."""
-        out: list[tuple[float | None, str]] = []
-        for entry in self.paths:
-            parts = entry.split()
-            if len(parts) == 2:
-                try:
-                    weight = float(parts[0])
-                except ValueError:
-                    weight = -1.0
-                if weight <= 0:
-                    raise ValueError(
-                        f"paths entry {entry!r}: the weight must be a positive number, "
-                        'e.g. "0.7 data/web"'
-                    )
-                out.append((weight, parts[1]))
-            elif len(parts) == 1:
-                out.append((None, parts[0]))
-            else:
-                raise ValueError(f'paths entry {entry!r} must be "PREFIX" or "WEIGHT PREFIX"')
-        if len({w is None for w, _ in out}) > 1:
-            raise ValueError("paths: give a weight for every dataset or for none")
-        return out
+        """`paths` as (weight or None, prefix) pairs (see `blend.weighted_paths`)."""
+        return weighted_paths(self.paths)
 
 
 class TrainConfig(Section):

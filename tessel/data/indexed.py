@@ -40,6 +40,7 @@ from typing import IO
 
 import numpy as np
 
+from tessel.data import megatron
 from tessel.data.tokenizer import Tokenizer
 from tessel.errors import DataError
 from tessel.fileio import fsync_dir
@@ -90,11 +91,18 @@ class IndexedWriter:
     Memory stays flat: tokens and offsets go straight to (buffered) temporary files.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str], tokenizer: Tokenizer):
+    def __init__(self, prefix: str | os.PathLike[str], tokenizer: Tokenizer,
+                 fmt: str = "tessel"):
+        """`fmt`: `tessel`, or `megatron` for a Megatron-LM index (and Megatron's choice of
+        token dtype) beside the same kind of token file, which Megatron-core reads."""
         self.prefix = normalize_prefix(prefix)
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
-        self.dtype = dtype_for_vocab(self.vocab_size)
+        if fmt not in ("tessel", "megatron"):
+            raise ValueError(f"unknown dataset format {fmt!r}")
+        self.fmt = fmt
+        self.dtype = (megatron.dtype_for_vocab(self.vocab_size) if fmt == "megatron"
+                      else dtype_for_vocab(self.vocab_size))
         self.n_docs = 0
         self.n_tokens = 0
         self._bin_crc = 0
@@ -149,12 +157,10 @@ class IndexedWriter:
         self._done = True
         tok_tmp: Path | None = None
         try:
-            self._idx.write(_CRC.pack(self._off_crc))
-            fingerprint = bytes.fromhex(self.tokenizer.fingerprint())
-            fields = _FIELDS.pack(MAGIC, VERSION, _CODES[self.dtype], self.n_docs, self.n_tokens,
-                                  self.vocab_size, fingerprint, self._bin_crc)
-            self._idx.seek(0)
-            self._idx.write(fields + _CRC.pack(zlib.crc32(fields)))
+            if self.fmt == "megatron":
+                self._write_megatron_index()
+            else:
+                self._write_tessel_header()
             for f in (self._bin, self._idx):
                 f.flush()
                 os.fsync(f.fileno())
@@ -169,6 +175,23 @@ class IndexedWriter:
             self._cleanup(tok_tmp)
             raise
         return self.prefix
+
+    def _write_tessel_header(self) -> None:
+        self._idx.write(_CRC.pack(self._off_crc))
+        fingerprint = bytes.fromhex(self.tokenizer.fingerprint())
+        fields = _FIELDS.pack(MAGIC, VERSION, _CODES[self.dtype], self.n_docs, self.n_tokens,
+                              self.vocab_size, fingerprint, self._bin_crc)
+        self._idx.seek(0)
+        self._idx.write(fields + _CRC.pack(zlib.crc32(fields)))
+
+    def _write_megatron_index(self) -> None:
+        """The offsets streamed to the temporary index become Megatron's index (written in
+        their place: lengths, byte pointers and document indices)."""
+        self._idx.flush()
+        offsets = np.fromfile(self._idx_tmp, dtype=_OFFSET_DTYPE, offset=HEADER_SIZE)
+        self._idx.seek(0)
+        self._idx.truncate()
+        self._idx.write(megatron.index_bytes(self.dtype, np.diff(offsets)))
 
     def _publish(self, tok_tmp: Path) -> None:
         bin_path, idx_path, tok_path = dataset_paths(self.prefix)
@@ -245,20 +268,49 @@ class IndexedDataset:
     was made with.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]):
+    def __init__(self, prefix: str | os.PathLike[str], tokenizer: Tokenizer | None = None):
+        """`tokenizer`: for a Megatron-LM dataset (which keeps none), the one it was made
+        with; tessel's own datasets use theirs and ignore it."""
         self.prefix = normalize_prefix(prefix)
         self.bin_path, self.idx_path, self.tokenizer_path = dataset_paths(self.prefix)
-        for path, what in ((self.idx_path, "index"), (self.bin_path, "token"),
-                           (self.tokenizer_path, "tokenizer")):
+        self.format = "tessel"
+        for path, what in ((self.idx_path, "index"), (self.bin_path, "token")):
             if not path.is_file():
                 raise self._error(f"the {what} file {str(path)!r} is missing; make the dataset "
                                   "with tessel preprocess")
+        if megatron.is_megatron_index(self.idx_path):
+            self._open_megatron(tokenizer)
+            return
+        if not self.tokenizer_path.is_file():
+            raise self._error(f"the tokenizer file {str(self.tokenizer_path)!r} is missing; "
+                              "make the dataset with tessel preprocess")
         with open(self.idx_path, "rb") as f:
             self._read_header(f.read(HEADER_SIZE))
             self.doc_offsets = self._read_offsets(f)
         self._check_offsets()
         self.tokens = self._map_tokens()
         self._tokenizer = self._load_tokenizer()
+
+    def _open_megatron(self, tokenizer: Tokenizer | None) -> None:
+        if tokenizer is None and self.tokenizer_path.is_file():
+            tokenizer = self._load_tokenizer(check=False)  # written by --format megatron
+        if tokenizer is None:
+            raise megatron.refuse_without_tokenizer(self.prefix)
+        try:
+            self.dtype, self.doc_offsets = megatron.read_index(self.idx_path,
+                                                               self.bin_path.stat().st_size)
+        except ValueError as exc:
+            raise self._error(f"{exc}; rebuild it (Megatron's preprocess_data.py, or tessel "
+                              "preprocess --format megatron)") from None
+        self.format = "megatron"
+        self.n_docs = len(self.doc_offsets) - 1
+        self.n_tokens = int(self.doc_offsets[-1])
+        self.vocab_size = tokenizer.vocab_size
+        self.tokenizer_fingerprint = tokenizer.fingerprint()
+        self._bin_crc = None  # Megatron keeps no checksum; the index's stands for the content
+        self._index_crc = zlib.crc32(self.idx_path.read_bytes())
+        self.tokens = self._map_tokens()
+        self._tokenizer = tokenizer
 
     def _error(self, what: str) -> DataError:
         return DataError(f"dataset {str(self.prefix)!r}: {what}")
@@ -284,7 +336,7 @@ class IndexedDataset:
         self.n_tokens: int = n_tokens
         self.vocab_size: int = vocab
         self.tokenizer_fingerprint: str = fingerprint.hex()
-        self._bin_crc = bin_crc
+        self._bin_crc: int | None = bin_crc
 
     def _read_offsets(self, f: IO[bytes]) -> np.ndarray:
         expected = HEADER_SIZE + _OFFSET_DTYPE.itemsize * (self.n_docs + 1) + _CRC.size
@@ -318,12 +370,12 @@ class IndexedDataset:
             return empty
         return np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
 
-    def _load_tokenizer(self) -> Tokenizer:
+    def _load_tokenizer(self, check: bool = True) -> Tokenizer:
         try:
             tok = Tokenizer.from_json(self.tokenizer_path.read_text(encoding="utf-8"))
         except Exception as exc:  # the tokenizers library raises plain Exceptions
             raise self._error(f"cannot read {self.tokenizer_path.name} ({exc}); {FIX}") from None
-        if tok.fingerprint() != self.tokenizer_fingerprint:
+        if check and tok.fingerprint() != self.tokenizer_fingerprint:
             raise self._error(
                 f"{self.tokenizer_path.name} (fingerprint {tok.fingerprint()[:12]}) is not the "
                 f"tokenizer the data was made with ({self.tokenizer_fingerprint[:12]}); restore "
@@ -357,17 +409,23 @@ class IndexedDataset:
     def fingerprint(self) -> str:
         """What identifies this dataset's content (sizes and the checksum written with it):
         a checkpoint records it, so a resume on changed data is refused."""
+        if self._bin_crc is None:  # Megatron: no checksum of the tokens; the index's
+            return f"{self.n_docs}:{self.n_tokens}:megatron-index-{self._index_crc:08x}"
         return f"{self.n_docs}:{self.n_tokens}:{self._bin_crc:08x}"
 
     def verify(self) -> None:
-        """Check `.bin`'s contents against the checksum in the header, and every id against
-        the vocabulary (reads the whole file); `DataError` if either is wrong."""
-        crc, top = 0, -1
+        """Check `.bin`'s contents against the checksum in the header (Megatron datasets have
+        none), and every id against the vocabulary (reads the whole file); `DataError` if
+        either is wrong."""
+        crc, top, low = 0, -1, 0
         for start in range(0, self.n_tokens, _CHUNK_TOKENS):
             chunk = self.tokens[start: start + _CHUNK_TOKENS]
             crc = zlib.crc32(chunk.tobytes(), crc)
-            top = max(top, int(chunk.max()) if len(chunk) else -1)
-        if crc != self._bin_crc:
+            if len(chunk):
+                top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
+        if low < 0:  # Megatron's signed dtypes
+            raise self._error(f"{self.bin_path.name} holds token id {low} (negative: corrupted)")
+        if self._bin_crc is not None and crc != self._bin_crc:
             raise self._error(f"{self.bin_path.name} checksum mismatch (its contents are "
                               f"corrupted); {FIX}")
         self._check_ids(top)
@@ -377,8 +435,11 @@ class IndexedDataset:
         `samples` evenly spread chunks of 64 Ki tokens must be inside the vocabulary."""
         width = 1 << 16
         starts = np.linspace(0, max(self.n_tokens - width, 0), num=samples, dtype=np.int64)
-        top = max((int(self.tokens[a: a + width].max()) for a in np.unique(starts)
-                   if a < self.n_tokens), default=-1)
+        chunks = [self.tokens[a: a + width] for a in np.unique(starts) if a < self.n_tokens]
+        top = max((int(c.max()) for c in chunks), default=-1)
+        low = min((int(c.min()) for c in chunks), default=0)
+        if low < 0:  # Megatron's signed dtypes
+            raise self._error(f"{self.bin_path.name} holds token id {low} (negative: corrupted)")
         self._check_ids(top)
 
     def _check_ids(self, top: int) -> None:

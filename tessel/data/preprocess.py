@@ -248,6 +248,7 @@ def preprocess(
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool = True,
     force: bool = False,
+    fmt: str = "tessel",
 ) -> PreprocessSummary:
     """Tokenize every document of `inputs` into the indexed dataset `output_prefix`.
 
@@ -257,7 +258,8 @@ def preprocess(
     CI=true or when stderr is not a terminal); nothing else is printed: the caller prints
     `summary.line()` if it wants to. Bad input raises `DataError` (`TesselError`) and leaves
     no new files at the prefix. An existing dataset at the prefix is replaced only with
-    `force`; an output that is one of the inputs is refused always.
+    `force`; an output that is one of the inputs is refused always. `fmt="megatron"` writes
+    a Megatron-LM index (Megatron-core's IndexedDataset reads the dataset) instead of tessel's.
     """
     if workers < 1:
         raise TesselError(f"workers must be >= 1, got {workers}")
@@ -273,7 +275,7 @@ def preprocess(
     with ExitStack() as stack:  # on failure, in reverse: bar cleared, files deleted, pool stopped
         # The pool first: forking before the writer's files and the bar's thread exist.
         pool = stack.enter_context(_pool(workers, tok, append_eod)) if workers > 1 else None
-        writer = stack.enter_context(IndexedWriter(prefix, tok))
+        writer = stack.enter_context(IndexedWriter(prefix, tok, fmt))
         bar = stack.enter_context(_Progress(_progress_enabled(progress)))
         for flat, lengths in _encoded(batches, tok, append_eod, pool, workers):
             writer.add_documents(flat, lengths)

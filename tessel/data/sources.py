@@ -71,7 +71,9 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
     else:
         if d.source == "indexed":
             weighted = d.weighted_paths()
-            sets = [IndexedDataset(prefix) for _, prefix in weighted]
+            # Megatron-LM datasets keep no tokenizer: they are read with the configured one
+            given_tok = load_tokenizer(d.tokenizer) if d.tokenizer != "auto" else None
+            sets = [IndexedDataset(prefix, given_tok) for _, prefix in weighted]
             tok = _common_tokenizer(sets, [p for _, p in weighted], d.tokenizer)
             given = [w for w, _ in weighted]
             weights = None if given[0] is None else [float(w) for w in given]  # type: ignore[arg-type]
