@@ -3,6 +3,9 @@ cluster (an sbatch script, or a Kubeflow PyTorchJob); the user submits it."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from tessel.cli.args import Parser, add_config_arguments, parse_config_args
 from tessel.errors import TesselError
 
@@ -23,14 +26,29 @@ def build_parser() -> Parser:
         add_config_arguments(target, "the TOML recipe the job trains (required)")
         target.add_argument("--nodes", type=int, required=True, metavar="N",
                             help="machines (pods) to train on")
-        target.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
-                            help="processes (GPUs) per machine (default: 8)")
+    k8s.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                     help="processes (GPUs) per machine (default: 8)")
+    slurm.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                       help="GPUs (one process each) per node (default: 8); 0 for a CPU job")
+    slurm.add_argument("--nproc-per-node", type=int, metavar="P",
+                       help="CPU jobs: training processes per node (default: 1)")
+    slurm.add_argument("--cpus-per-task", type=int, metavar="C",
+                       help="cores per node for the job (default for CPU jobs: one per process; "
+                            "GPU jobs: the cluster's default)")
     slurm.add_argument("--partition", metavar="P", help="SLURM partition")
     slurm.add_argument("--time", metavar="HH:MM:SS", help="time limit (or D-HH:MM:SS)")
+    slurm.add_argument("--signal-grace", type=int, default=120, metavar="S",
+                       help="seconds before the time limit when the job saves and requeues "
+                            "itself (default: 120; at least one step plus one checkpoint save)")
     slurm.add_argument("--job-name", metavar="NAME", help="default: tessel-<config file name>")
     slurm.add_argument("--account", metavar="A", help="account to charge")
-    slurm.add_argument("--port", type=int, default=29500,
-                       help="rendezvous port on the first node (default: 29500)")
+    slurm.add_argument("--port", type=int,
+                       help="rendezvous port on the first node (default: 20000 + job id mod 40000)")
+    slurm.add_argument("--python", metavar="PATH",
+                       help="the Python that runs tessel on the nodes (default: this one, "
+                            f"{sys.executable}; TESSEL_PYTHON overrides it at submission)")
+    slurm.add_argument("--output-dir", default="logs", metavar="DIR",
+                       help="where SLURM writes the job's log (created now; default: logs)")
     k8s.add_argument("--image", required=True, help="container image with tessel installed")
     k8s.add_argument("--name", help="job name, a DNS-1123 label (default: tessel-<config file name>)")
     k8s.add_argument("--namespace", metavar="NS", help="default: kubectl's current namespace")
@@ -51,13 +69,25 @@ def cmd_launch(argv: list[str]) -> int:
     if args.target == "slurm":
         text = launch.slurm_script(
             args.config, overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            nproc_per_node=args.nproc_per_node, cpus_per_task=args.cpus_per_task,
             partition=args.partition, time=args.time, job_name=args.job_name,
-            account=args.account, port=args.port)
+            account=args.account, port=args.port, python=args.python,
+            grace_s=args.signal_grace, output_dir=args.output_dir)
+        processes = args.nodes * (args.gpus_per_node or args.nproc_per_node or 1)
     else:
         text = launch.k8s_manifest(
             args.config, overrides, nodes=args.nodes, image=args.image,
             gpus_per_node=args.gpus_per_node, name=args.name, namespace=args.namespace)
+        processes = args.nodes * args.gpus_per_node
     # ... and the layout against the job's world size (after the builders checked the counts).
-    ParallelDims.from_config(cfg.parallel, args.nodes * args.gpus_per_node).validate(cfg)
+    ParallelDims.from_config(cfg.parallel, processes).validate(cfg)
+    if args.target == "slurm":
+        # SLURM opens the log before the script runs: a missing directory fails the job
+        # with no output anywhere, so it is made now, where the job will be submitted.
+        try:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TesselError(f"cannot create the log directory {args.output_dir!r}: "
+                              f"{exc.strerror or exc}; pass --output-dir DIR") from None
     print(text, end="")
     return 0

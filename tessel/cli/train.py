@@ -102,7 +102,10 @@ def cmd_train(argv: list[str]) -> int:
         return run_local(nproc, argv)
 
     from tessel.train import Trainer
+    from tessel.train.control import catch_early_signals
 
+    # a scheduler's SIGTERM during start-up still ends in a checkpoint
+    restore_signals = catch_early_signals()
     trainer = None
     try:
         trainer = Trainer(cfg, resume=resume is not None, console=not args.quiet,
@@ -111,3 +114,4 @@ def cmd_train(argv: list[str]) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+        restore_signals()

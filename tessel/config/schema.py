@@ -268,7 +268,8 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of `lr` (cosine, linear and wsd schedules)."""
     warmup_steps: int = Field(50, ge=0)
-    """Linear warm-up from 0 to `lr` over this many steps."""
+    """Linear warm-up over this many steps: step k (1-based) uses lr * k / warmup_steps, so
+    the first step already trains at lr / warmup_steps and step warmup_steps at `lr`."""
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """Decay after warm-up; `wsd` holds `lr` and decays linearly over the last
     `decay_fraction` of the steps."""

@@ -41,6 +41,11 @@ def process_info() -> ProcessInfo:
     )
 
 
+# Whether this process ever started a process group (exit_process must then skip
+# interpreter finalization even after the group was destroyed).
+_GROUP_STARTED: list[bool] = []
+
+
 def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: int) -> torch.device:
     """Start the process group (NCCL on CUDA, gloo on CPU) and return this rank's device.
 
@@ -54,6 +59,7 @@ def init_distributed(info: ProcessInfo, device: torch.device, timeout_s: int) ->
     else:
         backend = "gloo"
     if not dist.is_initialized():
+        _GROUP_STARTED.append(True)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
@@ -99,8 +105,9 @@ def exit_process(code: int) -> NoReturn:
     failed job (and, with --max-restarts, restarts). Everything tessel writes is complete
     and fsynced before this point, so skipping finalization loses nothing.
     """
-    if not dist.is_initialized():
+    if not (dist.is_initialized() or _GROUP_STARTED):
         sys.exit(code)
+    # (also when the trainer already destroyed its group: the C++ objects may outlive it)
     shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

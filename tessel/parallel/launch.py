@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tessel.errors import TesselError
+from tessel.parallel.node import EXIT_REQUEUE
 
 # torchrun restarts a failed worker group this many times before giving up on the job.
 MAX_RESTARTS = 3
@@ -154,18 +155,45 @@ def slurm_script(
     *,
     nodes: int,
     gpus_per_node: int = 8,
+    nproc_per_node: int | None = None,
+    cpus_per_task: int | None = None,
     partition: str | None = None,
     time: str | None = None,
     job_name: str | None = None,
     account: str | None = None,
-    port: int = 29500,
+    port: int | None = None,
+    python: str | None = None,
+    grace_s: int = 120,
+    output_dir: str = "logs",
 ) -> str:
-    """An sbatch script that trains CONFIG (with OVERRIDES) on `nodes` nodes: one torchrun per
-    node, `gpus_per_node` processes each, rendezvous on the job's first node."""
+    """An sbatch script that trains CONFIG (with OVERRIDES) on `nodes` nodes and survives
+    preemption and time limits on its own (docs/parallelism.md#slurm).
+
+    `gpus_per_node` 0 is a CPU job: `nproc_per_node` processes (default 1) on
+    `cpus_per_task` cores (default one per process), no GPU resources asked for. Every node
+    runs `python -m tessel.parallel.node` (not torchrun: see that module), through srun when
+    there are several nodes and directly with one (so `scancel --full` cannot make srun kill
+    the step before it saves). `python` (default: this interpreter) runs it, overridable at
+    submission with TESSEL_PYTHON. The rendezvous port comes from the job id unless `port`
+    is given, so jobs sharing a node never share a rendezvous."""
     _check_count("--nodes", nodes)
-    _check_count("--gpus-per-node", gpus_per_node)
-    if not 1 <= port <= 65535:
+    if gpus_per_node < 0:
+        raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU job), got {gpus_per_node}")
+    cpu = gpus_per_node == 0
+    if nproc_per_node is None:
+        nproc_per_node = 1 if cpu else gpus_per_node
+    _check_count("--nproc-per-node", nproc_per_node)
+    if not cpu and nproc_per_node != gpus_per_node:
+        raise TesselError(f"--nproc-per-node {nproc_per_node} differs from --gpus-per-node "
+                          f"{gpus_per_node}; a GPU job runs one process per GPU")
+    if cpus_per_task is not None:
+        _check_count("--cpus-per-task", cpus_per_task)
+    elif cpu:
+        cpus_per_task = nproc_per_node  # under CPU binding a task gets one core otherwise
+    if port is not None and not 1 <= port <= 65535:
         raise TesselError(f"--port must be between 1 and 65535 (got {port})")
+    if grace_s < 1:
+        raise TesselError(f"--signal-grace must be >= 1 second (got {grace_s})")
     if time is not None and not _SLURM_TIME.fullmatch(time):
         raise TesselError(f"--time must be HH:MM:SS or D-HH:MM:SS (got {time!r}), e.g. --time 48:00:00")
     job_name = job_name if job_name is not None else default_name(config_path)
@@ -175,38 +203,89 @@ def slurm_script(
         if value is not None and not pattern.fullmatch(value):
             raise TesselError(f"{flag} {value!r} is not a valid SLURM name; use letters, digits, "
                               "'.', '_' and '-'")
+    python = python or sys.executable
+    for what, text in (("--python", python), ("--output-dir", output_dir)):
+        _check_text(what, text)
 
+    what = f"{nodes} x {nproc_per_node} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
     optional = [f"#SBATCH --{key}={value}" for key, value in
-                (("partition", partition), ("account", account), ("time", time)) if value]
+                (("partition", partition), ("account", account), ("time", time),
+                 ("gpus-per-node", None if cpu else gpus_per_node),
+                 ("cpus-per-task", cpus_per_task)) if value]
+    node = (f'NODE=("$PYTHON" -m tessel.parallel.node --nproc-per-node {nproc_per_node} '
+            '--master-addr "$HEAD" --master-port "$PORT" -- "${TRAIN[@]}")')
+    relay: list[str] = []
+    if nodes == 1:
+        start = ['"${NODE[@]}" &']
+        forward = 'kill -TERM "$STEP" 2>/dev/null'
+        # Preemption signals a job's steps, not this script, and the launcher is not a step
+        # here (so that `scancel --full` cannot make srun kill it): a small step of ours,
+        # sharing the job's CPUs, passes such a signal on to the launcher.
+        relay = [
+            "srun --overlap --ntasks=1 --kill-on-bad-exit=0 bash -c "
+            "'trap \"kill -TERM $0 2>/dev/null; exit 0\" TERM USR1; "
+            "while :; do sleep 5 & wait $!; done' \"$STEP\" &",
+            "RELAY=$!",
+        ]
+    else:
+        start = ['srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &']
+        # to the steps' tasks only: srun itself, signalled, kills the step at once
+        forward = 'scancel --signal=TERM "$SLURM_JOB_ID"'
     lines = [
         "#!/bin/bash",
-        f"# tessel training job for {config_path} ({nodes} x {gpus_per_node} GPUs), written by",
-        "# `tessel launch slurm`. Submit from the directory the paths below are relative to",
-        "# (the job starts there) after `mkdir -p logs` (SLURM does not create it):",
+        f"# tessel training job for {config_path} ({what}), written by `tessel launch slurm`.",
+        "# Submit it, unedited, from the directory the paths below are relative to (the job",
+        f"# starts there; {output_dir}/ was created for its log):",
         "#   sbatch THIS_FILE",
+        "# It requeues itself when preempted or at its time limit (after saving a checkpoint)",
+        "# and continues the run; it ends COMPLETED when the run is done, FAILED otherwise with",
+        "# tessel's exit code (docs/exit-codes.md).",
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes}",
-        "# One task per node: its torchrun starts that node's GPU processes.",
+        "# One task per node: it starts that node's training processes.",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
-        "# CPUs for data loading depend on the cluster; uncomment and set to a node's cores:",
-        "##SBATCH --cpus-per-task=32",
         *optional,
-        "# SIGTERM 120 s before the time limit: tessel saves a checkpoint and exits 0; a",
-        "# resubmitted (or requeued) job resumes from it (--auto-resume).",
-        "#SBATCH --signal=TERM@120",
+        "#SBATCH --requeue",
+        f"# SIGTERM to this script {grace_s} s before the time limit; it passes it on, tessel saves",
+        "# a checkpoint at the next step and the job requeues itself. The grace must cover one",
+        "# step plus one checkpoint save (docs/parallelism.md#slurm).",
+        f"#SBATCH --signal=B:TERM@{grace_s}",
         "#SBATCH --open-mode=append",
-        "#SBATCH --output=logs/%x-%j.out",
+        f"#SBATCH --output={output_dir}/%x-%j.out",
         "",
-        "set -euo pipefail",
-        "# Activate the environment tessel is installed in here if the job does not inherit it.",
-        "",
+        "set -uo pipefail",
+        "# The interpreter tessel was installed in when this script was written.",
+        f'PYTHON="${{TESSEL_PYTHON:-{python}}}"',
         'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        *(["# A rendezvous port of this job's own: jobs sharing a node never share one.",
+           "PORT=$((20000 + SLURM_JOB_ID % 40000))"] if port is None else [f"PORT={port}"]),
         *_train_args(config_path, overrides),
+        node,
         "",
-        f'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\',
-        f'  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$HEAD:{port}" \\',
-        f'  --max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"',
+        "# The time-limit warning, or `scancel --signal=TERM --full`, reaches this shell: pass",
+        "# it on (remembered if it comes before the step has started).",
+        'STOP=""; STEP=""',
+        f"trap 'STOP=1; [ -n \"$STEP\" ] && {forward}' TERM USR1",
+        *start,
+        "STEP=$!",
+        f'[ -n "$STOP" ] && {forward}',
+        *relay,
+        'while kill -0 "$STEP" 2>/dev/null; do wait "$STEP"; done',
+        'wait "$STEP"; CODE=$?',
+        *(['kill "$RELAY" 2>/dev/null'] if relay else []),
+        'case "$CODE" in',
+        "  0) exit 0 ;;  # the run is done",
+        f"  {EXIT_REQUEUE})  # stopped by preemption or the time limit, checkpoint saved",
+        '    echo "tessel: requeueing job $SLURM_JOB_ID; it resumes from its checkpoint"',
+        '    scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
+        '  2|4|5|6) exit "$CODE" ;;  # bad input, or paused/stopped/diverged: a person decides',
+        "  *)  # a crash or a hang: try again from the last checkpoint, a few times",
+        f'    if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_RESTARTS} ]; then',
+        '      echo "tessel: the run failed (exit $CODE); requeueing job $SLURM_JOB_ID"',
+        '      scontrol requeue "$SLURM_JOB_ID"',
+        "    fi",
+        '    exit "$CODE" ;;',
+        "esac",
     ]
     return "\n".join(lines) + "\n"
 

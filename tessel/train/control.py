@@ -23,6 +23,37 @@ EXIT_INTERRUPTED, EXIT_PAUSED, EXIT_STOPPED = 130, 4, 5
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
+# Stop signals that arrived while the run was being built (before StopControl.install).
+_EARLY: list[int] = []
+
+
+def catch_early_signals() -> Any:
+    """From process start-up until the loop installs its own handlers, remember SIGTERM and
+    SIGUSR1 instead of dying of them: a scheduler's warning during a long start-up (data
+    preprocessing, model building) then stops the run at its first step boundary, with a
+    checkpoint, as it would later. (SIGINT keeps interrupting at once.) Returns a function
+    that puts the previous handlers back."""
+    previous: dict[int, Any] = {}
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            sig = getattr(signal, name)
+            try:
+                previous[sig] = signal.signal(sig, lambda signum, _frame: _EARLY.append(signum))
+            except ValueError:  # not the main thread
+                pass
+    if previous and hasattr(signal, "pthread_sigmask"):
+        # tessel.parallel.node starts its workers with these signals blocked, so one that
+        # arrives before this point waits, pending, and is delivered here, not lost
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(previous))
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _EARLY.clear()
+
+    return restore
+
+
 def exit_code_for(stopped_by: str | None) -> int:
     """The process exit code of a run that ended for `stopped_by` (None: it finished)."""
     return {"SIGINT": EXIT_INTERRUPTED, "pause": EXIT_PAUSED,
@@ -55,6 +86,9 @@ class StopControl:
                 self._previous[sig] = signal.signal(sig, on_signal)
             except ValueError:  # not the main thread (e.g. some notebook runners)
                 pass
+        if _EARLY and self.signal is None:
+            self.signal = _EARLY[0]  # it came during start-up (catch_early_signals)
+        _EARLY.clear()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

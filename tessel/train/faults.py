@@ -4,6 +4,8 @@
     TESSEL_FAULT="nan:batch=7"                make the loss of global batch 7 NaN
     TESSEL_FAULT="kill:rank=1:step=5"         SIGKILL rank 1 when step 5 starts (first attempt only)
     TESSEL_FAULT="hang:rank=1:step=3"         rank 1 sleeps forever when step 3 starts
+    TESSEL_FAULT="slow:seconds=0.1"           every step starts 0.1 s late (a slow machine;
+                                              the losses are unchanged)
 
 Several faults are separated by ";". A fault keyed by batch follows the data, not the step:
 once a rollback skips that batch it never fires again, as a corrupted sample would behave.
@@ -28,20 +30,25 @@ class Fault:
     step: int | None = None
     batch: int | None = None
     scale: float = 1.0
+    seconds: float = 0.0
 
 
 def parse_faults(spec: str) -> list[Fault]:
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         kind, *fields = item.split(":")
-        if kind not in ("spike", "nan", "kill", "hang"):
-            raise TesselError(f"TESSEL_FAULT: unknown fault {kind!r}; use spike, nan, kill or hang")
+        if kind not in ("spike", "nan", "kill", "hang", "slow"):
+            raise TesselError(f"TESSEL_FAULT: unknown fault {kind!r}; use spike, nan, kill, hang "
+                              "or slow")
         args: dict[str, float | int] = {}
         for f in fields:
             key, _, value = f.partition("=")
-            if key not in ("rank", "step", "batch", "scale") or not value:
+            if key not in ("rank", "step", "batch", "scale", "seconds") or not value:
                 raise TesselError(f"TESSEL_FAULT: bad field {f!r} in {item!r}")
-            args[key] = float(value) if key == "scale" else int(value)
+            try:
+                args[key] = float(value) if key in ("scale", "seconds") else int(value)
+            except ValueError:
+                raise TesselError(f"TESSEL_FAULT: bad value in {f!r}") from None
         faults.append(Fault(kind, **args))  # type: ignore[arg-type]
     return faults
 
@@ -54,6 +61,9 @@ class Faults:
 
     def at_step(self, step: int) -> None:
         for f in self.faults:
+            if f.kind == "slow" and (f.rank is None or f.rank == self.rank):
+                time.sleep(f.seconds)
+                continue
             if f.step != step or (f.rank is not None and f.rank != self.rank):
                 continue
             if f.kind == "kill" and self.first_attempt:

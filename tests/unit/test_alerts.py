@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -88,6 +89,13 @@ def test_fault_specs():
     assert f.loss_factor(3) == 10.0 and math.isnan(f.loss_factor(4)) and f.loss_factor(5) == 1.0
     with pytest.raises(TesselError, match="unknown fault"):
         parse_faults("explode:step=1")
+    with pytest.raises(TesselError, match="bad value"):
+        parse_faults("slow:seconds=fast")
+    slow = Faults(rank=1, spec="slow:seconds=0.05")
+    t0 = time.perf_counter()
+    slow.at_step(1)
+    slow.at_step(2)
+    assert time.perf_counter() - t0 >= 0.1  # every step, not one
 
 
 def test_watchdog_names_the_rank_that_is_not_in_a_collective(tmp_path):

@@ -152,7 +152,9 @@ def test_run_local_forwards_signals_and_returns_the_exit_code(tmp_path: Path, mo
 # ---- tessel launch slurm ------------------------------------------------------------------
 
 
-def test_slurm_script_is_valid_bash_with_rendezvous_restarts_and_resume(capsys, tmp_path: Path):
+def test_slurm_script_is_valid_bash_with_rendezvous_requeue_and_resume(capsys, tmp_path: Path,
+                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)
     code, script, err = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes", "4", "--gpus-per-node",
                                 "2", "--time", "1-12:00:00", "--partition", "gpu", "--port", "29555",
                                 "--run.dir", "runs/a b", NASTY, FILES, MB2)
@@ -160,23 +162,67 @@ def test_slurm_script_is_valid_bash_with_rendezvous_restarts_and_resume(capsys, 
     (tmp_path / "job.sh").write_text(script)
     subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], check=True)
     for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=2", "--time=1-12:00:00",
-                      "--partition=gpu", "--signal=TERM@120", "--open-mode=append",
+                      "--partition=gpu", "--signal=B:TERM@120", "--requeue", "--open-mode=append",
                       "--output=logs/%x-%j.out", "--job-name=tessel-tiny"):
         assert f"#SBATCH {directive}\n" in script
+    assert (tmp_path / "logs").is_dir()  # SLURM cannot start a job whose log directory is missing
+    assert "--cpus-per-task" not in script  # GPU jobs: the cluster's default unless asked
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in script
-    assert '--rdzv-endpoint "$HEAD:29555"' in script and '--rdzv-id "$SLURM_JOB_ID"' in script
-    assert "--max-restarts 3" in script and "--nproc-per-node 2" in script
-    assert re.search(r"srun torchrun .*-m tessel train \"\$\{TRAIN\[@\]\}\"", script, re.S)
+    assert "PORT=29555\n" in script and '--master-addr "$HEAD" --master-port "$PORT"' in script
+    assert f'PYTHON="${{TESSEL_PYTHON:-{sys.executable}}}"' in script
+    assert re.search(r'NODE=\("\$PYTHON" -m tessel.parallel.node --nproc-per-node 2 .* -- '
+                     r'"\$\{TRAIN\[@\]\}"\)', script)
+    # several nodes: srun starts one launcher per node; the shell's signal goes to the steps
+    assert 'srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &' in script
+    assert "scancel --signal=TERM \"$SLURM_JOB_ID\"" in script
+    assert '75)' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert '[ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in script
 
-    # Every start of the job (and every torchrun restart) continues the run if it exists.
+    # Every start of the job (and every requeue) continues the run if it exists.
     overrides = ["--run.dir=runs/a b", NASTY, FILES, MB2]
     assert train_array(script, tmp_path) == [CONFIG, *overrides, "--auto-resume"]
 
 
-def test_slurm_optional_directives_are_left_out(capsys):
+def test_slurm_cpu_job_on_one_node(capsys, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, script, err = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes", "1",
+                                "--gpus-per-node", "0", "--nproc-per-node", "2", "--python",
+                                "/opt/env/bin/python", "--signal-grace", "300", "--output-dir",
+                                "out/slurm", MB2)
+    assert code == 0, err
+    assert "gpus" not in script.replace("--gpus-per-node 0", "")  # no GRES on a CPU partition
+    assert "#SBATCH --cpus-per-task=2\n" in script  # one core per process at least
+    assert "#SBATCH --signal=B:TERM@300\n" in script
+    assert "#SBATCH --output=out/slurm/%x-%j.out\n" in script and (tmp_path / "out/slurm").is_dir()
+    assert 'PYTHON="${TESSEL_PYTHON:-/opt/env/bin/python}"' in script
+    assert "PORT=$((20000 + SLURM_JOB_ID % 40000))" in script  # each job its own rendezvous
+    # one node: the launcher is started directly (`scancel --full` cannot make srun kill it);
+    # a relay step passes a signal sent to the job's steps (preemption) on to it
+    assert "srun --kill-on-bad-exit=1" not in script and '"${NODE[@]}" &' in script
+    assert "srun --overlap --ntasks=1" in script and 'kill "$RELAY"' in script
+    assert "kill -TERM \"$STEP\"" in script
+
+
+def test_slurm_optional_directives_are_left_out(capsys, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     code, script, _ = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes=1", MB2)
     assert code == 0
     assert "--partition" not in script and "--time=" not in script
+
+
+def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_code():
+    from tessel.parallel import node
+
+    a, train = node._parse(["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1",
+                            "--master-addr", "h", "--master-port", "1234", "--", "cfg.toml"])
+    env = node.worker_env(3, a)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == \
+        ("7", "3", "8", "4")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], train) == ("h", "1234", ["cfg.toml"])
+    out = subprocess.run([sys.executable, "-m", "tessel.parallel.node", "--nproc-per-node", "2",
+                          "--master-port", "29999", "--", CONFIG, "--train.steps=-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "train.steps" in out.stderr  # bad input: not requeued
 
 
 # ---- tessel launch k8s --------------------------------------------------------------------
@@ -228,7 +274,10 @@ def test_k8s_manifest_for_four_nodes(capsys, tmp_path: Path):
     (["slurm", CONFIG], "required: --nodes"),
     (["slurm", CONFIG, "--nodes", "0"], "--nodes must be >= 1"),
     (["slurm", CONFIG, "--nodes", "two"], "invalid int value"),
-    (["slurm", CONFIG, "--nodes", "1", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+    (["slurm", CONFIG, "--nodes", "1", "--gpus-per-node", "-1"], "--gpus-per-node must be >= 0"),
+    (["slurm", CONFIG, "--nodes", "1", "--gpus-per-node", "2", "--nproc-per-node", "3"],
+     "a GPU job runs one process per GPU"),
+    (["slurm", CONFIG, "--nodes", "1", "--signal-grace", "0"], "--signal-grace must be >= 1"),
     (["slurm", CONFIG, "--nodes", "1", "--time", "90m"], "--time must be HH:MM:SS"),
     (["slurm", CONFIG, "--nodes", "1", "--time", "1:75:00"], "--time must be HH:MM:SS"),
     (["slurm", CONFIG, "--nodes", "1", "--job-name", "my job"], "not a valid SLURM name"),

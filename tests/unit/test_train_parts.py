@@ -19,7 +19,7 @@ from tessel.data import Batch
 from tessel.observe.console import ConsoleDisplay
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.dims import ParallelDims
-from tessel.train.control import StopControl, exit_code_for
+from tessel.train.control import StopControl, catch_early_signals, exit_code_for
 from tessel.train.eval import Evaluator
 from tessel.train.optim import build_optimizer
 from tessel.train.precision import resolve_precision
@@ -159,6 +159,24 @@ def test_stop_control_signals_and_alert_actions():
         control.restore()
     assert signal.getsignal(signal.SIGTERM) is before
     assert [exit_code_for(r) for r in (None, "SIGTERM", "SIGINT", "pause", "stop")] == [0, 0, 130, 4, 5]
+
+
+def test_a_stop_signal_during_start_up_stops_the_run_at_its_first_boundary():
+    """A scheduler's SIGTERM while the run is still being built killed the process (no
+    handler yet): no checkpoint, and the job was counted a failure."""
+    before = signal.getsignal(signal.SIGUSR1)
+    restore = catch_early_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # before the loop's handlers exist
+        control = StopControl(distributed=False, device_type="cpu")
+        control.install()
+        try:
+            assert control.should_stop(written_here=True) and control.reason() == "SIGUSR1"
+        finally:
+            control.restore()
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGUSR1) is before
 
 
 def test_recovery_judges_and_refuses_rollbacks_it_cannot_do(tmp_path: Path):
