@@ -122,7 +122,12 @@ class Cluster:
         if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+            # --force: a log file left by another munged (e.g. one started as root) is only
+            # a warning then; --syslog: nothing to own in /var/log
+            out = subprocess.run(["runuser", "-u", "munge", "--", "munged", "--force",
+                                  "--syslog"], capture_output=True, text=True)
+            if out.returncode != 0:
+                _unavailable(f"munged did not start: {out.stderr.strip()[-300:]}")
         self.daemons = [
             subprocess.Popen(["slurmctld", "-D", "-f", str(self.conf)], env=self.env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
