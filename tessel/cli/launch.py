@@ -26,12 +26,16 @@ def build_parser() -> Parser:
         add_config_arguments(target, "the TOML recipe the job trains (required)")
         target.add_argument("--nodes", type=int, required=True, metavar="N",
                             help="machines (pods) to train on")
-    k8s.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
-                     help="processes (GPUs) per machine (default: 8)")
-    slurm.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
-                       help="GPUs (one process each) per node (default: 8); 0 for a CPU job")
-    slurm.add_argument("--nproc-per-node", type=int, metavar="P",
-                       help="CPU jobs: training processes per node (default: 1)")
+        target.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                            help="GPUs (one process each) per node or pod (default: 8); "
+                                 "0 for CPU machines")
+        target.add_argument("--nproc-per-node", type=int, metavar="P",
+                            help="CPU machines: training processes per node or pod (default: 1)")
+    k8s.add_argument("--pvc", required=True, metavar="CLAIM",
+                     help="an existing PersistentVolumeClaim every pod mounts as its working "
+                          "directory: the run directory lives there (restarted pods resume)")
+    k8s.add_argument("--mount-path", default="/workspace", metavar="DIR",
+                     help="where the claim is mounted (default: /workspace)")
     slurm.add_argument("--cpus-per-task", type=int, metavar="C",
                        help="cores per node for the job (default for CPU jobs: one per process; "
                             "GPU jobs: the cluster's default)")
@@ -75,10 +79,17 @@ def cmd_launch(argv: list[str]) -> int:
             grace_s=args.signal_grace, output_dir=args.output_dir)
         processes = args.nodes * (args.gpus_per_node or args.nproc_per_node or 1)
     else:
-        text = launch.k8s_manifest(
-            args.config, overrides, nodes=args.nodes, image=args.image,
-            gpus_per_node=args.gpus_per_node, name=args.name, namespace=args.namespace)
-        processes = args.nodes * args.gpus_per_node
+        from tessel.parallel.k8s import k8s_manifest
+
+        try:
+            config_text = Path(args.config).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TesselError(f"cannot read {args.config!r} for the ConfigMap: {exc}") from None
+        text = k8s_manifest(
+            args.config, config_text, overrides, nodes=args.nodes, image=args.image,
+            pvc=args.pvc, gpus_per_node=args.gpus_per_node, nproc_per_node=args.nproc_per_node,
+            mount_path=args.mount_path, name=args.name, namespace=args.namespace)
+        processes = args.nodes * (args.gpus_per_node or args.nproc_per_node or 1)
     # ... and the layout against the job's world size (after the builders checked the counts).
     ParallelDims.from_config(cfg.parallel, processes).validate(cfg)
     if args.target == "slurm":

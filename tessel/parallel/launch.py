@@ -1,8 +1,7 @@
 """Starting training processes: `tessel train --nproc N` on this machine (through torchrun), and
-the job files `tessel launch` prints for SLURM (an sbatch script) and Kubernetes (a Kubeflow
-PyTorchJob).
+the sbatch script `tessel launch slurm` prints (Kubernetes: k8s.py).
 
-Every launcher runs the same worker command, `torchrun ... -m tessel train ARGS`, so a run
+Every launcher ends in the same worker command, `python -m tessel train ARGS`, so a run
 behaves the same however it was started. The builders here are pure (text in, text out) so
 that tests can check them without a cluster.
 """
@@ -28,7 +27,6 @@ MAX_RESTARTS = 3
 # torchrun sets these in every worker; seeing one means we are already a launched worker.
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _SLURM_LIST = re.compile(r"[A-Za-z0-9._,-]+")  # partitions may be a comma-separated list
 _SLURM_TIME = re.compile(r"(\d+-)?\d+:[0-5]\d:[0-5]\d")
@@ -116,19 +114,19 @@ def run_local(nproc: int, train_args: list[str]) -> int:
 # ---- tessel launch slurm / k8s ----------------------------------------------------------------
 
 
-def _check_count(flag: str, value: int) -> None:
+def check_count(flag: str, value: int) -> None:
     if value < 1:
         raise TesselError(f"{flag} must be >= 1 (got {value})")
 
 
-def _check_text(what: str, text: str) -> None:
+def check_text(what: str, text: str) -> None:
     # Job files are line-based (sbatch directives, YAML blocks): a control character would
     # silently change their meaning rather than fail.
     if any(ord(c) < 32 or ord(c) == 127 for c in text):
         raise TesselError(f"{what} {text!r} contains a control character (e.g. a newline); remove it")
 
 
-def _train_args(
+def train_args(
     config_path: str, overrides: list[str], quote: Callable[[str], str] = shlex.quote
 ) -> list[str]:
     """Bash lines that set TRAIN to the `tessel train` arguments. `--auto-resume` makes every
@@ -136,7 +134,7 @@ def _train_args(
     --max-restarts) continue the run when its directory already holds one. `quote` makes
     one argument a bash word."""
     for text in (config_path, *overrides):
-        _check_text("argument", text)
+        check_text("argument", text)
     return [
         "# Start the run, or continue it from its latest checkpoint when it exists already.",
         "TRAIN=(" + " ".join([*map(quote, [config_path, *overrides]), "--auto-resume"]) + ")",
@@ -176,18 +174,18 @@ def slurm_script(
     the step before it saves). `python` (default: this interpreter) runs it, overridable at
     submission with TESSEL_PYTHON. The rendezvous port comes from the job id unless `port`
     is given, so jobs sharing a node never share a rendezvous."""
-    _check_count("--nodes", nodes)
+    check_count("--nodes", nodes)
     if gpus_per_node < 0:
         raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU job), got {gpus_per_node}")
     cpu = gpus_per_node == 0
     if nproc_per_node is None:
         nproc_per_node = 1 if cpu else gpus_per_node
-    _check_count("--nproc-per-node", nproc_per_node)
+    check_count("--nproc-per-node", nproc_per_node)
     if not cpu and nproc_per_node != gpus_per_node:
         raise TesselError(f"--nproc-per-node {nproc_per_node} differs from --gpus-per-node "
                           f"{gpus_per_node}; a GPU job runs one process per GPU")
     if cpus_per_task is not None:
-        _check_count("--cpus-per-task", cpus_per_task)
+        check_count("--cpus-per-task", cpus_per_task)
     elif cpu:
         cpus_per_task = nproc_per_node  # under CPU binding a task gets one core otherwise
     if port is not None and not 1 <= port <= 65535:
@@ -205,7 +203,7 @@ def slurm_script(
                               "'.', '_' and '-'")
     python = python or sys.executable
     for what, text in (("--python", python), ("--output-dir", output_dir)):
-        _check_text(what, text)
+        check_text(what, text)
 
     what = f"{nodes} x {nproc_per_node} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
     optional = [f"#SBATCH --{key}={value}" for key, value in
@@ -259,7 +257,7 @@ def slurm_script(
         'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
         *(["# A rendezvous port of this job's own: jobs sharing a node never share one.",
            "PORT=$((20000 + SLURM_JOB_ID % 40000))"] if port is None else [f"PORT={port}"]),
-        *_train_args(config_path, overrides),
+        *train_args(config_path, overrides),
         node,
         "",
         "# The time-limit warning, or `scancel --signal=TERM --full`, reaches this shell: pass",
@@ -288,89 +286,3 @@ def slurm_script(
         "esac",
     ]
     return "\n".join(lines) + "\n"
-
-
-def k8s_manifest(
-    config_path: str,
-    overrides: list[str],
-    *,
-    nodes: int,
-    image: str,
-    gpus_per_node: int = 8,
-    name: str | None = None,
-    namespace: str | None = None,
-) -> str:
-    """A Kubeflow PyTorchJob (kubeflow.org/v1) that trains CONFIG on `nodes` pods of
-    `gpus_per_node` GPUs: one Master and nodes - 1 Workers. With one node the Worker replica
-    spec is left out, as the training operator accepts a Master-only job."""
-    _check_count("--nodes", nodes)
-    _check_count("--gpus-per-node", gpus_per_node)
-    name = name if name is not None else default_name(config_path)
-    for flag, value in (("--name", name), ("--namespace", namespace)):
-        if value is not None and not _DNS_LABEL.fullmatch(value):
-            raise TesselError(f"{flag} {value!r} is not a DNS-1123 label; use at most 63 lower-case "
-                              "letters, digits and '-', starting and ending with a letter or digit")
-    if not image or any(c.isspace() for c in image):
-        raise TesselError(f"--image {image!r} is not an image reference, e.g. --image ghcr.io/org/tessel:1.0")
-
-    # Kubernetes expands `$(VAR)` and `$$` in args before bash runs them, so a `$` in the
-    # user's text is doubled to reach bash unchanged. The operator sets MASTER_ADDR and
-    # MASTER_PORT in every pod; bash reads them.
-    script = _train_args(config_path, overrides,
-                         quote=lambda text: shlex.quote(text).replace("$", "$$"))
-    script.append(
-        f"exec torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --rdzv-id {name} "
-        '--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
-        f'--max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"'
-    )
-
-    def replica(kind: str, count: int) -> list[str]:
-        return [
-            f"    {kind}:",
-            f"      replicas: {count}",
-            "      restartPolicy: OnFailure",
-            "      template:",
-            "        spec:",
-            "          containers:",
-            "            - name: pytorch  # the name the training operator looks for",
-            f"              image: {_yaml_str(image)}",
-            '              command: ["bash", "-c"]',
-            "              args:",
-            "                - |-",
-            *("                  " + line for line in script),
-            "              resources:",
-            "                limits:",
-            f"                  nvidia.com/gpu: {gpus_per_node}",
-            "              volumeMounts:",
-            "                - name: dshm",
-            "                  mountPath: /dev/shm",
-            "          volumes:",
-            "            # Shared memory for data-loader workers and NCCL (the default is 64 MiB).",
-            "            - name: dshm",
-            "              emptyDir:",
-            "                medium: Memory",
-        ]
-
-    lines = [
-        f"# tessel training job for {config_path} ({nodes} x {gpus_per_node} GPUs), written by",
-        "# `tessel launch k8s`. The run directory must be on storage every pod mounts (add a",
-        "# volume) so that a restarted pod resumes from the latest checkpoint.",
-        "#   kubectl apply -f THIS_FILE",
-        "apiVersion: kubeflow.org/v1",
-        "kind: PyTorchJob",
-        "metadata:",
-        f"  name: {name}",
-        *([f"  namespace: {namespace}"] if namespace else []),
-        "spec:",
-        f'  nprocPerNode: "{gpus_per_node}"',
-        "  pytorchReplicaSpecs:",
-        *replica("Master", 1),
-        *(replica("Worker", nodes - 1) if nodes > 1 else []),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _yaml_str(text: str) -> str:
-    import json
-
-    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 import signal
 import subprocess
@@ -228,25 +230,49 @@ def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_cod
 # ---- tessel launch k8s --------------------------------------------------------------------
 
 
-def _manifest(capsys, *args: str) -> tuple[str, dict]:
-    yaml = pytest.importorskip("yaml")
-    code, text, err = run_cli(capsys, "launch", "k8s", CONFIG, "--image", "ghcr.io/o/tessel:1", MB2, *args)
+def _manifest(capsys, *args: str) -> tuple[str, dict, dict]:
+    """(text, ConfigMap, PyTorchJob), the job checked against the PyTorchJob CRD's own schema
+    (Kubeflow Training Operator v1.9.0: tests/data/make_pytorchjob_schema.py)."""
+    import jsonschema
+    import yaml
+
+    code, text, err = run_cli(capsys, "launch", "k8s", CONFIG, "--image", "ghcr.io/o/tessel:1",
+                              "--pvc", "train-data", MB2, *args)
     assert code == 0, err
-    return text, yaml.safe_load(text)
+    config_map, job = yaml.safe_load_all(text)
+    schema = json.loads(gzip.decompress((ROOT / "tests/data/pytorchjob_v1.schema.json.gz")
+                                        .read_bytes()))
+    jsonschema.Draft4Validator(schema).validate(job)  # raises, naming the field, if invalid
+    return text, config_map, job
+
+
+def test_the_crd_schema_check_can_fail():
+    import jsonschema
+
+    schema = json.loads(gzip.decompress((ROOT / "tests/data/pytorchjob_v1.schema.json.gz")
+                                        .read_bytes()))
+    bad = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "x"},
+           "spec": {"nprocPerNode": 2, "pytorchReplicaSpecs": {}}}  # an int, not a string
+    with pytest.raises(jsonschema.ValidationError, match="is not of type 'string'"):
+        jsonschema.Draft4Validator(schema).validate(bad)
 
 
 def test_k8s_manifest_for_one_node_has_only_a_master(capsys):
-    _, job = _manifest(capsys, "--nodes", "1")
+    _, config_map, job = _manifest(capsys, "--nodes", "1")
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
     assert job["metadata"] == {"name": "tessel-tiny"}
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert list(specs) == ["Master"] and specs["Master"]["replicas"] == 1
+    # the config travels with the job: no pod has the submitting machine's path
+    assert config_map["kind"] == "ConfigMap" and config_map["metadata"] == {"name": "tessel-tiny-config"}
+    assert config_map["data"] == {"config.toml": Path(CONFIG).read_text()}
 
 
 def test_k8s_manifest_for_four_nodes(capsys, tmp_path: Path):
-    _, job = _manifest(capsys, "--nodes", "4", "--gpus-per-node", "2", "--name", "gpt-run",
-                          "--namespace", "ml", NASTY, FILES)
+    _, config_map, job = _manifest(capsys, "--nodes", "4", "--gpus-per-node", "2", "--name",
+                                   "gpt-run", "--namespace", "ml", NASTY, FILES)
     assert job["metadata"] == {"name": "gpt-run", "namespace": "ml"}
+    assert config_map["metadata"] == {"name": "gpt-run-config", "namespace": "ml"}
     assert job["spec"]["nprocPerNode"] == "2"
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert {kind: spec["replicas"] for kind, spec in specs.items()} == {"Master": 1, "Worker": 3}
@@ -256,15 +282,33 @@ def test_k8s_manifest_for_four_nodes(capsys, tmp_path: Path):
         (container,) = pod["containers"]
         assert container["name"] == "pytorch" and container["image"] == "ghcr.io/o/tessel:1"
         assert container["resources"]["limits"] == {"nvidia.com/gpu": 2}
-        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
-        assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        assert container["workingDir"] == "/workspace"  # the run directory is on the claim
+        assert container["volumeMounts"] == [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "config", "mountPath": "/etc/tessel", "readOnly": True},
+            {"name": "work", "mountPath": "/workspace"}]
+        assert pod["volumes"] == [
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "config", "configMap": {"name": "gpt-run-config"}},
+            {"name": "work", "persistentVolumeClaim": {"claimName": "train-data"}}]
         assert container["command"] == ["bash", "-c"]
         script = k8s_expand(container["args"][0])
         assert "<expanded>" not in script  # user text cannot become a Kubernetes $(VAR)
         subprocess.run(["bash", "-n", "-c", script], check=True)
         assert '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"' in script
         assert "--nnodes 4 --nproc-per-node 2" in script and "--max-restarts 3" in script
-        assert train_array(script, tmp_path) == [CONFIG, MB2, NASTY, FILES, "--auto-resume"]
+        assert train_array(script, tmp_path) == ["/etc/tessel/config.toml", MB2, NASTY, FILES,
+                                                 "--auto-resume"]
+
+
+def test_k8s_manifest_for_a_cpu_pool(capsys):
+    _, _, job = _manifest(capsys, "--nodes", "2", "--gpus-per-node", "0", "--nproc-per-node", "2",
+                          "--mount-path", "/mnt/runs")
+    assert job["spec"]["nprocPerNode"] == "2"
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():
+        (container,) = spec["template"]["spec"]["containers"]
+        assert container["resources"] == {"requests": {"cpu": "2"}}  # no GPU asked for
+        assert container["workingDir"] == "/mnt/runs"
 
 
 # ---- bad input ----------------------------------------------------------------------------
@@ -288,10 +332,17 @@ def test_k8s_manifest_for_four_nodes(capsys, tmp_path: Path):
     (["slurm", CONFIG, CONFIG, "--nodes", "1"], "more than one config file"),
     (["slurm", CONFIG, "--nodes", "1", "--train.steps=-1"], "train.steps"),
     (["slurm", CONFIG, "--nodes", "1", "--train.steps"], "--train.steps needs a value"),
-    (["k8s", CONFIG, "--nodes", "2"], "required: --image"),
-    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--name", "Tessel_Run"], "not a DNS-1123 label"),
-    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--namespace=ml-"], "not a DNS-1123 label"),
-    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--run.dir=a\nb"], "control character"),
+    (["k8s", CONFIG, "--nodes", "2", "--pvc", "p"], "required: --image"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i"], "required: --pvc"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "p", "--name", "Tessel_Run"],
+     "not a DNS-1123 label"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "p", "--namespace=ml-"],
+     "not a DNS-1123 label"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "My_Claim"], "not a DNS-1123 label"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "p", "--mount-path", "rel"],
+     "must be an absolute path"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "p", "--run.dir=a\nb"],
+     "control character"),
     (["pbs", CONFIG], "invalid choice: 'pbs'"),
 ])
 def test_bad_launch_input_is_one_line_and_exit_2(capsys, args: list[str], needle: str):
@@ -301,8 +352,10 @@ def test_bad_launch_input_is_one_line_and_exit_2(capsys, args: list[str], needle
 
 
 def test_builders_check_their_own_arguments():
+    from tessel.parallel.k8s import k8s_manifest
+
     with pytest.raises(TesselError, match="--nodes must be >= 1"):
-        launch.k8s_manifest("c.toml", [], nodes=0, image="i")
+        k8s_manifest("c.toml", "", [], nodes=0, image="i", pvc="p")
     assert launch.default_name("configs/GPT2_124M.toml") == "tessel-gpt2-124m"
 
 
