@@ -53,9 +53,13 @@ def sample(
 
 def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
     """The model of the run's latest checkpoint (or of a checkpoint directory) and the run's
-    tokenizer."""
+    tokenizer; or of a model directory: `tessel convert hf-to-tessel` output or a Hugging Face
+    model directory (read as `model.init_from` reads them)."""
     path = Path(run_dir)
     ckpt = find_checkpoint(path)
+    if ckpt is None and ((path / "config.json").is_file() or
+                         (path / "model.safetensors").is_file()):
+        return _load_model_dir(path, device)
     if (path / "state.json").is_file():  # a checkpoint directory itself
         run = path.parent.parent
     else:
@@ -69,3 +73,18 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
     model = build_model(cfg.model, device)
     load_model(ckpt, model)
     return model, load_tokenizer(run / "tokenizer.json")
+
+
+def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
+    from tessel.checkpoint.init_from import WeightSource, load_config
+    from tessel.parallel.apply import materialise
+
+    m = load_config(None, {"model.init_from": str(path)}).model  # shapes from the weights
+    source = WeightSource(path, m)
+    if not source.tokenizer.is_file():
+        raise ConfigError(f"{str(path)!r} holds a model but no tokenizer.json; sampling needs "
+                          "the tokenizer it was trained with beside it")
+    with torch.device("meta"):
+        model = Transformer(m)
+    materialise(model, torch.device(device), 0, source.get)
+    return model.eval(), load_tokenizer(source.tokenizer)

@@ -1,4 +1,4 @@
-"""`tessel generate`: sample text from a trained run."""
+"""`tessel generate`: sample text from a trained run or a model directory."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from tessel.errors import TesselError
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="tessel generate", description="Sample text from a trained run.")
-    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_DIR",
-                   help="run directory (its latest checkpoint) or a checkpoint dir")
+    p = Parser(prog="tessel generate", description="Sample text from a trained run or a model.")
+    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_DIR|MODEL_DIR",
+                   help="run directory (its latest checkpoint), a checkpoint dir, a `tessel "
+                        "convert hf-to-tessel` output or a Hugging Face model directory")
     p.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: empty)")
     p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T",

@@ -141,6 +141,34 @@ def test_fine_tuned_model_exports_to_transformers_with_the_same_logits(tmp_path:
     assert all(torch.equal(during[k], after[k]) for k in after)
 
 
+@pytest.mark.parametrize("arch", MODELS)
+def test_generate_samples_an_imported_model_as_transformers_does(arch, tmp_path: Path,
+                                                                  corpus: Path, capsys):
+    """A user's first check after an import: `tessel generate` on the HF directory itself and
+    on `hf-to-tessel` output ("has no complete checkpoint yet" before), greedy text equal to
+    transformers' generate."""
+    hf = MODELS[arch]().eval()
+    src = save_hf(hf, tmp_path / "hf", corpus)
+    assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "tessel")]) == 0
+    from tessel.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(src / "tokenizer.json"))
+    prompt = "the quick brown"
+    ids = tok.encode(prompt)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    if tok.eod_id in want:  # tessel stops at the end-of-document token
+        want = want[: want.index(tok.eod_id)]
+    capsys.readouterr()
+    for where in (src, tmp_path / "tessel"):
+        assert main(["generate", str(where), "--prompt", prompt, "--temperature", "0",
+                     "--max-new-tokens", "16"]) == 0
+        assert capsys.readouterr().out == prompt + tok.decode(want) + "\n"
+    (src / "tokenizer.json").unlink()
+    assert main(["generate", str(src), "--prompt", "x"]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+
+
 def test_sharded_output_above_the_size_limit_and_bf16(tmp_path: Path):
     src = save_hf(hf_gpt2(), tmp_path / "hf")
     assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "t")]) == 0
