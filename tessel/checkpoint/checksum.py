@@ -103,13 +103,26 @@ def bytes_digest(data: bytes) -> str:
     return f"{zlib.crc32(data):08x}"
 
 
+# Files already found to match, by (path, size, mtime, checksum): a restore reads the same
+# shard for the model, the optimizer and the RNG states, and it is hashed once, not thrice.
+_VERIFIED: set[tuple[str, int, int, str]] = set()
+
+
 def check(path: Path, expected: str | None) -> None:
     """Raise ChecksumMismatch when `path` does not have checksum `expected` (None: written
-    before checksums existed; nothing to check)."""
-    if expected is not None and file_digests([path])[path.name] != expected:
+    before checksums existed; nothing to check). A file unchanged since it last matched (same
+    size and modification time) is not read again."""
+    if expected is None:
+        return
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, expected)
+    if key in _VERIFIED:
+        return
+    if file_digests([path])[path.name] != expected:
         raise ChecksumMismatch(
             f"{path.name} does not match its checksum (the file changed after it was saved)"
         )
+    _VERIFIED.add(key)
 
 
 # ---- at save: each rank hashes its share, rank 0 gathers them ----------------------------

@@ -122,8 +122,7 @@ class _ZstdFrames(io.RawIOBase):
         super().close()
 
 
-# What the decompressors raise on a damaged or truncated stream.
-def decompress_errors() -> tuple[type[BaseException], ...]:
+def _decompress_errors() -> tuple[type[BaseException], ...]:
     errors: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error, lzma.LZMAError,
                                                gzip.BadGzipFile)
     try:
@@ -135,7 +134,17 @@ def decompress_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
-def _inner_suffix(path: Path, compression: str | None) -> str:
+# What the decompressors raise on a damaged or truncated stream (computed once).
+DECOMPRESS_ERRORS = _decompress_errors()
+
+
+def bad_compressed(path: Path, compression: str | None, exc: BaseException) -> DataError:
+    """The one-line refusal of a damaged or truncated compressed file."""
+    return DataError(f"{path}: not a valid {compression} file ({exc}); "
+                     "re-compress or decompress it")
+
+
+def _inner_suffix(path: Path) -> str:
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
         suffixes = suffixes[:-1]
@@ -159,13 +168,12 @@ def detect(path: Path) -> FileFormat:
         try:
             with open_decompressed(path, compression) as f:
                 inner = f.read(_SNIFF)
-        except decompress_errors() as exc:
-            raise DataError(f"{path}: not a valid {compression} file ({exc}); "
-                            "re-compress or decompress it") from None
+        except DECOMPRESS_ERRORS as exc:
+            raise bad_compressed(path, compression, exc) from None
     else:
         with open(path, "rb") as f:
             inner = f.read(_SNIFF)
-    suffix = _inner_suffix(path, compression)
+    suffix = _inner_suffix(path)
     if inner.startswith(b"PAR1") or suffix == ".parquet":
         kind = "parquet"
     elif inner.startswith(b"ARROW1") or inner.startswith(b"\xff\xff\xff\xff") \

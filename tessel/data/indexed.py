@@ -423,12 +423,10 @@ class IndexedDataset:
             crc = zlib.crc32(chunk.tobytes(), crc)
             if len(chunk):
                 top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
-        if low < 0:  # Megatron's signed dtypes
-            raise self._error(f"{self.bin_path.name} holds token id {low} (negative: corrupted)")
         if self._bin_crc is not None and crc != self._bin_crc:
             raise self._error(f"{self.bin_path.name} checksum mismatch (its contents are "
                               f"corrupted); {FIX}")
-        self._check_ids(top)
+        self._check_ids(top, low)  # (negative ids: Megatron's signed dtypes only)
 
     def check_sampled_ids(self, samples: int = 64) -> None:
         """The cheap check for datasets too large to read whole at every start: the ids of
@@ -438,11 +436,11 @@ class IndexedDataset:
         chunks = [self.tokens[a: a + width] for a in np.unique(starts) if a < self.n_tokens]
         top = max((int(c.max()) for c in chunks), default=-1)
         low = min((int(c.min()) for c in chunks), default=0)
+        self._check_ids(top, low)
+
+    def _check_ids(self, top: int, low: int = 0) -> None:
         if low < 0:  # Megatron's signed dtypes
             raise self._error(f"{self.bin_path.name} holds token id {low} (negative: corrupted)")
-        self._check_ids(top)
-
-    def _check_ids(self, top: int) -> None:
         if top >= self.vocab_size:
             raise self._error(f"{self.bin_path.name} holds token id {top}, outside its "
                               f"{self.vocab_size}-token vocabulary (corrupted); {FIX}")

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessel.data.formats import check_decoded, decompress_errors, detect, open_decompressed
+from tessel.data.formats import (
+    DECOMPRESS_ERRORS,
+    bad_compressed,
+    check_decoded,
+    detect,
+    open_decompressed,
+)
 from tessel.errors import DataError
 
 _GLOB_CHARS = frozenset("*?[")
@@ -178,9 +184,8 @@ def _text_document(path: Path, compression: str | None, stats: ReadStats) -> Ite
     try:
         with open_decompressed(path, compression) as f:
             raw = f.read()
-    except decompress_errors() as exc:
-        raise DataError(f"{path}: not a valid {compression} file ({exc}); "
-                        "re-compress or decompress it") from None
+    except DECOMPRESS_ERRORS as exc:
+        raise bad_compressed(path, compression, exc) from None
     stats.bytes_read += len(raw)
     yield _decode(raw, path, stats)
 
@@ -194,11 +199,10 @@ def _jsonl_documents(path: Path, compression: str | None, json_key: str,
                 if line.isspace():
                     continue  # blank lines (often one at the end) hold no document
                 yield _json_text(line, path, lineno, json_key, stats)
-    except decompress_errors() as exc:
+    except DECOMPRESS_ERRORS as exc:
         if isinstance(exc, OSError) and not compression:
             raise
-        raise DataError(f"{path}: not a valid {compression} file ({exc}); "
-                        "re-compress or decompress it") from None
+        raise bad_compressed(path, compression, exc) from None
 
 
 def _json_text(line: bytes, path: Path, lineno: int, json_key: str, stats: ReadStats) -> str:
