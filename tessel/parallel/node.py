@@ -34,10 +34,10 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
-        raise SystemExit("usage: python -m tessel.parallel.node OPTIONS -- TRAIN_ARGS")
-    cut = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m tessel.parallel.node")
+    if "--" not in argv:  # argparse's own one-line usage error, exit 2
+        p.error("the training arguments must follow '--': OPTIONS -- TRAIN_ARGS")
+    cut = argv.index("--")
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=int(os.environ.get("SLURM_NNODES", "1")))
     p.add_argument("--node-rank", type=int, default=int(os.environ.get("SLURM_NODEID", "0")))

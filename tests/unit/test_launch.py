@@ -225,6 +225,9 @@ def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_cod
                           "--master-port", "29999", "--", CONFIG, "--train.steps=-1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "train.steps" in out.stderr  # bad input: not requeued
+    out = subprocess.run([sys.executable, "-m", "tessel.parallel.node", "--nproc-per-node", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "must follow '--'" in out.stderr
 
 
 # ---- tessel launch k8s --------------------------------------------------------------------
