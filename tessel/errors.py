@@ -16,6 +16,10 @@ class DataError(TesselError):
     """Unusable data (missing, corrupt, or not matching the model or tokenizer)."""
 
 
+class TokenizerError(TesselError):
+    """An unusable tokenizer (spec, file or setting)."""
+
+
 class CollectiveTimeout(TesselError):
     """A collective failed or hung (a peer process died or stopped responding). Not bad
     input: the CLI exits with code 3 so job scripts can tell it apart and restart."""

@@ -72,7 +72,7 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
     read_state(ckpt)  # validates format and file sizes
     model = build_model(cfg.model, device)
     load_model(ckpt, model)
-    return model, load_tokenizer(run / "tokenizer.json")
+    return model, load_tokenizer(run / "tokenizer.json", cfg.data.eod_token)
 
 
 def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
@@ -87,4 +87,4 @@ def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
     with torch.device("meta"):
         model = Transformer(m)
     materialise(model, torch.device(device), 0, source.get)
-    return model.eval(), load_tokenizer(source.tokenizer)
+    return model.eval(), load_tokenizer(source.tokenizer, source.eod_token)

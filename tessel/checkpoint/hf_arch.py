@@ -101,7 +101,15 @@ class GPT2(Architecture):
         _require(hf, "scale_attn_by_inverse_layer_idx", (False,), where, False)
         _require(hf, "reorder_and_upcast_attn", (False,), where, False)
         d = _get(hf, "n_embd", where)
+        # tessel has one dropout rate for embeddings, attention and residuals; GPT2Config
+        # defaults each to 0.1 (stock GPT-2 trains with it).
+        rates = {k: float(hf.get(k, 0.1)) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+        if len(set(rates.values())) > 1:
+            raise HFError(f"{where}: {', '.join(f'{k}={v}' for k, v in rates.items())} differ; "
+                          "tessel has one model.dropout for all three: make them equal in "
+                          "config.json to import")
         return {
+            "dropout": rates["resid_pdrop"],
             "n_layers": _get(hf, "n_layer", where), "d_model": d,
             "n_heads": _get(hf, "n_head", where), "n_kv_heads": _get(hf, "n_head", where),
             "ffn_hidden": _get(hf, "n_inner", where, 4 * d),
@@ -251,6 +259,11 @@ class Llama(Architecture):
             "bias": False, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_scaling_factor": 1.0,
         }
+        if float(hf.get("attention_dropout", 0.0)):
+            raise HFError(f"{where}: attention_dropout={hf['attention_dropout']} cannot be "
+                          "carried (tessel's model.dropout also drops the residual stream and "
+                          "embeddings, which Llama does not); set it to 0.0 in config.json to "
+                          "import, and model.dropout when fine-tuning")
         if kind == "llama3":
             fields.update({
                 "rope_scaling_factor": float(_get(rope, "factor", f"{where} rope scaling")),
@@ -275,7 +288,8 @@ class Llama(Architecture):
             "head_dim": m.head_dim, "intermediate_size": m.ffn_hidden,
             "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len,
             "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout,
+            # Not m.dropout: Llama drops attention weights only; tessel_to_hf says so.
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
             "use_cache": True, "rope_scaling": None,
         }

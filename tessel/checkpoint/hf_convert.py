@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from tessel.checkpoint.eod import hf_eod
 from tessel.checkpoint.hf_arch import HFError, for_hf_config, for_model
 from tessel.checkpoint.hf_io import DEFAULT_SHARD_BYTES, HFReader, read_json, write_hf
 from tessel.checkpoint.init_from import WeightSource
@@ -32,25 +33,36 @@ from tessel.fileio import fsync_dir
 FINE_TUNE_SEQ_LEN = 1024  # the generated config's sequence length (the model's, if shorter)
 
 
-def _tokenizer_vocab(path: Path) -> int | None:
+def _import_eod(src: Path, m: ModelConfig, where: str, eod_token: str) -> tuple[str, str]:
+    """The imported run's `data.eod_token`, and a note saying which token ends documents."""
+    path = src / "tokenizer.json"
     if not path.is_file():
-        return None
+        return eod_token, ""
     from tessel.data.tokenizer import load_tokenizer
 
-    return load_tokenizer(path).vocab_size
+    eod_from = "--eod-token"
+    if eod_token == "auto":
+        eod_token, eod_from = hf_eod(src)
+    tok = load_tokenizer(path, eod_token)
+    if tok.vocab_size > m.vocab_size:
+        added = eod_from == "none named"  # tessel added its own token past the vocabulary
+        raise HFError(
+            f"{str(path)!r} has no end-of-document token and none of the model's files names "
+            f"an EOS or pad token; pass --eod-token with one of its tokens" if added else
+            f"{str(path)!r} has {tok.vocab_size} ids but {where} has vocab_size="
+            f"{m.vocab_size}; the tokenizer does not match the model")
+    name = tok.hf.id_to_token(tok.eod_id)
+    return eod_token, f"documents end with {name!r} (id {tok.eod_id}, {eod_from})"
 
 
-def hf_to_tessel(src: Path, out: Path) -> str:
+def hf_to_tessel(src: Path, out: Path, eod_token: str = "auto") -> str:
     """Convert the HF model directory `src` into `out`; returns a one-line summary."""
     where = str(src / "config.json")
     hf = read_json(src / "config.json")
     arch = for_hf_config(hf, where)  # the architecture first, then the weights
     m = ModelConfig(preset=None, **arch.model_fields(hf, where))
     reader = HFReader(src)
-    vocab = _tokenizer_vocab(src / "tokenizer.json")
-    if vocab is not None and vocab > m.vocab_size:
-        raise HFError(f"{str(src / 'tokenizer.json')!r} has {vocab} ids but {where} has "
-                      f"vocab_size={m.vocab_size}; the tokenizer does not match the model")
+    eod, eod_note = _import_eod(src, m, where, eod_token)
     out = out.resolve()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,6 +82,7 @@ def hf_to_tessel(src: Path, out: Path) -> str:
         if (src / "tokenizer.json").is_file():
             shutil.copy(src / "tokenizer.json", tmp / "tokenizer.json")
             overrides["data.tokenizer"] = str(out / "tokenizer.json")
+            overrides["data.eod_token"] = eod
         (tmp / "config.toml").write_text(Config.load(None, overrides).to_toml())
         fsync_dir(tmp)
         if out.exists():
@@ -79,7 +92,8 @@ def hf_to_tessel(src: Path, out: Path) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return (f"wrote {out}: {count} tensors, {size / 2**20:.1f} MiB from {arch.hf_class} "
-            f"({m.n_layers} layers, d_model {m.d_model}); fine-tune with "
+            f"({m.n_layers} layers, d_model {m.d_model}{'; ' + eod_note if eod_note else ''}); "
+            "fine-tune with "
             f"`tessel train {out / 'config.toml'} --data.paths=...`")
 
 
@@ -102,23 +116,30 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
     if tokenizer_path is not None and tokenizer_path.is_file():
         from tessel.data.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(tokenizer_path)
+        tok = load_tokenizer(tokenizer_path, source.eod_token)
         if tok.vocab_size > m.vocab_size:
             raise HFError(f"{str(tokenizer_path)!r} has {tok.vocab_size} ids but the model has "
                           f"vocab_size={m.vocab_size}; the tokenizer does not match the model")
         eos = tok.hf.id_to_token(tok.eod_id)
-        config.update({"bos_token_id": tok.eod_id, "eos_token_id": tok.eod_id})
-        files["tokenizer.json"] = tok.to_json()
+        # BOS: what the tokenizer's template puts first (Llama 3), else the eod (GPT-2).
+        bos_id = tok.prefix_ids[0] if tok.prefix_ids else tok.eod_id
+        config.update({"bos_token_id": bos_id, "eos_token_id": tok.eod_id})
+        files["tokenizer.json"] = tok.hf_json()
         files["tokenizer_config.json"] = json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": tok.hf.id_to_token(bos_id), "eos_token": eos,
             "model_max_length": m.max_seq_len, "clean_up_tokenization_spaces": False,
         }, indent=2)
     shapes = _shapes(m)
     read = lambda name: source.get(name, shapes[name])  # noqa: E731
     count, size = write_hf(out, config, arch.to_hf(read, m), files, max_shard_bytes, dtype)
+    note = ""
+    if m.dropout and arch.model_type == "llama":
+        note = (f"; model.dropout={m.dropout} is not written (LlamaConfig has attention dropout "
+                "only; tessel's also drops the residual stream)")
     return (f"wrote {out}: {arch.hf_class}, {count} tensors, {size / 2**20:.1f} MiB "
             f"({'one file' if size <= max_shard_bytes else 'sharded'}); load it with "
-            "transformers.AutoModelForCausalLM.from_pretrained")
+            f"transformers.AutoModelForCausalLM.from_pretrained{note}")
 
 
 def _shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from tessel.checkpoint.eod import hf_eod, run_eod
 from tessel.checkpoint.hf_arch import HFError, for_hf_config
 from tessel.checkpoint.hf_io import HFReader, read_json
 from tessel.config import Config
@@ -38,8 +39,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# The shape, plus what a model was trained with that an import or export must carry
+# (dropout: stock GPT-2's 0.1); explicit settings override the non-shape ones.
 _MODEL_FIELDS = (
-    "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "ffn_hidden",
+    "dropout", "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "ffn_hidden",
     "position", "rope_theta", "norm", "norm_eps", "mlp", "tie_embeddings", "bias",
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
     "rope_original_max_seq_len",
@@ -128,6 +131,7 @@ class WeightSource:
             self._get = lambda name: table[name](read)
             self.kind = f"Hugging Face {arch.hf_class}"
             self.tokenizer = path / "tokenizer.json"
+            self.eod_token, self.eod_from = hf_eod(path)
             return
         file = _tessel_file(path)
         if file is not None:
@@ -142,6 +146,7 @@ class WeightSource:
             self._get = get
             self.kind = "tessel safetensors"
             self.tokenizer = file.parent / "tokenizer.json"
+            self.eod_token, self.eod_from = run_eod(file.parent), "config.toml"
             return
         ckpt = _tessel_checkpoint(path)
         if ckpt is None:
@@ -151,6 +156,7 @@ class WeightSource:
         self._get = lambda name: read_full(ckpt, "model", only={name})[name]
         self.kind = f"tessel checkpoint {ckpt.name}"
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
+        self.eod_token, self.eod_from = run_eod(ckpt.parent.parent), "config.toml"
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor `name` in float32, checked against the model's `shape`."""

@@ -16,6 +16,11 @@ def build_parser() -> Parser:
                     "config.toml that fine-tunes\nfrom it (model.init_from), tokenizer.json.")
     a.add_argument("source", metavar="HF_DIR", help="a GPT-2 or Llama model directory of Hugging Face")
     a.add_argument("output", metavar="OUT_DIR", help="directory to write")
+    a.add_argument("--eod-token", default="auto", metavar="TOKEN",
+                   help="the token that ends documents (data.eod_token) when the tokenizer "
+                        "has no <|endoftext|>, </s>, ... (default: the EOS or pad token the "
+                        "model's config.json, generation_config.json or tokenizer_config.json "
+                        "names)")
     b = sub.add_parser(
         "tessel-to-hf", help="a run, checkpoint (any layout) or safetensors file -> HF directory",
         description="Write a Hugging Face model directory that transformers loads "
@@ -41,7 +46,7 @@ def cmd_convert(argv: list[str]) -> int:
     from tessel.checkpoint.hf_convert import hf_to_tessel, parse_size, tessel_to_hf
 
     if args.direction == "hf-to-tessel":
-        print(hf_to_tessel(Path(args.source), Path(args.output)))
+        print(hf_to_tessel(Path(args.source), Path(args.output), args.eod_token))
     else:
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
         print(tessel_to_hf(Path(args.source), Path(args.output), dtype,

@@ -74,7 +74,11 @@ def preprocess_parser() -> Parser:
     p.add_argument("--json-key", default="text", metavar="KEY",
                    help="JSONL/Parquet/Arrow field holding the text")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
-                   help="bytes (default), a tokenizer.json, or gpt2-files:VOCAB.json,MERGES.txt")
+                   help="bytes (default), a tokenizer.json, gpt2-files:VOCAB.json,MERGES.txt, "
+                        "or tiktoken:[NAME=]FILE.tiktoken (cl100k_base, o200k_base, ...)")
+    p.add_argument("--eod-token", default="auto", metavar="TOKEN",
+                   help="the token --append-eod ends documents with (default: the tokenizer's "
+                        "<|endoftext|>, <|end_of_text|>, </s>, ...; added when it has none)")
     p.add_argument("--output", required=True, metavar="PREFIX",
                    help="output prefix, e.g. data/web -> data/web.bin, data/web.idx")
     p.add_argument("--workers", type=int, default=1, metavar="N",
@@ -99,7 +103,7 @@ def cmd_preprocess(argv: list[str]) -> int:
     from tessel.data.preprocess import preprocess
     from tessel.data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer, args.eod_token)
     summary = preprocess(args.input, tok, args.output, json_key=args.json_key,
                          workers=args.workers, append_eod=args.append_eod,
                          progress=not args.quiet, force=args.force, fmt=args.format)
@@ -118,7 +122,8 @@ def data_parser() -> Parser:
                    help="also check PREFIX.bin's checksum and ids (reads the whole file)")
     i.add_argument("--tokenizer", metavar="SPEC",
                    help="for a Megatron-LM dataset (which keeps none): the tokenizer it was "
-                        "made with (a tokenizer.json, or gpt2-files:VOCAB.json,MERGES.txt)")
+                        "made with (a tokenizer.json, gpt2-files:VOCAB.json,MERGES.txt or "
+                        "tiktoken:[NAME=]FILE)")
     return p
 
 
@@ -149,7 +154,8 @@ def inspect_text(ds: IndexedDataset, verified: bool = False) -> str:
         ("dtype", f"{ds.dtype.name} ({ds.bin_path.stat().st_size / 1e6:,.1f} MB)"),
         ("format", "tessel" if ds.format == "tessel" else "Megatron-LM (MMIDIDX index)"),
         ("vocab size", f"{ds.vocab_size:,}"),
-        ("tokenizer", f"{ds.tokenizer_fingerprint[:12]} (eod id {tok.eod_id})"),
+        ("tokenizer", f"{ds.tokenizer_fingerprint[:12]} (eod id {tok.eod_id}; {tok.template()} "
+                      "when preprocessing)"),
         ("doc length", f"mean {mean:,.1f}, max {longest:,} tokens"),
     ]
     if verified:

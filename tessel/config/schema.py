@@ -181,6 +181,12 @@ class DataConfig(Section):
     """`auto` (an `indexed` dataset's own tokenizer; for `stdlib`/`files` a byte-level BPE
     trained on the corpus with model.vocab_size ids), `bytes`, `bpe` (that BPE explicitly),
     a tokenizer.json path, or `gpt2-files:vocab.json,merges.txt`."""
+    eod_token: str = "auto"
+    """The token that ends every document (and stops `tessel generate`): `auto` takes the
+    first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, <|im_end|>, ... the tokenizer has,
+    and adds <|endoftext|> when it has none; or name one of the tokenizer's own tokens (its
+    EOS or pad token). `tessel convert hf-to-tessel` sets the model's EOS here when the
+    tokenizer has none of those names."""
     split: str = "98,2"
     """Train/validation[/test] split of each dataset's documents, as relative weights
     ("98,2" or "969,30,1"); contiguous ranges of documents, Megatron style."""

@@ -87,7 +87,9 @@ class _Encoder:
     def __init__(self, tokenizer: Tokenizer, append_eod: bool):
         self.tokenizer = tokenizer
         self.dtype = dtype_for_vocab(tokenizer.vocab_size)
-        self.eod = tokenizer.eod_id if append_eod else None
+        # Once per document: not when the tokenizer's own template already ends it with eod.
+        ends_with_eod = tokenizer.suffix_ids[-1:] == [tokenizer.eod_id]
+        self.eod = tokenizer.eod_id if append_eod and not ends_with_eod else None
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         ids = self.tokenizer.encode_batch(texts)
@@ -103,12 +105,12 @@ class _Encoder:
 _worker_encoder: _Encoder | None = None  # one per worker process, set by _init_worker
 
 
-def _init_worker(tokenizer_json: str, append_eod: bool) -> None:
+def _init_worker(tokenizer_json: str, eod_token: str, append_eod: bool) -> None:
     global _worker_encoder
     # Ctrl-C reaches the whole process group; the parent handles it (terminating the pool and
     # deleting partial output), so workers must not each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_encoder = _Encoder(Tokenizer.from_json(tokenizer_json), append_eod)
+    _worker_encoder = _Encoder(Tokenizer.from_json(tokenizer_json, "json", eod_token), append_eod)
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +143,8 @@ def _pool(workers: int, tokenizer: Tokenizer, append_eod: bool) -> Iterator[Pool
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = ctx.Pool(workers, _init_worker, (tokenizer.to_json(), append_eod))
+        pool = ctx.Pool(workers, _init_worker,
+                        (tokenizer.to_json(), tokenizer.eod_token, append_eod))
     finally:
         if saved is None:
             del os.environ["TOKENIZERS_PARALLELISM"]

@@ -62,7 +62,8 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
     d, t = cfg.data, cfg.train
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     if d.source == "synthetic":
-        tok = byte_tokenizer() if d.tokenizer in ("auto", "bytes", "bpe") else load_tokenizer(d.tokenizer)
+        tok = (byte_tokenizer() if d.tokenizer in ("auto", "bytes", "bpe")
+               else load_tokenizer(d.tokenizer, d.eod_token))
         rng = np.random.default_rng(t.seed)
         ids = rng.integers(0, cfg.model.vocab_size, _SYNTHETIC_TOKENS).astype(np.int64)
         corpora = [("synthetic", ids, np.array([0, len(ids)], dtype=np.int64))]
@@ -72,15 +73,16 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
         if d.source == "indexed":
             weighted = d.weighted_paths()
             # Megatron-LM datasets keep no tokenizer: they are read with the configured one
-            given_tok = load_tokenizer(d.tokenizer) if d.tokenizer != "auto" else None
+            given_tok = (load_tokenizer(d.tokenizer, d.eod_token) if d.tokenizer != "auto"
+                         else None)
             sets = [IndexedDataset(prefix, given_tok) for _, prefix in weighted]
-            tok = _common_tokenizer(sets, [p for _, p in weighted], d.tokenizer)
+            tok = _common_tokenizer(sets, [p for _, p in weighted], d.tokenizer, d.eod_token)
             given = [w for w, _ in weighted]
             weights = None if given[0] is None else [float(w) for w in given]  # type: ignore[arg-type]
         else:
             prefix = ensure_corpus(d, cfg.model.vocab_size, cache, console)
             sets = [IndexedDataset(prefix)]
-            tok, weights = sets[0].tokenizer(), None
+            tok, weights = sets[0].tokenizer().with_eod(d.eod_token), None
         corpora = [(s_name, s.tokens, s.doc_offsets) for s_name, s in zip(_names(d, sets), sets)]
         for (name, _, _), s in zip(corpora, sets):
             if s.vocab_size > cfg.model.vocab_size:
@@ -140,14 +142,14 @@ def _names(d: DataConfig, sets: list) -> list[str]:
     return [d.source]
 
 
-def _common_tokenizer(sets: list, prefixes: list[str], spec: str) -> Tokenizer:
+def _common_tokenizer(sets: list, prefixes: list[str], spec: str, eod_token: str) -> Tokenizer:
     """All blended datasets must share one tokenizer, and it must be the configured one."""
     prints = {s.tokenizer_fingerprint for s in sets}
     if len(prints) > 1:
         raise DataError(
             f"datasets {prefixes} were made with different tokenizers; preprocess them with one"
         )
-    tok = sets[0].tokenizer()
+    tok = sets[0].tokenizer().with_eod(eod_token)
     if spec not in ("auto",):
         wanted = load_tokenizer(spec)
         if wanted.fingerprint() != tok.fingerprint():
@@ -180,7 +182,7 @@ def ensure_corpus(d: DataConfig, vocab_size: int, cache: Path, console=print) ->
     """The cached indexed dataset for a `stdlib` or `files` source; built on first use."""
     inputs = [str(p) for p in stdlib_files()] if d.source == "stdlib" else list(d.paths)
     spec = "bpe" if d.tokenizer == "auto" else d.tokenizer
-    key = _corpus_key(inputs, spec, vocab_size, d.json_key)
+    key = _corpus_key(inputs, spec, vocab_size, d.json_key, d.eod_token)
     target = cache / f"corpus-{key}"
     prefix = target / "data"
     if (target / "data.idx").is_file():
@@ -197,7 +199,7 @@ def ensure_corpus(d: DataConfig, vocab_size: int, cache: Path, console=print) ->
         if spec == "bpe":
             tok = train_bpe(iter_documents(inputs, d.json_key), vocab_size)
         else:
-            tok = load_tokenizer(spec)
+            tok = load_tokenizer(spec, d.eod_token)
         preprocess(inputs, tok, tmp / "data", json_key=d.json_key, append_eod=True,
                    progress=False)
         try:
@@ -210,8 +212,11 @@ def ensure_corpus(d: DataConfig, vocab_size: int, cache: Path, console=print) ->
     return prefix
 
 
-def _corpus_key(inputs: list[str], spec: str, vocab_size: int, json_key: str) -> str:
+def _corpus_key(inputs: list[str], spec: str, vocab_size: int, json_key: str,
+                eod_token: str) -> str:
     h = hashlib.sha256(json.dumps([spec, vocab_size, json_key]).encode())
+    if eod_token != "auto":
+        h.update(f"eod:{eod_token}".encode())
     from tessel.data.readers import resolve_inputs
 
     try:
@@ -221,8 +226,11 @@ def _corpus_key(inputs: list[str], spec: str, vocab_size: int, json_key: str) ->
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    if spec not in ("bytes", "bpe") and Path(spec).is_file():
-        h.update(Path(spec).read_bytes())
+    if spec not in ("bytes", "bpe"):
+        # Corpora cached before a tokenizer.json's post-processor applied (BOS) are not reused.
+        h.update(b"post-processor applied")
+        if Path(spec).is_file():
+            h.update(Path(spec).read_bytes())
     return h.hexdigest()[:16]
 
 

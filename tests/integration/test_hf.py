@@ -225,3 +225,92 @@ def test_bad_hf_input_is_one_line(tmp_path: Path, corpus: Path):
                                  str(tmp_path / "o")), "does not exist")
     assert_one_line_error(tessel("convert", "tessel-to-hf", str(src), str(tmp_path / "o")),
                           "is already a Hugging Face model directory")
+
+
+def test_dropout_is_carried_both_ways(tmp_path: Path, capsys):
+    """Stock GPT-2 trains with 0.1 dropout (GPT2Config's default): imported as model.dropout
+    0.1 (0.0 before) and exported as 0.1; rates tessel cannot hold are refused in one line."""
+    src = save_hf(hf_gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1), tmp_path / "hf")
+    assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "t")]) == 0
+    assert Config.load(tmp_path / "t/config.toml").model.dropout == 0.1
+    assert main(["convert", "tessel-to-hf", str(tmp_path / "t"), str(tmp_path / "back")]) == 0
+    back = json.loads((tmp_path / "back/config.json").read_text())
+    assert (back["resid_pdrop"], back["embd_pdrop"], back["attn_pdrop"]) == (0.1, 0.1, 0.1)
+    differ = save_hf(hf_gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0), tmp_path / "d")
+    assert_one_line_error(tessel("convert", "hf-to-tessel", str(differ), str(tmp_path / "x")),
+                          "resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0 differ")
+    llama = save_hf(hf_llama(attention_dropout=0.1), tmp_path / "l")
+    assert_one_line_error(tessel("convert", "hf-to-tessel", str(llama), str(tmp_path / "y")),
+                          "attention_dropout=0.1 cannot be carried")
+    # A Llama-shaped tessel model trained with dropout exports its weights and says what it
+    # did not write.
+    ok = save_hf(hf_llama(), tmp_path / "ok")
+    assert main(["convert", "hf-to-tessel", str(ok), str(tmp_path / "lt")]) == 0
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "lt/model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        meta = f.metadata()
+    model_config = {**json.loads(meta["model_config"]), "dropout": 0.1}
+    save_file(load_file(weights), str(weights), {**meta, "model_config": json.dumps(model_config)})
+    capsys.readouterr()
+    assert main(["convert", "tessel-to-hf", str(tmp_path / "lt"), str(tmp_path / "lb")]) == 0
+    assert "model.dropout=0.1 is not written" in capsys.readouterr().out
+    assert json.loads((tmp_path / "lb/config.json").read_text())["attention_dropout"] == 0.0
+
+
+def _tokenizer_without_eod(path: Path, corpus: Path) -> int:
+    """A byte-level BPE whose only special token is `<|eot|>`, none of tessel's known
+    end-of-text names, filling the whole vocabulary; returns its id."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([f.read_text() for f in sorted(corpus.iterdir())], trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|eot|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() == VOCAB
+    tok.save(str(path / "tokenizer.json"))
+    return tok.token_to_id("<|eot|>")
+
+
+def test_a_tokenizer_without_an_end_of_document_token_uses_the_models_eos(
+        tmp_path: Path, corpus: Path, capsys):
+    """Before: tessel added <|endoftext|> (id 320) and refused the import (321 ids > 320)."""
+    src = save_hf(hf_llama(), tmp_path / "hf")
+    eot = _tokenizer_without_eod(src, corpus)
+    cfg = json.loads((src / "config.json").read_text())
+    # Nothing names an EOS: refused, saying how to choose one.
+    (src / "generation_config.json").unlink()
+    (src / "config.json").write_text(json.dumps({**cfg, "eos_token_id": None,
+                                                 "bos_token_id": None, "pad_token_id": None}))
+    assert_one_line_error(tessel("convert", "hf-to-tessel", str(src), str(tmp_path / "x")),
+                          "pass --eod-token with one of its tokens")
+    assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "y"),
+                 "--eod-token", "<|eot|>"]) == 0
+    assert "documents end with '<|eot|>'" in capsys.readouterr().out
+    # The model's config.json names it: used, and said.
+    (src / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eot}))
+    assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "t")]) == 0
+    assert (f"documents end with '<|eot|>' (id {eot}, config.json eos_token_id)"
+            in capsys.readouterr().out)
+    assert Config.load(tmp_path / "t/config.toml").data.eod_token == "<|eot|>"
+    # Fine-tuning ends every document with it, and export names it as EOS.
+    run = tmp_path / "run"
+    out = tessel("train", str(tmp_path / "t/config.toml"), f"--run.dir={run}",
+                 "--data.source=files", f"--data.paths=['{corpus}']", "--train.seq_len=32",
+                 "--train.steps=1", "--train.micro_batch_size=2", "--train.global_batch_size=2",
+                 "--train.eval_interval=0", "--train.eval_iters=1", "--data.split=100,0",
+                 f"--data.cache_dir={tmp_path / 'cache'}", "--metrics.tensorboard=false")
+    assert out.returncode == 0, out.stderr
+    from tessel.data.indexed import IndexedDataset
+
+    (idx,) = (tmp_path / "cache").glob("corpus-*/data.idx")
+    ds = IndexedDataset(idx.with_suffix(""))
+    assert all(ds.document(i)[-1] == eot for i in range(len(ds)))
+    assert main(["convert", "tessel-to-hf", str(run), str(tmp_path / "exp")]) == 0
+    assert json.loads((tmp_path / "exp/config.json").read_text())["eos_token_id"] == eot
+    assert AutoTokenizer.from_pretrained(tmp_path / "exp").eos_token == "<|eot|>"
