@@ -74,8 +74,9 @@ class PreprocessSummary:
 
     def line(self) -> str:
         """One line for the console."""
+        source = f"{self.files:,} files" if self.files else "records in memory"
         return (f"preprocessed {self.documents:,} documents ({self.input_bytes / 1e6:,.1f} MB in "
-                f"{self.files:,} files) into {self.tokens:,} tokens in {self.seconds:.1f} s "
+                f"{source}) into {self.tokens:,} tokens in {self.seconds:.1f} s "
                 f"({self.docs_per_s:,.0f} docs/s, {self.mb_per_s:,.2f} MB/s, {self.workers} "
                 f"worker{'s' if self.workers > 1 else ''}); skipped {self.empty_skipped:,} empty, "
                 f"replaced invalid UTF-8 in {self.invalid_utf8:,} -> {self.output_prefix}.bin/.idx")
@@ -229,13 +230,17 @@ class _Progress:
 def _check_output(inputs: InputPath | Sequence[InputPath], prefix: Path, force: bool) -> None:
     """Never overwrite an input (`--input X.bin --output X` turned the input into token
     ids), nor an existing dataset unless asked to."""
-    outputs = dataset_paths(prefix)
     sources = {p.resolve() for p in resolve_inputs(inputs)}
-    for out in outputs:
+    for out in dataset_paths(prefix):
         if out.resolve() in sources:
             raise DataError(f"--output {str(prefix)!r} would overwrite the input {str(out)!r}; "
                             "choose another output prefix")
-    existing = [str(p) for p in outputs if p.exists()]
+    check_output_free(prefix, force)
+
+
+def check_output_free(prefix: Path, force: bool) -> None:
+    """Refuse to replace an existing dataset at `prefix` unless `force`."""
+    existing = [str(p) for p in dataset_paths(prefix) if p.exists()]
     if existing and not force:
         raise DataError(f"{existing[0]!r} already exists; choose another output prefix, or pass "
                         "--force (preprocess(..., force=True)) to replace that dataset")
@@ -264,15 +269,29 @@ def preprocess(
     `force`; an output that is one of the inputs is refused always. `fmt="megatron"` writes
     a Megatron-LM index (Megatron-core's IndexedDataset reads the dataset) instead of tessel's.
     """
-    if workers < 1:
-        raise TesselError(f"workers must be >= 1, got {workers}")
-    if batch_size < 1:
-        raise TesselError(f"batch_size must be >= 1, got {batch_size}")
+    check_settings(workers, batch_size)
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     prefix = normalize_prefix(output_prefix)
     _check_output(inputs, prefix, force)
     stats = ReadStats()
     docs = iter_documents(inputs, json_key, stats)  # resolves inputs now: errors before writing
+    return encode_documents(docs, stats, tok, prefix, workers=workers, append_eod=append_eod,
+                            batch_size=batch_size, progress=progress, fmt=fmt)
+
+
+def check_settings(workers: int, batch_size: int) -> None:
+    if workers < 1:
+        raise TesselError(f"workers must be >= 1, got {workers}")
+    if batch_size < 1:
+        raise TesselError(f"batch_size must be >= 1, got {batch_size}")
+
+
+def encode_documents(docs: Iterator[str], stats: ReadStats, tok: Tokenizer, prefix: Path, *,
+                     workers: int = 1, append_eod: bool = False,
+                     batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True,
+                     fmt: str = "tessel") -> PreprocessSummary:
+    """Tokenize `docs` (whose reader fills `stats`) into the dataset `prefix`: the part of
+    `preprocess` after reading, shared with in-memory records (`tessel.data.records`)."""
     start = time.perf_counter()
     batches = _batches(docs, batch_size, _BATCH_CHARS["in_process" if workers == 1 else "pool"])
     with ExitStack() as stack:  # on failure, in reverse: bar cleared, files deleted, pool stopped

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tessel.config import Config, DataConfig
+from tessel.data.cache import build_once, default_cache_dir
 from tessel.data.dataset import TokenDataset, split_ranges
 from tessel.data.loader import Loader
 from tessel.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
@@ -39,14 +38,6 @@ class Data:
     """The tokenizer the data was made with (saved with the run)."""
     unigram_baseline: float
     """Validation cross-entropy of a context-free (unigram) model: the bar to beat."""
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("TESSEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tessel"
 
 
 def stdlib_files() -> list[Path]:
@@ -184,32 +175,23 @@ def ensure_corpus(d: DataConfig, vocab_size: int, cache: Path, console=print) ->
     spec = "bpe" if d.tokenizer == "auto" else d.tokenizer
     key = _corpus_key(inputs, spec, vocab_size, d.json_key, d.eod_token)
     target = cache / f"corpus-{key}"
-    prefix = target / "data"
     if (target / "data.idx").is_file():
-        return prefix
+        return target / "data"
     what = "the standard library's sources" if d.source == "stdlib" else f"{len(inputs)} input(s)"
     from tessel.data.preprocess import preprocess
     from tessel.data.readers import iter_documents
 
     console(f"tessel: tokenizing {what} once (cached in {target})")
-    tmp = cache / f".tmp-corpus-{key}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def build(tmp: Path) -> None:
         if spec == "bpe":
             tok = train_bpe(iter_documents(inputs, d.json_key), vocab_size)
         else:
             tok = load_tokenizer(spec, d.eod_token)
         preprocess(inputs, tok, tmp / "data", json_key=d.json_key, append_eod=True,
                    progress=False)
-        try:
-            tmp.rename(target)
-        except OSError:  # built concurrently by another process: use theirs
-            if not (target / "data.idx").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return prefix
+
+    return build_once(target, build) / "data"
 
 
 def _corpus_key(inputs: list[str], spec: str, vocab_size: int, json_key: str,

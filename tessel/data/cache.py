@@ -1,0 +1,45 @@
+"""The data cache (`data.cache_dir`, `$TESSEL_CACHE`, `~/.cache/tessel`): tokenized corpora
+built once under a content key and shared by every later run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("TESSEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tessel"
+
+
+def build_once(target: Path | None, build: Callable[[Path], Path | None],
+               cache: Path | None = None) -> Path:
+    """`target`, a directory holding `data.idx` when complete; when absent, `build(tmp)` fills
+    a private temporary directory that is then renamed to `target`. A failure leaves nothing
+    behind; two processes building at once both succeed and one's result is kept. With
+    `target=None` (named by what is built), `build` returns the target once it has built,
+    and the temporary directory is made in `cache`."""
+    if target is not None and (target / "data.idx").is_file():
+        return target
+    where = target.parent if target is not None else cache
+    assert where is not None, "build_once needs a target or a cache directory"
+    tmp = where / f".tmp-{target.name if target else 'build'}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        named = build(tmp)
+        target = target or named
+        assert target is not None, "build must name its target"
+        try:
+            tmp.rename(target)
+        except OSError:  # built concurrently (or earlier, for the same content): use that
+            if not (target / "data.idx").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
