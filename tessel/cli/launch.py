@@ -1,5 +1,5 @@
 """`tessel launch slurm|k8s CONFIG.toml ...`: print a job file that trains CONFIG on a
-cluster (an sbatch script, or a Kubeflow PyTorchJob); the user submits it."""
+cluster (an sbatch script, or a Kubeflow PyTorchJob or TrainJob); the user submits it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def build_parser() -> Parser:
     targets = p.add_subparsers(dest="target", required=True, metavar="{slurm,k8s}")
     slurm = targets.add_parser("slurm", help="an sbatch script (one torchrun per node)",
                                description=ABOUT)
-    k8s = targets.add_parser("k8s", help="a Kubeflow PyTorchJob manifest (kubeflow.org/v1)",
+    k8s = targets.add_parser("k8s", help="a Kubeflow PyTorchJob (kubeflow.org/v1) or Trainer v2 "
+                                         "TrainJob manifest",
                              description=ABOUT)
     for target in (slurm, k8s):
         add_config_arguments(target, "the TOML recipe the job trains (required)")
@@ -56,6 +57,12 @@ def build_parser() -> Parser:
     k8s.add_argument("--image", required=True, help="container image with tessel installed")
     k8s.add_argument("--name", help="job name, a DNS-1123 label (default: tessel-<config file name>)")
     k8s.add_argument("--namespace", metavar="NS", help="default: kubectl's current namespace")
+    k8s.add_argument("--kind", choices=("pytorchjob", "trainjob"), default="pytorchjob",
+                     help="pytorchjob: Kubeflow Training Operator v1 (default); trainjob: "
+                          "Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1)")
+    k8s.add_argument("--runtime", default="torch-distributed", metavar="NAME",
+                     help="--kind trainjob: the ClusterTrainingRuntime to run on (default: "
+                          "torch-distributed)")
     return p
 
 
@@ -88,7 +95,8 @@ def cmd_launch(argv: list[str]) -> int:
         text = k8s_manifest(
             args.config, config_text, overrides, nodes=args.nodes, image=args.image,
             pvc=args.pvc, gpus_per_node=args.gpus_per_node, nproc_per_node=args.nproc_per_node,
-            mount_path=args.mount_path, name=args.name, namespace=args.namespace)
+            mount_path=args.mount_path, name=args.name, namespace=args.namespace,
+            kind=args.kind, runtime=args.runtime)
         processes = args.nodes * (args.gpus_per_node or args.nproc_per_node or 1)
     # ... and the layout against the job's world size (after the builders checked the counts).
     ParallelDims.from_config(cfg.parallel, processes).validate(cfg)

@@ -1,6 +1,7 @@
 """The Kubernetes job `tessel launch k8s` prints: a ConfigMap holding the config file and a
-Kubeflow PyTorchJob (kubeflow.org/v1, checked against the Training Operator's own CRD schema
-in tests/unit/test_launch.py) that trains it.
+Kubeflow job that trains it: a PyTorchJob (kubeflow.org/v1, the Training Operator) or, with
+`--kind trainjob`, a TrainJob (trainer.kubeflow.org/v1alpha1, Kubeflow Trainer v2), each
+checked against its CRD's own schema in tests/unit/test_launch.py.
 
 Every pod mounts the config (a ConfigMap: the submitting machine's path exists in no pod) and
 a PersistentVolumeClaim as its working directory, where the run directory (and relative data
@@ -19,6 +20,8 @@ from tessel.parallel.launch import MAX_RESTARTS, check_count, check_text, defaul
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 CONFIG_DIR = "/etc/tessel"  # where the ConfigMap is mounted
 CONFIG_KEY = "config.toml"
+KINDS = ("pytorchjob", "trainjob")
+TRAINJOB_NODE = "node"  # the replicated job and container of Kubeflow's torch runtimes
 
 
 def _yaml_str(text: str) -> str:
@@ -38,10 +41,15 @@ def k8s_manifest(
     mount_path: str = "/workspace",
     name: str | None = None,
     namespace: str | None = None,
+    kind: str = "pytorchjob",
+    runtime: str = "torch-distributed",
 ) -> str:
-    """A ConfigMap with `config_text` and a PyTorchJob that trains it on `nodes` pods (one
-    Master and nodes - 1 Workers; a one-node job has no Worker spec, as the operator
-    accepts), each with `gpus_per_node` GPUs, or, with 0, `nproc_per_node` CPU processes."""
+    """A ConfigMap with `config_text` and a job that trains it on `nodes` pods, each with
+    `gpus_per_node` GPUs, or, with 0, `nproc_per_node` CPU processes: a Kubeflow PyTorchJob
+    (`kind="pytorchjob"`, Training Operator v1) or a Kubeflow Trainer v2 TrainJob
+    (`kind="trainjob"`) on the ClusterTrainingRuntime `runtime`."""
+    if kind not in KINDS:
+        raise TesselError(f"--kind {kind!r} must be one of {', '.join(KINDS)}")
     check_count("--nodes", nodes)
     if gpus_per_node < 0:
         raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU pool), got {gpus_per_node}")
@@ -52,7 +60,8 @@ def k8s_manifest(
         raise TesselError(f"--nproc-per-node {nproc} differs from --gpus-per-node "
                           f"{gpus_per_node}; a GPU pod runs one process per GPU")
     name = name if name is not None else default_name(config_path)
-    for flag, value in (("--name", name), ("--namespace", namespace), ("--pvc", pvc)):
+    for flag, value in (("--name", name), ("--namespace", namespace), ("--pvc", pvc),
+                        ("--runtime", runtime)):
         if value is not None and not _DNS_LABEL.fullmatch(value):
             raise TesselError(f"{flag} {value!r} is not a DNS-1123 label; use at most 63 lower-case "
                               "letters, digits and '-', starting and ending with a letter or digit")
@@ -65,17 +74,82 @@ def k8s_manifest(
     check_text("--mount-path", mount_path)
 
     # Kubernetes expands `$(VAR)` and `$$` in args before bash runs them, so a `$` in the
-    # user's text is doubled to reach bash unchanged. The operator sets MASTER_ADDR and
-    # MASTER_PORT in every pod; bash reads them.
+    # user's text is doubled to reach bash unchanged.
     script = train_args(f"{CONFIG_DIR}/{CONFIG_KEY}", overrides,
                         quote=lambda text: shlex.quote(text).replace("$", "$$"))
-    script.append(
+    what = f"{nodes} x {nproc} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
+    meta_ns = [f"  namespace: {namespace}"] if namespace else []
+    header = [
+        f"# tessel training job for {config_path} ({what}), written by `tessel launch k8s`.",
+        f"# The config travels in the ConfigMap; the pods work in PersistentVolumeClaim {pvc}",
+        f"# (mounted at {mount_path}), where the run directory and relative data paths must be.",
+        "#   kubectl apply -f THIS_FILE",
+        "apiVersion: v1",
+        "kind: ConfigMap",
+        "metadata:",
+        f"  name: {name}-config",
+        *meta_ns,
+        "data:",
+        f"  {CONFIG_KEY}: {_yaml_str(config_text)}",
+        "---",
+    ]
+    volumes = _volumes(name, pvc, mount_path)
+    if kind == "trainjob":
+        job = _trainjob(name, meta_ns, script, volumes, image=image, nodes=nodes, nproc=nproc,
+                        gpus_per_node=gpus_per_node, mount_path=mount_path, runtime=runtime)
+    else:
+        job = _pytorchjob(name, meta_ns, script, volumes, image=image, nodes=nodes, nproc=nproc,
+                          gpus_per_node=gpus_per_node, mount_path=mount_path)
+    return "\n".join(header + job) + "\n"
+
+
+def _resources(gpus_per_node: int, nproc: int, indent: str) -> list[str]:
+    """GPUs as limits (the device plugin's resource), or the CPU pool's cores as requests."""
+    if gpus_per_node:
+        return [f"{indent}limits:", f"{indent}  nvidia.com/gpu: {gpus_per_node}"]
+    return [f"{indent}requests:", f'{indent}  cpu: "{nproc}"']
+
+
+def _volumes(name: str, pvc: str, mount_path: str) -> tuple[list[str], list[str]]:
+    """(volumeMounts, volumes) items, unindented: shared memory, the config, the claim."""
+    mounts = [
+        "- name: dshm",
+        "  mountPath: /dev/shm",
+        "- name: config",
+        f"  mountPath: {CONFIG_DIR}",
+        "  readOnly: true",
+        "- name: work",
+        f"  mountPath: {_yaml_str(mount_path)}",
+    ]
+    volumes = [
+        "# Shared memory for data-loader workers and NCCL (the default is 64 MiB).",
+        "- name: dshm",
+        "  emptyDir:",
+        "    medium: Memory",
+        "- name: config",
+        "  configMap:",
+        f"    name: {name}-config",
+        "# The run directory lives here: a restarted pod resumes from it.",
+        "- name: work",
+        "  persistentVolumeClaim:",
+        f"    claimName: {pvc}",
+    ]
+    return mounts, volumes
+
+
+def _indented(lines: list[str], indent: str) -> list[str]:
+    return [indent + line for line in lines]
+
+
+def _pytorchjob(name: str, meta_ns: list[str], script: list[str],
+                volumes: tuple[list[str], list[str]], *, image: str, nodes: int, nproc: int,
+                gpus_per_node: int, mount_path: str) -> list[str]:
+    """A kubeflow.org/v1 PyTorchJob: one Master and nodes - 1 Workers (a one-node job has no
+    Worker spec, as the operator accepts). The operator sets MASTER_ADDR and MASTER_PORT."""
+    command = [*script, (
         f"exec torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-id {name} "
         '--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
-        f'--max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"'
-    )
-    resources = ([f"                  nvidia.com/gpu: {gpus_per_node}"] if not cpu else
-                 [f'                  cpu: "{nproc}"'])
+        f'--max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"')]
 
     def replica(kind: str, count: int) -> list[str]:
         return [
@@ -91,47 +165,16 @@ def k8s_manifest(
             '              command: ["bash", "-c"]',
             "              args:",
             "                - |-",
-            *("                  " + line for line in script),
+            *_indented(command, "                  "),
             "              resources:",
-            "                limits:" if not cpu else "                requests:",
-            *resources,
+            *_resources(gpus_per_node, nproc, "                "),
             "              volumeMounts:",
-            "                - name: dshm",
-            "                  mountPath: /dev/shm",
-            "                - name: config",
-            f"                  mountPath: {CONFIG_DIR}",
-            "                  readOnly: true",
-            "                - name: work",
-            f"                  mountPath: {_yaml_str(mount_path)}",
+            *_indented(volumes[0], "                "),
             "          volumes:",
-            "            # Shared memory for data-loader workers and NCCL (the default is 64 MiB).",
-            "            - name: dshm",
-            "              emptyDir:",
-            "                medium: Memory",
-            "            - name: config",
-            "              configMap:",
-            f"                name: {name}-config",
-            "            # The run directory lives here: a restarted pod resumes from it.",
-            "            - name: work",
-            "              persistentVolumeClaim:",
-            f"                claimName: {pvc}",
+            *_indented(volumes[1], "            "),
         ]
 
-    what = f"{nodes} x {nproc} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
-    meta_ns = [f"  namespace: {namespace}"] if namespace else []
-    lines = [
-        f"# tessel training job for {config_path} ({what}), written by `tessel launch k8s`.",
-        f"# The config travels in the ConfigMap; the pods work in PersistentVolumeClaim {pvc}",
-        f"# (mounted at {mount_path}), where the run directory and relative data paths must be.",
-        "#   kubectl apply -f THIS_FILE",
-        "apiVersion: v1",
-        "kind: ConfigMap",
-        "metadata:",
-        f"  name: {name}-config",
-        *meta_ns,
-        "data:",
-        f"  {CONFIG_KEY}: {_yaml_str(config_text)}",
-        "---",
+    return [
         "apiVersion: kubeflow.org/v1",
         "kind: PyTorchJob",
         "metadata:",
@@ -143,4 +186,52 @@ def k8s_manifest(
         *replica("Master", 1),
         *(replica("Worker", nodes - 1) if nodes > 1 else []),
     ]
-    return "\n".join(lines) + "\n"
+
+
+def _trainjob(name: str, meta_ns: list[str], script: list[str],
+              volumes: tuple[list[str], list[str]], *, image: str, nodes: int, nproc: int,
+              gpus_per_node: int, mount_path: str, runtime: str) -> list[str]:
+    """A Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) on a torch runtime:
+    the runtime's torch plugin sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+    PET_MASTER_ADDR and PET_MASTER_PORT, which torchrun reads as its defaults. The volumes
+    reach the runtime's `node` pods through a runtime patch, which cannot set a working
+    directory: the script changes into the claim itself."""
+    command = [f"cd {shlex.quote(mount_path).replace('$', '$$')}", *script,
+               f'exec torchrun --max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"']
+    return [
+        "apiVersion: trainer.kubeflow.org/v1alpha1",
+        "kind: TrainJob",
+        "metadata:",
+        f"  name: {name}",
+        *meta_ns,
+        "spec:",
+        "  runtimeRef:",
+        f"    name: {runtime}",
+        "  trainer:",
+        f"    image: {_yaml_str(image)}",
+        f"    numNodes: {nodes}",
+        f"    numProcPerNode: {nproc}",
+        '    command: ["bash", "-c"]',
+        "    args:",
+        "      - |-",
+        *_indented(command, "        "),
+        "    resourcesPerNode:",
+        *_resources(gpus_per_node, nproc, "      "),
+        "  runtimePatches:",
+        "    - manager: tessel.launch",
+        "      trainingRuntimeSpec:",
+        "        template:",
+        "          spec:",
+        "            replicatedJobs:",
+        f"              - name: {TRAINJOB_NODE}  # the runtime's training nodes",
+        "                template:",
+        "                  spec:",
+        "                    template:",
+        "                      spec:",
+        "                        containers:",
+        f"                          - name: {TRAINJOB_NODE}",
+        "                            volumeMounts:",
+        *_indented(volumes[0], "                              "),
+        "                        volumes:",
+        *_indented(volumes[1], "                          "),
+    ]

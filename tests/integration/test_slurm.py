@@ -4,10 +4,10 @@ the end).
 
 The scripts are submitted exactly as `tessel launch slurm` prints them. Each scenario's losses
 are compared with a local `tessel train --nproc 2` of the same config: the job completes
-unedited; a SIGTERM to the job's steps (what preemption with a grace time sends), a SIGTERM to
-every process of the job (`scancel --signal=TERM --full`) and the time limit's warning each
-make the job save, requeue itself and finish with bit-identical losses; two jobs on one node
-both finish.
+unedited; preemption by a higher-priority partition (SIGTERM, a grace time, requeue), a
+SIGTERM to the job's steps, a SIGTERM to every process of the job (`scancel --signal=TERM
+--full`) and the time limit's warning each make the job save, requeue itself and finish with
+bit-identical losses; two jobs on one node both finish.
 
 The packages are installed when missing and this process may (root, apt-get); elsewhere the
 module is skipped with the reason, except under CI=true, where it fails.
@@ -37,6 +37,7 @@ STEPS = 400
 # into a one-minute job by this SLURM), lands mid-run.
 SLOW = {"TESSEL_FAULT": "slow:seconds=0.1"}
 SIGNALLED = {"TESSEL_FAULT": "slow:seconds=0.05"}  # signalled after 20 steps: less is enough
+GRACE = 60  # seconds between a preemption's SIGTERM and its SIGKILL
 CONFIG = f"""
 [model]
 preset = "tiny"
@@ -116,8 +117,16 @@ class Cluster:
             "ReturnToService=2", "SchedulerType=sched/backfill", "JobRequeue=1",
             "KillWait=30",
             "MinJobAge=600", "InactiveLimit=0",
+            # The backfill scheduler, which preempts, runs every 2 s (not every 30 s).
+            "SchedulerParameters=bf_interval=2",
             f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
+            # Preemption as clusters with scavenger queues set it up: a job in `urgent`
+            # preempts `batch` jobs, which get SIGTERM, GRACE seconds, then are requeued.
+            "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+            f"PartitionName=batch Nodes={self.host} Default=YES MaxTime=INFINITE State=UP "
+            f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE}",
+            f"PartitionName=urgent Nodes={self.host} MaxTime=INFINITE State=UP PriorityTier=10 "
+            "PreemptMode=OFF",
         ]) + "\n")
         if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
@@ -254,9 +263,8 @@ def test_the_generated_script_completes_unedited_with_the_local_losses(cluster, 
 @pytest.mark.parametrize("how", ["--signal=TERM", "--signal=TERM --full"])
 def test_a_signalled_job_saves_requeues_itself_and_resumes_exactly(cluster, reference,
                                                                    tmp_path_factory, how):
-    """`scancel --signal=TERM JOB` reaches the job's steps only, as preemption with a grace
-    time does (this one-node SLURM would not preempt: see the reliability note); `--full`
-    reaches every process of the job, srun included."""
+    """`scancel --signal=TERM JOB` reaches the job's steps only; `--full` reaches every
+    process of the job, srun included."""
     d = _workdir(tmp_path_factory, "full" if "full" in how else "steps")
     job = _submit(cluster, d, env=SIGNALLED)
     cluster.wait(job, lambda j: _steps_logged(d) >= 20, what="trained 20 steps")
@@ -267,6 +275,28 @@ def test_a_signalled_job_saves_requeues_itself_and_resumes_exactly(cluster, refe
     assert _losses(d / "run") == reference
     # checkpoint.interval = 0: only the stop itself saved, so resuming from it lost nothing
     assert 20 <= stopped_at < STEPS
+
+
+def test_preemption_by_a_higher_priority_partition_requeues_and_resumes_exactly(
+        cluster, reference, tmp_path_factory):
+    """Real preemption (partition_prio, PreemptMode=REQUEUE, a grace time): a job submitted
+    to the `urgent` partition needs every CPU the training job holds; SLURM sends the job
+    SIGTERM, tessel saves and exits, the job is requeued and, once the urgent job is done,
+    resumes with bit-identical losses."""
+    d = _workdir(tmp_path_factory, "preempted")
+    job = _submit(cluster, d, env=SLOW)
+    cluster.wait(job, lambda j: _steps_logged(d) >= 20, what="trained 20 steps")
+    urgent = cluster.run("sbatch", "--parsable", "--partition=urgent",
+                         f"--ntasks={os.cpu_count() or 2}", f"--output={d / 'urgent.out'}",
+                         "--wrap", "sleep 2", cwd=d).stdout.strip()
+    cluster.wait(job, lambda j: j["Restarts"] != "0", what="preempted and requeued")
+    stopped_at = _steps_logged(d)
+    cluster.wait(urgent, lambda j: j["JobState"] == "COMPLETED", what="ran (urgent)")
+    _finished(cluster, job, d)
+    assert _losses(d / "run") == reference
+    log = "\n".join(p.read_text() for p in (d / "logs").glob("*.out"))
+    assert "DUE TO PREEMPTION" in log
+    assert 20 <= stopped_at < STEPS  # checkpoint.interval = 0: the stop itself saved
 
 
 def test_the_time_limit_saves_and_requeues_until_done(cluster, reference, tmp_path_factory):

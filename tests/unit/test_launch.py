@@ -235,7 +235,7 @@ def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_cod
 
 def _manifest(capsys, *args: str) -> tuple[str, dict, dict]:
     """(text, ConfigMap, PyTorchJob), the job checked against the PyTorchJob CRD's own schema
-    (Kubeflow Training Operator v1.9.0: tests/data/make_pytorchjob_schema.py)."""
+    (Kubeflow Training Operator v1.9.0: tests/data/make_crd_schemas.py)."""
     import jsonschema
     import yaml
 
@@ -314,6 +314,62 @@ def test_k8s_manifest_for_a_cpu_pool(capsys):
         assert container["workingDir"] == "/mnt/runs"
 
 
+def _trainjob(capsys, *args: str) -> tuple[dict, dict]:
+    """(ConfigMap, TrainJob), the job checked against Kubeflow Trainer's TrainJob CRD schema
+    (tests/data/make_crd_schemas.py)."""
+    import jsonschema
+    import yaml
+
+    code, text, err = run_cli(capsys, "launch", "k8s", CONFIG, "--image", "ghcr.io/o/tessel:1",
+                              "--pvc", "train-data", "--kind", "trainjob", MB2, *args)
+    assert code == 0, err
+    config_map, job = yaml.safe_load_all(text)
+    schema = json.loads(gzip.decompress((ROOT / "tests/data/trainjob_v1alpha1.schema.json.gz")
+                                        .read_bytes()))
+    jsonschema.Draft4Validator(schema).validate(job)
+    with pytest.raises(jsonschema.ValidationError, match="is not of type 'integer'"):
+        bad = {**job, "spec": {**job["spec"], "trainer": {**job["spec"]["trainer"],
+                                                          "numProcPerNode": "2"}}}
+        jsonschema.Draft4Validator(schema).validate(bad)  # the check can fail
+    return config_map, job
+
+
+def test_k8s_trainjob_for_kubeflow_trainer_v2(capsys, tmp_path: Path):
+    config_map, job = _trainjob(capsys, "--nodes", "4", "--gpus-per-node", "2", "--name",
+                                "gpt-run", "--namespace", "ml", NASTY, FILES)
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert job["metadata"] == {"name": "gpt-run", "namespace": "ml"}
+    assert config_map["metadata"] == {"name": "gpt-run-config", "namespace": "ml"}
+    spec = job["spec"]
+    assert spec["runtimeRef"] == {"name": "torch-distributed"}
+    trainer = spec["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (4, 2)
+    assert trainer["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 2}}
+    script = k8s_expand(trainer["args"][0])
+    subprocess.run(["bash", "-n", "-c", script], check=True)
+    assert script.startswith("cd /workspace\n")  # a runtime patch cannot set workingDir
+    # torchrun takes the node count, rank and rendezvous from the runtime's PET_* variables
+    assert 'exec torchrun --max-restarts 3 -m tessel train "${TRAIN[@]}"' in script
+    assert train_array(script, tmp_path) == ["/etc/tessel/config.toml", MB2, NASTY, FILES,
+                                             "--auto-resume"]
+    (patch,) = spec["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]["spec"]
+    assert node["name"] == "node" and pod["containers"][0]["name"] == "node"
+    assert [v["name"] for v in pod["volumes"]] == ["dshm", "config", "work"]
+    assert pod["volumes"][2] == {"name": "work",
+                                 "persistentVolumeClaim": {"claimName": "train-data"}}
+    assert pod["containers"][0]["volumeMounts"][1] == {
+        "name": "config", "mountPath": "/etc/tessel", "readOnly": True}
+
+
+def test_k8s_trainjob_for_a_cpu_pool_on_another_runtime(capsys):
+    _, job = _trainjob(capsys, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2",
+                       "--runtime", "torch-cpu")
+    assert job["spec"]["runtimeRef"] == {"name": "torch-cpu"}
+    assert job["spec"]["trainer"]["resourcesPerNode"] == {"requests": {"cpu": "2"}}
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 
@@ -346,6 +402,10 @@ def test_k8s_manifest_for_a_cpu_pool(capsys):
      "must be an absolute path"),
     (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "p", "--run.dir=a\nb"],
      "control character"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "p", "--kind", "job"],
+     "invalid choice: 'job'"),
+    (["k8s", CONFIG, "--nodes", "2", "--image", "i", "--pvc", "p", "--kind", "trainjob",
+      "--runtime", "Torch_Runtime"], "not a DNS-1123 label"),
     (["pbs", CONFIG], "invalid choice: 'pbs'"),
 ])
 def test_bad_launch_input_is_one_line_and_exit_2(capsys, args: list[str], needle: str):
