@@ -291,11 +291,13 @@ def test_preemption_by_a_higher_priority_partition_requeues_and_resumes_exactly(
                          "--wrap", "sleep 2", cwd=d).stdout.strip()
     cluster.wait(job, lambda j: j["Restarts"] != "0", what="preempted and requeued")
     stopped_at = _steps_logged(d)
-    cluster.wait(urgent, lambda j: j["JobState"] == "COMPLETED", what="ran (urgent)")
-    _finished(cluster, job, d)
+    done = cluster.wait(urgent, lambda j: j["JobState"] == "COMPLETED", what="ran (urgent)")
+    info = _finished(cluster, job, d)
     assert _losses(d / "run") == reference
+    # The urgent job needed every CPU the training job held: it ran in the middle of it.
+    assert done["EndTime"] < info["EndTime"]
     log = "\n".join(p.read_text() for p in (d / "logs").glob("*.out"))
-    assert "DUE TO PREEMPTION" in log
+    assert log.count("stopped by the scheduler's signal after saving a checkpoint") == 1
     assert 20 <= stopped_at < STEPS  # checkpoint.interval = 0: the stop itself saved
 
 
