@@ -238,13 +238,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'corpus MB':>9} {'on disk':>8} {'docs':>9} {'tokens':>13} {'workers':>7} {'tok batched':>11} "
+    head = (f"{'corpus MB':>9} {'on disk':>8} {'docs':>9} {'tokens':>13} {'workers':>7} "
+            f"{'tok batched':>11} "
             f"{'tok 1-call':>10} {'tok-alone MB/s':>14} "
             f"{'preprocess MB/s':>15} {'ratio':>6} {'peak RSS MB':>11} {'RSS growth MB':>13} "
             f"{'worker peak MB':>14}")
     print(head)
     for r in rows:
-        print(f"{r['corpus_mb']:>9.1f} {r['disk_mb']:>8.1f} {r['docs']:>9,} {r['tokens']:>13,} {r['workers']:>7} "
+        print(f"{r['corpus_mb']:>9.1f} {r['disk_mb']:>8.1f} {r['docs']:>9,} {r['tokens']:>13,} "
+              f"{r['workers']:>7} "
               f"{r['tokenizer_batched_mb_s']:>11.2f} {r['tokenizer_one_call_mb_s']:>10.2f} "
               f"{r['tokenizer_mb_s']:>14.2f} {r['preprocess_mb_s']:>15.2f} {r['ratio']:>6.2f} "
               f"{_fmt(r['peak_rss_mb'], '>11.0f')} {_fmt(r['rss_growth_mb'], '>13.0f')} "
