@@ -101,6 +101,19 @@ def _rejected_lines(result: SearchResult, hw: GpuProfile) -> list[str]:
     return lines
 
 
+def no_fit_headline(result: SearchResult) -> str:
+    """Why nothing fits, in one line: memory only when some layout was evaluated; when every
+    layout was refused for a structural reason (a vocabulary tp does not divide, tied
+    embeddings under pp, ...), that reason and its fix, since more GPUs would not help."""
+    if result.evaluated == 0 and result.invalid:
+        total = sum(count for count, _ in result.invalid.values())
+        count, reason = max(result.invalid.values(), key=lambda ce: ce[0])
+        return (f"no layout can run these settings: all {total:,} were refused before "
+                f"evaluation, most often ({count:,}) because {reason}")
+    return ("no layout fits: more GPUs, a shorter train.seq_len, a smaller model or GPUs with "
+            "more memory" + (" (or lift the refusals below)" if result.invalid else ""))
+
+
 def search_text(cfg: Config, gpus: int, hw: GpuProfile, result: SearchResult, seconds: float,
                 cfg_path: str | None, top: int) -> str:
     lines = [header(cfg, gpus, hw),
@@ -111,8 +124,7 @@ def search_text(cfg: Config, gpus: int, hw: GpuProfile, result: SearchResult, se
         if i == 1:
             lines.append(breakdown(p, hw))
     if not result.plans:
-        lines.append("   -  no layout fits: more GPUs, a shorter train.seq_len, a smaller model "
-                     "or GPUs with more memory")
+        lines.append("   -  " + no_fit_headline(result))
     lines += _rejected_lines(result, hw)
     if result.plans:
         lines += ["", "run the best: " + launch_line(cfg_path, result.plans[0])]

@@ -311,3 +311,21 @@ def test_time_to_budget_and_mfu_follow_from_the_step():
     assert plan.time_to_budget_s == pytest.approx(100 * plan.step.total)
     assert plan.mfu == pytest.approx(flops_per_token(c.model, 64) * plan.tokens_per_s / H100.bf16_flops)
     assert plan.memory.total / GIB < 80 and plan.fits
+
+
+def test_the_no_fit_headline_names_a_structural_refusal_not_more_gpus():
+    """gpt3-175b on 1,024 A100s said "more GPUs" while every layout had been refused for its
+    vocabulary (tp) or tied embeddings (pp): the headline now names that reason and its fix."""
+    from tessel.planner.report import no_fit_headline
+    from tessel.planner.search import SearchResult
+
+    refused = {"vocab": (9216, "vocab_size 50257 is not divisible by tp=2; pad it: "
+                                "--model.vocab_size=50304"),
+               "tied": (210, "tied embeddings cannot be split across pipeline stages")}
+    line = no_fit_headline(SearchResult([], [], refused, evaluated=0))
+    assert line.startswith("no layout can run these settings: all 9,426 were refused")
+    assert "(9,216) because vocab_size 50257 is not divisible by tp=2" in line
+    assert "more GPUs" not in line
+    memory = no_fit_headline(SearchResult([], [], refused, evaluated=12))
+    assert memory.startswith("no layout fits: more GPUs") and "lift the refusals" in memory
+    assert "refusals" not in no_fit_headline(SearchResult([], [], {}, evaluated=12))
