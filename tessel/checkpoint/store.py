@@ -65,6 +65,19 @@ def quiet_single_process() -> Iterator[None]:
 FORMAT_VERSION = 2  # 1 was single-file safetensors (before sharded layouts)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+_MODEL_LOAD = StateDictOptions(strict=False)
+
+
+def _model_state(m: nn.Module) -> dict[str, Any]:
+    """The module's state dict with each shared tensor once: a tied output projection
+    (`output.weight`, the embedding itself) is saved and loaded as `tok_embeddings.weight`
+    only, on every pipeline stage that holds it. Checkpoints of earlier versions hold both
+    names; the second is then simply not read."""
+    sd = get_model_state_dict(m)
+    emb, out = getattr(m, "tok_embeddings", None), getattr(m, "output", None)
+    if emb is not None and out is not None and out.weight is emb.weight:
+        sd.pop("output.weight", None)
+    return sd
 # `no_dist` on async_save (where this torch has it): one process saves without a process group, and
 # its writer thread then does not warn about it.
 _ASYNC_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
@@ -135,7 +148,7 @@ def _state_dict(models: Models, optimizers: Optimizers) -> dict[str, Any]:
     ms, opts = _as_list(models), _as_list(optimizers)
     sd: dict[str, Any] = {"model": {}}
     for m in ms:
-        sd["model"].update(get_model_state_dict(m))
+        sd["model"].update(_model_state(m))
     if opts:
         sd["optim"] = {}
         for m, o in zip(ms, opts):
@@ -355,7 +368,7 @@ def load_model(path: Path, models: Models) -> None:
     meta = _metadata(path)
     saved = _model_shapes(meta)
     for m in parts:
-        sd = get_model_state_dict(m)
+        sd = _model_state(m)
         missing = sorted(set(sd) - set(saved))
         if missing:
             raise CheckpointError(
@@ -369,7 +382,8 @@ def load_model(path: Path, models: Models) -> None:
                 )
         holder = {"model": sd}
         _dcp_load(path, holder, metadata=meta)
-        set_model_state_dict(m, holder["model"])
+        # Not strict: a tied output projection is absent and takes the embedding's values.
+        set_model_state_dict(m, holder["model"], options=_MODEL_LOAD)
 
 
 def load_optimizer(path: Path, models: Models, optimizers: Optimizers) -> None:

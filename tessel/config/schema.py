@@ -297,11 +297,12 @@ class ParallelConfig(Section):
     data parallel (DDP or FSDP2)."""
 
     dp_replicate: int = Field(1, gt=0)
-    """Data-parallel replicas: the replicate dimension of HSDP (zero >= 1) or more DDP
-    replicas (zero = 0)."""
+    """Data-parallel replicas that hold the same (sharded) state: the replicate dimension of
+    HSDP (zero >= 1). With zero = 0 every data-parallel rank is a replica."""
     dp_shard: int = Field(-1, ge=-1)
-    """Data-parallel ranks that shard ZeRO state among themselves (with zero = 0 they are
-    plain DDP replicas); -1 means all processes the other degrees leave."""
+    """Data-parallel ranks that shard ZeRO state (zero >= 1) among themselves; -1 means all
+    processes the other degrees leave. With zero = 0 nothing is sharded: these ranks are
+    replicas too (counted into dp_replicate; an explicit value > 1 gets a one-line note)."""
     tp: int = Field(1, gt=0)
     """Tensor-parallel degree (Megatron column/row split of attention and MLP, vocab-parallel
     embedding and loss); divides heads, key/value heads, ffn_hidden and vocab_size."""
@@ -310,11 +311,14 @@ class ParallelConfig(Section):
     cp: int = Field(1, gt=0)
     """Context-parallel degree: each sequence is split over cp ranks (ring attention; CUDA
     only)."""
-    zero: int = Field(0, ge=0, le=3)
-    """ZeRO stage over the dp_shard ranks: 0 = DDP (bucketed all-reduce overlapped with the
-    backward pass); 1 = optimizer state sharded (gradients reduce-scattered once per step);
+    zero: Literal["auto", 0, 1, 2, 3] = "auto"
+    """ZeRO stage over the dp_shard ranks: 0 = replicated data parallel (DDP's bucketed
+    all-reduce overlapped with the backward pass; beside tp/pp, FSDP2 with a shard group of
+    one, as torchtitan's replicate: gradients all-reduced once per step); 1 = optimizer state
+    sharded (gradients reduce-scattered once per step: Megatron's distributed optimizer);
     2 = + gradients sharded (reduce-scattered every micro-batch); 3 = + parameters sharded
-    (FSDP2: gathered for each block's forward and backward)."""
+    (FSDP2: gathered for each block's forward and backward). auto = 0 for pure data
+    parallelism (and one process), 1 beside tp, pp or cp or with an explicit dp_shard > 1."""
     dp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
     """Gradient compression for DDP (zero = 0): all-reduce in bf16/fp16, or PowerSGD rank 2."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
@@ -358,12 +362,12 @@ class ParallelConfig(Section):
                 f"pp_virtual_stages={self.pp_virtual_stages} needs an interleaved schedule; set "
                 "parallel.pp_schedule='interleaved-1f1b' or 'zero-bubble'"
             )
-        if self.dp_comm_hook != "none" and self.zero != 0:
+        if self.dp_comm_hook != "none" and self.zero not in (0, "auto"):
             raise ValueError(
                 f"dp_comm_hook={self.dp_comm_hook!r} compresses DDP's all-reduce and needs "
                 "zero=0; set parallel.dp_comm_hook='none' to use ZeRO"
             )
-        if self.offload == "params" and self.zero != 3:
+        if self.offload == "params" and self.zero not in (3, "auto"):
             raise ValueError(
                 "offload='params' is FSDP2's CPU offload and needs parallel.zero=3"
             )

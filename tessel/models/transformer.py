@@ -137,6 +137,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embeds = True
+        """Whether forward embeds token ids: False on a pipeline stage after the first, which
+        may still hold `tok_embeddings` as the tied output projection's weight."""
         self.pos_embeddings = (
             nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         )
@@ -204,7 +207,7 @@ class Transformer(nn.Module):
         # A pipeline stage lacks the parts other stages hold (see tessel.parallel.pipeline):
         # without embeddings its input is the previous stage's hidden state (B, T, C); without
         # the head it returns its hidden state.
-        if self.tok_embeddings is not None:
+        if self.embeds:
             h = self.tok_embeddings(tokens)  # (B, T, C)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))

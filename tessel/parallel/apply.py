@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
 
 from tessel.config import Config
 from tessel.models.transformer import Transformer
-from tessel.parallel.dims import ParallelDims
+from tessel.parallel.dims import ParallelDims, resolve_zero
 from tessel.parallel.fsdp import DataParallel, apply_ddp, apply_fsdp, data_parallel_kind
 from tessel.parallel.pipeline import split_model
 from tessel.parallel.tensor import apply_tensor_parallel
@@ -80,7 +80,8 @@ def build_parallel_model(
     else:
         stages = [(0, whole)]
     n_stages = dims.pp * p.pp_virtual_stages
-    kind = data_parallel_kind(p, dims.dp * dims.cp)
+    zero = resolve_zero(p)
+    kind = data_parallel_kind(zero, dims.dp * dims.cp, dims.tp, dims.pp)
     for _, stage in stages:
         if dims.tp > 1:
             assert mesh is not None
@@ -96,11 +97,12 @@ def build_parallel_model(
             # parameter names (and so the checkpoints) unchanged.
             for block in stage.layers.values():
                 block.compile()
-        if kind == "fsdp":
+        if kind in ("fsdp", "replicate"):
             assert mesh is not None
+            # replicate: dp_shard is 1 (ParallelDims), so this is a (replicas, 1) mesh.
             shard_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
                           else mesh["dp_shard_cp"])
-            apply_fsdp(stage, shard_mesh, p.zero, param_dtype, p.offload == "params")
+            apply_fsdp(stage, shard_mesh, max(zero, 1), param_dtype, p.offload == "params")
     for _, stage in stages:
         materialise(stage, device, cfg.train.seed, initial)
     inner = [stage for _, stage in stages]
@@ -110,7 +112,7 @@ def build_parallel_model(
         parts = [apply_ddp(m, mesh["dp_cp"], p.dp_comm_hook) for m in inner]
     ids = [s for s, _ in stages]
     return ParallelModel(
-        parts=parts, inner=inner, stage_ids=ids, dp=DataParallel(kind, p.zero),
+        parts=parts, inner=inner, stage_ids=ids, dp=DataParallel(kind, zero),
         has_first=0 in ids, has_last=n_stages - 1 in ids,
     )
 

@@ -10,7 +10,7 @@ import torch
 
 from tessel.config import Config
 from tessel.parallel.context import check_context_parallel
-from tessel.parallel.dims import ParallelDims, ParallelError
+from tessel.parallel.dims import ParallelDims, ParallelError, resolve_zero
 from tessel.parallel.fsdp import check_offload
 
 
@@ -27,7 +27,7 @@ def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
             "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"
         )
     check_context_parallel(cfg, device)
-    if precision == "fp16" and dims.world_size > 1 and (p.zero > 0 or dims.tp > 1 or dims.pp > 1):
+    if precision == "fp16" and dims.world_size > 1 and (resolve_zero(p) > 0 or dims.tp > 1 or dims.pp > 1):
         raise ParallelError(
             "fp16 loss scaling is supported for one process or DDP (zero=0) only; use "
             "train.precision='bf16' (no loss scaling needed) for sharded layouts"

@@ -46,6 +46,10 @@ class ParallelDims:
                 )
             dp_shard = world_size // others
         product = others * dp_shard
+        replicate = p.dp_replicate
+        if resolve_zero(p) == 0:
+            # Nothing is sharded: every data-parallel rank is a replica.
+            replicate, dp_shard = replicate * dp_shard, 1
         if product != world_size:
             raise ParallelError(
                 f"tp*pp*dp*cp = {product} but {world_size} process"
@@ -53,7 +57,7 @@ class ParallelDims:
                 f"dp_replicate={p.dp_replicate}, dp_shard={dp_shard}, cp={p.cp}); start "
                 f"{product} (tessel train --nproc {product}) or set parallel.dp_shard=-1"
             )
-        return cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, world_size)
+        return cls(replicate, dp_shard, p.cp, p.tp, p.pp, world_size)
 
     @property
     def dp(self) -> int:
@@ -73,24 +77,14 @@ class ParallelDims:
         _check_model(self, cfg.model, cfg.parallel)
         _check_batch(self, cfg.train, cfg.parallel)
         p = cfg.parallel
-        if p.zero == 0 and self.tp > 1 and self.dp > 1:
+        zero = resolve_zero(p)
+        if zero == 0 and self.cp > 1:
+            raise ParallelError("context parallelism shards with FSDP; set parallel.zero >= 1 "
+                                "(or auto)")
+        if p.dp_comm_hook != "none" and self.dp > 1 and (self.tp > 1 or self.pp > 1):
             raise ParallelError(
-                "parallel.zero=0 (DDP) cannot wrap tensor-parallel parameters; use "
-                "parallel.zero=1 (DDP's memory for parameters and gradients, optimizer state "
-                "sharded) with tp > 1"
-            )
-        if p.zero == 0 and self.pp > 1 and self.dp > 1:
-            raise ParallelError(
-                "parallel.zero=0 (DDP) cannot wrap pipeline stages; use parallel.zero=1 (DDP's "
-                "memory for parameters and gradients, optimizer state sharded) with pp > 1"
-            )
-        if p.zero == 0 and self.cp > 1:
-            raise ParallelError("context parallelism shards with FSDP; set parallel.zero >= 1")
-        if self.pp > 1 and cfg.model.tie_embeddings:
-            raise ParallelError(
-                "tied embeddings cannot be split across pipeline stages (the first stage holds "
-                "the embedding, the last the output projection); set model.tie_embeddings=false "
-                "or parallel.pp=1"
+                f"parallel.dp_comm_hook={p.dp_comm_hook!r} compresses DDP's all-reduce, which "
+                "wraps whole models only; with tp or pp > 1 set parallel.dp_comm_hook='none'"
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -103,6 +97,34 @@ class ParallelDims:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return mesh
+
+
+def resolve_zero(p: ParallelConfig) -> int:
+    """The ZeRO stage parallel.zero names; `auto`: 0 (replicated: DDP's all-reduce, no
+    gathers) for pure data parallelism, 1 (Megatron's distributed optimizer: the same traffic,
+    optimizer state sharded) beside tp, pp or cp or when dp_shard > 1 is asked for, 3 for
+    offload='params' (FSDP2's CPU offload)."""
+    if p.zero != "auto":
+        return p.zero
+    if p.offload == "params":
+        return 3
+    if p.dp_comm_hook != "none":
+        return 0
+    return 1 if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.dp_shard > 1 else 0
+
+
+def resolved(cfg: Config) -> tuple[Config, str | None]:
+    """`cfg` with parallel.zero an int, and a one-line note for the old reading of dp_shard
+    (zero = 0 with dp_shard > 1 was DDP over dp_shard replicas; nothing is sharded)."""
+    p = cfg.parallel
+    note = None
+    if p.zero == 0 and p.dp_shard > 1:
+        note = (f"tessel: note: parallel.dp_shard={p.dp_shard} with parallel.zero=0 shards "
+                f"nothing; read as parallel.dp_replicate={p.dp_replicate * p.dp_shard} "
+                "(replicas); write that, or set parallel.zero >= 1 to shard")
+    if p.zero == "auto":
+        cfg = cfg.model_copy(update={"parallel": p.model_copy(update={"zero": resolve_zero(p)})})
+    return cfg, note
 
 
 def stage_layer_counts(n_layers: int, n_stages: int, first: int, last: int,

@@ -1,5 +1,8 @@
 """Data parallelism: DDP (zero = 0) or FSDP2 `fully_shard` for ZeRO stages 1-3, HSDP when
-dp_replicate > 1, and FSDP2's CPU offload.
+dp_replicate > 1, and FSDP2's CPU offload. Replicated data parallelism beside tensor or
+pipeline parallelism (zero = 0 with tp or pp > 1) is FSDP2 over a (replicas, 1) mesh: a shard
+group of one, so parameters and optimizer state are whole on every rank and gradients are
+all-reduced once per step, as torchtitan's FSDP2-based `replicate` does.
 
 How the ZeRO stages map onto FSDP2 (parameters are DTensors sharded over the shard group in
 every stage, so the optimizer always holds 1/dp_shard of its state):
@@ -80,7 +83,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, hook: str) -> DDP:
 class DataParallel:
     """What the training loop needs to know about the data-parallel wrapper of each part."""
 
-    kind: str  # "none" | "ddp" | "fsdp"
+    kind: str  # "none" | "ddp" | "replicate" | "fsdp"
     zero: int
 
     @contextlib.contextmanager
@@ -93,7 +96,7 @@ class DataParallel:
                     stack.enter_context(m.no_sync())  # type: ignore[operator]
                 yield
             return
-        if self.kind == "fsdp" and self.zero == 1:
+        if (self.kind == "fsdp" and self.zero == 1) or self.kind == "replicate":
             for m in modules:
                 assert isinstance(m, FSDPModule)
                 # Accumulate unsharded gradients, keep parameters gathered, until the last.
@@ -102,10 +105,15 @@ class DataParallel:
         yield
 
 
-def data_parallel_kind(p: ParallelConfig, dp_cp: int) -> str:
+def data_parallel_kind(zero: int, dp_cp: int, tp: int, pp: int) -> str:
+    """none (one replica) | ddp (zero 0, whole models) | replicate (zero 0 beside tp/pp:
+    FSDP2 over a shard group of one, since DDP wraps neither DTensor parameters nor
+    pipeline stages) | fsdp (ZeRO 1-3)."""
     if dp_cp == 1:
         return "none"
-    return "ddp" if p.zero == 0 else "fsdp"
+    if zero == 0:
+        return "ddp" if tp == 1 and pp == 1 else "replicate"
+    return "fsdp"
 
 
 def check_offload(p: ParallelConfig, device: torch.device) -> None:

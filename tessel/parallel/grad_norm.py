@@ -18,9 +18,11 @@ from torch.distributed.tensor import DTensor
 @torch.no_grad()
 def clip_grad_norm(
     params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+    also_clip: list[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clip in place to `max_norm` (math.inf: only measure); returns the total norm as a
-    plain tensor, identical on every rank. No host synchronisation."""
+    plain tensor, identical on every rank. No host synchronisation. `also_clip`: gradients
+    scaled by the same factor but not measured (copies of measured ones)."""
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
@@ -40,6 +42,7 @@ def clip_grad_norm(
     total = total_sq.sqrt()
     if max_norm != math.inf:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        plain = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        extra = [p.grad for p in also_clip if p.grad is not None]
+        plain = [g.to_local() if isinstance(g, DTensor) else g for g in grads + extra]
         torch._foreach_mul_(plain, coef)
     return total

@@ -6,6 +6,12 @@ embeddings kept only in the first stage and the final norm + head only in the la
 live in a ModuleDict keyed by their global index, so parameter names, and therefore
 checkpoints, are the same under every split.
 
+Tied embeddings (Megatron's scheme): the last stage keeps its own copy of the token embedding
+as the output projection's weight, under the same name; it starts from the same values, the
+two gradients are summed over the embedding group (the first and last pipeline ranks of each
+data/tensor-parallel coordinate) before the optimizer step (`EmbeddingSync`), so both copies
+take the same steps and stay identical. A checkpoint holds the one tensor.
+
 Stage placement: with v virtual stages per rank, rank r holds stages r, r + pp, r + 2pp, ...
 (the looped placement that interleaved 1F1B and interleaved zero-bubble expect).
 """
@@ -57,8 +63,10 @@ def split_model(model: Transformer, p: ParallelConfig, pp_rank: int) -> list[tup
             if name not in keep:
                 del stage.layers[name]
         if s != 0:
-            stage.tok_embeddings = None
+            stage.embeds = False
             stage.pos_embeddings = None
+            if not (model.cfg.tie_embeddings and s == n_stages - 1):
+                stage.tok_embeddings = None
         if s != n_stages - 1:
             stage.norm = None
             stage.output = None
@@ -86,3 +94,45 @@ def build_schedule(
         return cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
                    scale_grads=False)
     return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class EmbeddingSync:
+    """Sums the gradient of a tied embedding over its two copies (first and last pipeline
+    stage) after the backward pass, as Megatron's embedding group does; a no-op on ranks
+    that hold neither or when the embeddings are not tied."""
+
+    def __init__(self, stages: list[tuple[int, torch.nn.Module]], mesh: DeviceMesh | None,
+                 pp: int, tied: bool):
+        self.param: torch.nn.Parameter | None = None
+        self.group = None
+        self.is_copy = False
+        """This rank holds the last stage's copy (left out of the gradient norm: the
+        tensor is counted once, on the first stage)."""
+        if not tied or pp == 1 or mesh is None:
+            return
+        holders = [m for _, m in stages if getattr(m, "tok_embeddings", None) is not None]
+        if not holders:
+            return
+        self.param = holders[0].tok_embeddings.weight
+        self.is_copy = all(s != 0 for s, _ in stages)
+        if pp == 2:
+            self.group = mesh["pp"].get_group()  # exactly the first and last stage's ranks
+            return
+        # The first and the last pipeline rank of this rank's (dp, cp, tp) coordinate; only
+        # the two members create their group (use_local_synchronization).
+        pp_ranks = mesh["pp"].mesh.tolist()
+        self.group = torch.distributed.new_group([pp_ranks[0], pp_ranks[-1]],
+                                                 use_local_synchronization=True)
+
+    def __call__(self) -> None:
+        if self.param is None or self.param.grad is None:
+            return
+        from torch.distributed.tensor import DTensor
+
+        g = self.param.grad
+        if isinstance(g, DTensor) and g.placements != self.param.placements:
+            # The vocab-parallel embedding's backward may leave a replicated gradient:
+            # lay it out like the parameter (a local slice) so both copies line up.
+            g = self.param.grad = g.redistribute(self.param.device_mesh, self.param.placements)
+        torch.distributed.all_reduce(g.to_local() if isinstance(g, DTensor) else g,
+                                     group=self.group)

@@ -36,12 +36,12 @@ class Layout:
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
-        from tessel.parallel.dims import ParallelDims
+        from tessel.parallel.dims import ParallelDims, resolve_zero
 
         p = cfg.parallel
         dims = ParallelDims.from_config(p, world_size)
         return cls(
-            dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, p.zero,
+            dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, resolve_zero(p),
             cfg.train.micro_batch_size, p.activation_checkpointing, p.offload, p.pp_schedule,
             p.pp_virtual_stages, p.pp_layers_first, p.pp_layers_last, p.sequence_parallel,
         )
@@ -55,7 +55,7 @@ class Layout:
     def short(self) -> str:
         """One line, e.g. `dp=8 (hsdp 4x2) tp=4 pp=8 interleaved-1f1b/v2 zero=3 mbs=1 ac=full`."""
         dp = f"dp={self.dp}"
-        if self.dp_replicate > 1:
+        if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" (hsdp {self.dp_replicate}x{self.dp_shard})"
         parts = [dp, f"tp={self.tp}", f"pp={self.pp}"]
         if self.pp > 1:

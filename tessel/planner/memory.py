@@ -258,8 +258,11 @@ def rank_memory(
     n_stages = layout.pp * layout.pp_virtual_stages
     last = n_stages - 1 in stages
     compute = 2 if precision in ("bf16", "fp16") else 4
-    fsdp = fsdp_active(layout)
-    shard = layout.dp_shard * layout.cp if fsdp else 1
+    # Replicated data parallelism beside tp/pp runs as FSDP2 over a shard group of one:
+    # ZeRO-1's buffers with nothing sharded.
+    replicate = layout.zero == 0 and layout.dp * layout.cp > 1 and (layout.tp > 1 or layout.pp > 1)
+    fsdp = fsdp_active(layout) or replicate
+    shard = layout.dp_shard * layout.cp if fsdp_active(layout) else 1
     offload_params = layout.offload == "params" and fsdp
     offload_optimizer = layout.offload == "optimizer"
     local = -(-p.total // shard)  # FSDP pads the last shard up
@@ -267,7 +270,7 @@ def rank_memory(
 
     # Parameters: fp32 masters (sharded under FSDP) plus the copies compute uses.
     master = 0.0 if offload_params else MASTER_BYTES * local
-    if fsdp and layout.zero in (1, 2):
+    if fsdp and (layout.zero in (1, 2) or replicate):
         copies = compute * p.total  # gathered at forward, kept to the backward
     elif fsdp:
         copies = compute * (p.root + 2 * p.block)
@@ -284,7 +287,7 @@ def rank_memory(
         gradients = GRAD_BYTES * p.total
     else:
         gradients = 0.0 if offload_params else GRAD_BYTES * local
-        if layout.zero == 1 and micro_batches > 1:
+        if (layout.zero == 1 or replicate) and micro_batches > 1:
             gradients += GRAD_BYTES * p.total  # accumulated unsharded until the last micro-batch
     optimizer = 0.0 if (offload_params or offload_optimizer) else ADAM_BYTES * local
     if offload_params:

@@ -180,6 +180,8 @@ def candidates(cfg: Config, gpus: int, hw: GpuProfile, device_type: str = "cuda"
                             offloads = ["none"]
                             if device_type == "cuda":
                                 offloads += ["optimizer"] + (["params"] if zero == 3 else [])
+                            if zero == 0:
+                                replicas = [dp]  # nothing sharded: every rank a replica
                             for rep in replicas:
                                 for mbs in _divisors(per_rank):
                                     if mbs > MAX_MICRO_BATCH:

@@ -33,10 +33,17 @@ def announce(tr: Trainer) -> None:
     tr.display.print(
         f"tessel: {verb} {param_count(cfg.model):,}-parameter model "
         f"({cfg.model.preset or 'custom'}) on {tr.proc.world_size} x {tr.device.type} "
-        f"({tr.precision.name}; {tr.dims.describe()}), "
+        f"({tr.precision.name}; {tr.dims.describe()}{_data_parallel(tr)}), "
         f"{t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens = {planned:,} tokens "
         f"(accumulation {tr.train_step.accum}); run dir {tr.run_dir}"
     )
+
+
+def _data_parallel(tr: Trainer) -> str:
+    """How gradients are reduced: says which stage parallel.zero = auto took."""
+    dp = tr.model.dp
+    return {"none": "", "ddp": ", zero 0: DDP", "replicate": ", zero 0: replicated",
+            "fsdp": f", ZeRO-{dp.zero}"}[dp.kind]
 
 
 def start_event(tr: Trainer) -> None:

@@ -20,7 +20,7 @@ from tessel.parallel.context import context_parallel_step
 from tessel.parallel.dims import ParallelDims
 from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.grad_norm import clip_grad_norm
-from tessel.parallel.pipeline import build_schedule
+from tessel.parallel.pipeline import EmbeddingSync, build_schedule
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.precision import Precision
 
@@ -48,6 +48,8 @@ class TrainStep:
         self.loss_factor = 1.0  # fault injection only (TESSEL_FAULT)
         self._loss_tokens = 1  # the divisor of the pipeline's loss function
         self.schedule = None
+        self.embedding_sync = EmbeddingSync(list(zip(model.stage_ids, model.inner)), mesh,
+                                            dims.pp, model.inner[0].cfg.tie_embeddings)
         if dims.pp > 1:
             stages = list(zip(model.stage_ids, model.parts))
             self.schedule = build_schedule(stages, parallel_cfg, mesh["pp"], device, accum,
@@ -71,6 +73,7 @@ class TrainStep:
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
             total = self._pipeline_step(batches, n_tokens)
+            self.embedding_sync()  # tied embeddings: both copies take the summed gradient
         else:
             model = self.model.parts[0]
             # Under context parallelism each rank holds 1/cp of every sequence's tokens and
@@ -96,7 +99,12 @@ class TrainStep:
                 scaler.unscale_(opt)
         clip = self.grad_clip if self.grad_clip > 0 else math.inf
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 and self.mesh is not None else None
-        grad_norm = clip_grad_norm(self.model.parameters(), clip, pp_group)
+        # A tied embedding's pipeline copy is counted once (on the first stage) but clipped
+        # like the original.
+        copy = self.embedding_sync.param if self.embedding_sync.is_copy else None
+        params = [p for p in self.model.parameters() if p is not copy]
+        grad_norm = clip_grad_norm(params, clip, pp_group,
+                                   also_clip=[copy] if copy is not None else [])
         for opt in self.optimizers:
             if scaler is not None:
                 scaler.step(opt)
@@ -188,4 +196,5 @@ def concat(batches: list[Batch]) -> Batch:
         torch.cat([b.targets for b in batches]),
         torch.cat(docs) if docs[0] is not None else None,  # type: ignore[arg-type]
     )
+
 

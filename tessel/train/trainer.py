@@ -32,7 +32,7 @@ from tessel.observe.timing import PhaseTimer
 from tessel.observe.watchdog import Watchdog
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.check import check_layout
-from tessel.parallel.dims import ParallelDims
+from tessel.parallel.dims import ParallelDims, resolved
 from tessel.parallel.dist import init_distributed, process_info, shutdown
 from tessel.parallel.fp8 import check_fp8
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
@@ -90,6 +90,11 @@ class Trainer:
         # Everything that can reject the input happens before anything is written.
         self.device = pick_device(cfg.train.device)
         cfg = auto_layout(cfg, self.device, proc.world_size, say)
+        # Saved as given: parallel.zero = auto takes the stage of the layout a resume runs.
+        self.saved_cfg = cfg
+        cfg, note = resolved(cfg)  # parallel.zero = auto -> the stage the layout takes
+        if note:
+            say(note)
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.dims = dims = ParallelDims.from_config(cfg.parallel, proc.world_size)
         check_layout(cfg, dims, self.device, self.precision.name)
@@ -232,7 +237,8 @@ class Trainer:
                 # another new run took this directory since the start-up check
                 raise TesselError(f"{str(self.run_dir)!r} already holds a run; choose another "
                                   "--run.dir")
-            self.run.write_start(cfg.to_toml(), lifecycle.run_info(self), self.tokenizer.save)
+            self.run.write_start(self.saved_cfg.to_toml(), lifecycle.run_info(self),
+                                 self.tokenizer.save)
         lifecycle.announce(self)
         lifecycle.start_event(self)
         log = StepLogger(cfg, self.display, open_metrics(cfg, self.run, self.display.print)

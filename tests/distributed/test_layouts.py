@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model
+from tessel.checkpoint.store import checkpoint_shapes
 from tessel.checkpoint.init_from import load_config
 from tessel.config import Config
 from tessel.models import build_model
@@ -117,9 +118,28 @@ def with_gpt(layouts: dict[str, dict]) -> dict[str, dict]:
 
 LAYOUTS_2, LAYOUTS_4 = with_gpt(LAYOUTS_2), with_gpt(LAYOUTS_4)
 
+# Tied input/output embeddings (GPT-2/GPT-3) under pipeline parallelism: the last stage holds
+# a copy of the embedding whose gradient is summed with the first stage's (Megatron's
+# embedding group); every schedule, with TP + ZeRO-1 and with plain replication (zero 0).
+TIED = {"model.preset": "tiny"}  # GPT shape, tie_embeddings = true
+LAYOUTS_2.update({
+    "tied_pp2_1f1b": {**TIED, "parallel.pp": 2},
+    "tied_pp2_interleaved": {**TIED, "parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
+                             "parallel.pp_virtual_stages": 2},
+    "tied_pp2_zero_bubble": {**TIED, "parallel.pp": 2, "parallel.pp_schedule": "zero-bubble",
+                             "parallel.pp_virtual_stages": 2},
+})
+LAYOUTS_4.update({
+    "tied_tp2_pp2_zero1": {**TIED, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 1},
+    "tied_dp2_pp2_replicated": {**TIED, "parallel.pp": 2, "parallel.zero": 0},
+    "tied_pp4_gpipe": {**TIED, "parallel.pp": 4, "parallel.pp_schedule": "gpipe"},
+    # Replicated data parallelism beside tensor parallelism (FSDP2 over a shard group of one).
+    "dp2_tp2_replicated": {"parallel.tp": 2, "parallel.zero": 0},
+})
+
 
 def ref_for(name: str) -> str:
-    return "gpt" if name.startswith("gpt") else "llama"
+    return "gpt" if name.startswith("gpt") else "tied" if name.startswith("tied") else "llama"
 
 
 def job_output(proc: subprocess.CompletedProcess) -> str:
@@ -190,7 +210,8 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     os.environ.setdefault("TESSEL_CACHE", str(root / "cache"))
     corpus = write_corpus(root / "corpus")
     out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
-    for name, extra in (("llama", {}), ("gpt", GPT), ("llama_hf", {"model.init_from": str(out["hf"])})):
+    for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED),
+                        ("llama_hf", {"model.init_from": str(out["hf"])})):
         Trainer(load_config(None, base(root / name, corpus, **extra)), console=False).train()
         out[name] = root / name
     return out
@@ -276,6 +297,38 @@ def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
         assert_same_run(tmp_path / name, refs["llama_hf"])
     # The asynchronous save published both checkpoints, complete.
     assert [s for s, _ in list_checkpoints(tmp_path / "zero2_ac_selective_async/checkpoints")] == [2, 4, 6]
+    assert_tied_embeddings_reshard(refs, tmp_path)
+
+
+def assert_one_embedding(run: Path) -> None:
+    """Every checkpoint of a tied run holds the embedding once, and it loads tied."""
+    for _, ckpt in list_checkpoints(run / "checkpoints"):
+        shapes = checkpoint_shapes(ckpt)
+        assert "tok_embeddings.weight" in shapes and "output.weight" not in shapes, ckpt
+    model = build_model(Config.load(run / "config.toml").model, seed=123)
+    load_model(latest_checkpoint(run / "checkpoints"), model)
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def assert_tied_embeddings_reshard(refs, tmp_path: Path) -> None:
+    """pp2 -> pp1 -> tp2: the tied pipeline run's step-2 checkpoint resumed by one process
+    (to step 6), whose step-4 checkpoint is resumed by two tensor-parallel ranks: each
+    continues the reference run, and the embedding stays one tensor."""
+    pp2 = tmp_path / "tied_pp2_1f1b"
+    assert_one_embedding(pp2)
+    single = tmp_path / "tied_pp1"
+    _copy_run(pp2, single, step=2)
+    cfg = Config.load(single / "config.toml", {"run.dir": str(single), "parallel.pp": 1})
+    Trainer(cfg, resume=True, console=False).train()
+    assert_same_run(single, refs["tied"], first_step=3)
+    assert_one_embedding(single)
+    _copy_run(single, tmp_path / "tied_tp2", step=4)
+    spec = {"runs": [{"overrides": base(tmp_path / "tied_tp2", refs["corpus"],
+                                        **TIED, **{"parallel.tp": 2}), "resume": True}]}
+    proc = torchrun(2, spec, tmp_path)
+    assert proc.returncode == 0, job_output(proc)
+    assert_same_run(tmp_path / "tied_tp2", refs["tied"], first_step=5)
+    assert_one_embedding(tmp_path / "tied_tp2")
 
 
 def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):

@@ -65,8 +65,8 @@ def test_bad_plan_input_is_one_line():
     assert_one_line_error(tessel("plan", "--gpus", "8", "--gpu", "tpu-v9"), "unknown GPU 'tpu-v9'")
     assert_one_line_error(tessel("plan", "--gpus", "3", "--parallel.tp=3", "--model.preset=tiny"),
                           "is not divisible by tp=3")
-    assert_one_line_error(tessel("plan", "--gpus", "4", "--parallel.tp=2", "--parallel.zero=0",
-                                 "--model.preset=tiny-llama"), "cannot wrap tensor-parallel")
+    assert_one_line_error(tessel("plan", "--gpus", "4", "--parallel.cp=2", "--parallel.zero=0",
+                                 "--model.preset=tiny-llama"), "context parallelism shards with FSDP")
     assert_one_line_error(tessel("plan", "--gpus", "8", "--hardware", "/nonexistent.toml"),
                           "does not exist")
 

@@ -71,7 +71,7 @@ def test_resolved_toml_round_trips(tmp_path: Path):
         ({"data.source": "indexed", "data.paths": ["1 a b"]}, 'must be "PREFIX" or "WEIGHT PREFIX"'),
         ({"parallel.pp_virtual_stages": 2}, "needs an interleaved schedule"),
         ({"parallel.zero": 1, "parallel.dp_comm_hook": "fp16"}, "needs zero=0"),
-        ({"parallel.offload": "params"}, "needs parallel.zero=3"),
+        ({"parallel.offload": "params", "parallel.zero": 1}, "needs parallel.zero=3"),
         ({"parallel.zero": 4}, "parallel.zero"),
         ({"train.precision": "fp8"}, "train.precision: input should be"),
     ],

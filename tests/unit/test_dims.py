@@ -83,14 +83,46 @@ def test_batch_and_sequence_must_divide(overrides, needle):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"parallel.tp": 2, "parallel.zero": 0}, "use parallel.zero=1"),
-    ({"parallel.pp": 2, "parallel.zero": 0}, "use parallel.zero=1"),
     ({"parallel.cp": 2, "parallel.zero": 0}, "set parallel.zero >= 1"),
-    ({"parallel.pp": 2, "parallel.zero": 1, "model.tie_embeddings": True},
-     "set model.tie_embeddings=false or parallel.pp=1"),
+    ({"parallel.tp": 2, "parallel.dp_comm_hook": "bf16"}, "set parallel.dp_comm_hook='none'"),
 ])
 def test_combinations_this_build_cannot_run(overrides, needle):
     assert needle in rejected(4, **overrides)
+
+
+@pytest.mark.parametrize("overrides, zero, replicate, shard", [
+    # auto: replicated (DDP) for pure data parallelism, the distributed optimizer beside tp/pp
+    ({}, 0, 4, 1),
+    ({"parallel.tp": 2}, 1, 1, 2),
+    ({"parallel.pp": 2, "model.tie_embeddings": True}, 1, 1, 2),
+    ({"parallel.cp": 2}, 1, 1, 2),
+    ({"parallel.dp_shard": 4}, 1, 1, 4),  # sharding asked for
+    ({"parallel.offload": "params"}, 3, 1, 4),
+    # zero 0 beside tp/pp: plain replication (every data-parallel rank a replica)
+    ({"parallel.tp": 2, "parallel.zero": 0}, 0, 2, 1),
+    ({"parallel.pp": 2, "parallel.zero": 0}, 0, 2, 1),
+    ({"parallel.zero": 2}, 2, 1, 4),
+])
+def test_layout_defaults_that_work(overrides, zero, replicate, shard):
+    from tessel.parallel.dims import resolve_zero, resolved
+
+    d, cfg = dims(4, **overrides)
+    d.validate(cfg)
+    assert resolve_zero(cfg.parallel) == zero
+    assert (d.dp_replicate, d.dp_shard) == (replicate, shard)
+    assert resolved(cfg)[0].parallel.zero == zero
+
+
+def test_dp_shard_with_zero_0_reads_as_replicas_with_a_note():
+    from tessel.parallel.dims import resolved
+
+    d, cfg = dims(4, **{"parallel.zero": 0, "parallel.dp_shard": 4})
+    assert (d.dp_replicate, d.dp_shard) == (4, 1)
+    note = resolved(cfg)[1]
+    assert note is not None and "\n" not in note
+    assert "parallel.dp_shard=4 with parallel.zero=0 shards nothing" in note
+    assert "parallel.dp_replicate=4" in note
+    assert resolved(dims(4, **{"parallel.zero": 0})[1])[1] is None
 
 
 def test_one_process_accepts_the_defaults():

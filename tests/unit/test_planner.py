@@ -217,7 +217,7 @@ def test_search_returns_valid_layouts_fastest_first_and_says_why_others_are_out(
         assert p.layout.world == 64
     assert all(p.shortfall_gib > 0 for p in result.too_big)
     reasons = " ".join(example for _, example in result.invalid.values())
-    assert "zero=0 (DDP) cannot wrap" in reasons
+    assert "context parallelism shards with FSDP" in reasons
 
 
 def test_an_impossible_layout_is_explained_not_evaluated():
@@ -232,11 +232,11 @@ def test_auto_layout_and_the_memory_refusal():
     assert plan.fits and chosen.parallel.auto
     assert Layout.from_config(chosen, 8) == plan.layout
     small = hardware.GpuProfile("small", 989e12, None, 16.0, 450.0, 50.0, 8)
-    refused, why = check_memory(c.with_overrides({"parallel.dp_shard": 8}), 8, small)
+    refused, why = check_memory(c.with_overrides({"parallel.zero": 0}), 8, small)
     assert not refused.fits
     assert why.startswith("layout dp=8 tp=1 pp=1 zero=0 mbs=1 is predicted to need")
     assert "GiB more than the 16.0 GiB available" in why and "--force" in why
-    assert "layouts predicted to fit: --parallel.zero=" in why
+    assert "layouts predicted to fit: --parallel.dp_replicate=1 --parallel." in why
     with pytest.raises(TesselError, match="no layout of this model on 1 device"):
         choose_layout(c, 1, small)
 
