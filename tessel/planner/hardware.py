@@ -14,7 +14,7 @@ and link bandwidths (sources in SOURCES). Users add or override profiles in a TO
     gpus_per_node = 8
     hbm_gbps = 3350            # optional: device memory bandwidth, GB/s
     host_memory_gib = 2048     # optional: host memory per node (offload), GiB
-    matmul_efficiency = 0.605  # optional: fraction of peak that large matmuls reach
+    matmul_efficiency = 0.625  # optional: fraction of peak that large matmuls reach
     comm_efficiency = 0.75     # optional: fraction of link bandwidth collectives reach
 
 A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
@@ -39,7 +39,7 @@ else:  # pragma: no cover
 
 # Matmul efficiency: fitted to published runs (tessel/planner/validation.py; docs/planning.md's
 # table). Communication efficiency: an assumption (bus bandwidth ~75% of the link's).
-MATMUL_EFFICIENCY = 0.605
+MATMUL_EFFICIENCY = 0.625
 COMM_EFFICIENCY = 0.75
 
 

@@ -38,7 +38,8 @@ ASSUMPTIONS = (
     "collectives: ring algorithm, 2(n-1)/n x bytes (all-reduce) or (n-1)/n (all-gather, "
     "reduce-scatter) at comm_efficiency x the per-GPU intra-node bandwidth when the group "
     f"fits in a node, else the inter-node bandwidth; DDP hides behind {DDP_OVERLAP:.0%} of "
-    f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute, context parallel behind "
+    f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute (ZeRO-1, which gathers and "
+    "reduce-scatters once per step, of one micro-batch's), context parallel behind "
     f"{CP_OVERLAP:.0%} of attention; tensor-parallel collectives and pipeline sends are exposed",
     "pipeline bubble: (pp-1) x the busiest stage's micro-batch time, divided by v for "
     "interleaved 1F1B and by 2v for zero-bubble (PyTorch's interleaved zero-bubble splits each "
@@ -173,7 +174,12 @@ def estimate_step(
         if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
             raw += _ring(grad_bytes / shard_group, layout.dp_replicate, inter, all_reduce=True)
         hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
-        dp_comm = max(0.0, raw - hide * compute)
+        # ZeRO-1 gathers parameters once (behind the first micro-batch's forward) and
+        # reduce-scatters gradients once (behind the last one's backward): one micro-batch
+        # of compute to hide behind, however many there are. ZeRO-2/3 collectives run in
+        # every micro-batch, behind all of the compute.
+        window = t_mb if layout.zero == 1 else compute
+        dp_comm = max(0.0, raw - hide * window)
 
     # Pipeline: each micro-batch's hidden state crosses every stage boundary both ways.
     pp_comm = bubble = 0.0

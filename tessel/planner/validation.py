@@ -55,14 +55,16 @@ def check_all(matmul_efficiency: float | None = None) -> list[Check]:
     return out
 
 
-def fit_matmul_efficiency(lo: float = 0.3, hi: float = 1.0, steps: int = 141) -> float:
+def fit_matmul_efficiency(lo: float = 0.3, hi: float = 1.0, steps: int = 141,
+                          sources: set[str] | None = None) -> float:
     """The efficiency that minimises the median absolute error over the runs marked `fit`
     (grid search: the model's one fitted constant; the rest are physical or stated
-    assumptions)."""
+    assumptions), or over those of `sources` only (to check rows held out of the fit)."""
     best, best_err = lo, float("inf")
     for i in range(steps):
         eff = lo + (hi - lo) * i / (steps - 1)
-        err = statistics.median(abs(c.error) for c in check_all(eff) if c.run.fit)
+        err = statistics.median(abs(c.error) for c in check_all(eff)
+                                if c.run.fit and (sources is None or c.run.source in sources))
         if err < best_err:
             best, best_err = eff, err
     return round(best, 3)

@@ -316,6 +316,19 @@ def assert_tied_embeddings_reshard(refs, tmp_path: Path) -> None:
     continues the reference run, and the embedding stays one tensor."""
     pp2 = tmp_path / "tied_pp2_1f1b"
     assert_one_embedding(pp2)
+    # Hugging Face export read from the pipeline checkpoint's shards: tied, the reference's.
+    from safetensors.torch import load_file
+
+    from tessel.cli import main
+
+    for name, src in (("pp2", pp2), ("ref", refs["tied"])):
+        assert main(["convert", "tessel-to-hf", str(src), str(tmp_path / f"hf_tied_{name}")]) == 0
+    hf_cfg = json.loads((tmp_path / "hf_tied_pp2/config.json").read_text())
+    assert hf_cfg["tie_word_embeddings"] is True
+    got, want = (load_file(tmp_path / f"hf_tied_{n}/model.safetensors") for n in ("pp2", "ref"))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert (got[k] - want[k]).abs().max() < 1e-4, k
     single = tmp_path / "tied_pp1"
     _copy_run(pp2, single, step=2)
     cfg = Config.load(single / "config.toml", {"run.dir": str(single), "parallel.pp": 1})
