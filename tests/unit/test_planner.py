@@ -213,7 +213,7 @@ def test_search_returns_valid_layouts_fastest_first_and_says_why_others_are_out(
     speeds = [p.tokens_per_s for p in result.plans]
     # Fastest first; predictions within 0.5% tie (broken by less communication, less memory).
     assert all(a > b * 0.99 for a, b in zip(speeds, speeds[1:])), speeds
-    assert speeds[0] == max(speeds)
+    assert speeds[0] > max(speeds) * 0.99
     for p in result.plans:
         assert p.fits and check_layout(c, p.layout, full=True) is None
         assert p.layout.world == 64
