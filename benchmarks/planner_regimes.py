@@ -6,8 +6,8 @@ docs/planning.md (derived from its memory and time model, not from a rule of thu
 
 Each cell is the fastest layout predicted to fit for that model on that many GPUs, with a
 global batch of --tokens tokens per step (1,024 sequences of 4,096 by default, about the
-4M tokens of GPT-3 and Llama runs); "-" where nothing fits. GPT vocabularies are padded to
-50,304 (as Megatron does) so that tensor parallelism can divide them.
+4M tokens of GPT-3 and Llama runs); "-" where nothing fits. GPT vocabularies get 50,304 rows
+(model.vocab_pad_to=128, as Megatron pads) so that tensor parallelism can divide them.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ GPUS = (8, 64, 512, 4096)
 
 def cell(preset: str, gpus: int, gpu: str, seq_len: int, tokens: int) -> str:
     model = {"model.preset": preset, "model.tie_embeddings": False, "model.max_seq_len": seq_len}
-    if preset.startswith("gpt"):
-        model["model.vocab_size"] = 50304  # GPT-2's 50,257 padded so that tp can divide it
     cfg = Config.load(None, {**model, "train.seq_len": seq_len,
                              "train.global_batch_size": tokens // seq_len, "train.micro_batch_size": 1})
     result = search(cfg, gpus, get_profile(gpu), keep=1)

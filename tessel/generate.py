@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from tessel.checkpoint import CheckpointError, find_checkpoint, load_model, read_state
-from tessel.config import Config, ConfigError
+from tessel.config import Config, ConfigError, read_saved
 from tessel.data.tokenizer import Tokenizer, load_tokenizer
 from tessel.models import Transformer, build_model
 
@@ -68,7 +68,7 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
             raise ConfigError(f"{str(path)!r} is not a tessel run directory (no config.toml)")
     if ckpt is None:
         raise CheckpointError(f"run {str(path)!r} has no complete checkpoint yet")
-    cfg = Config.load(run / "config.toml")
+    cfg = Config.from_dict(read_saved(run / "config.toml"))
     read_state(ckpt)  # validates format and file sizes
     model = build_model(cfg.model, device)
     load_model(ckpt, model)

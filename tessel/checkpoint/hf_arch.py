@@ -193,11 +193,26 @@ def _fused(names: list[str], transpose: bool) -> Callable[[Read], torch.Tensor]:
     return lambda read: torch.cat([read(n) for n in names])
 
 
+VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")
+"""tessel parameters with one row per vocabulary id: model.padded_vocab_size rows in tessel,
+vocab_size in Hugging Face (whose config has no padding)."""
+
+
+def fit_vocab_rows(t: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
+    """The first `vocab_size` rows of `t` (the real ids), then zero rows up to `rows` (the
+    padding: zero, as tessel initialises it and as it stays, having no gradient)."""
+    real = t[:vocab_size]
+    if rows == real.shape[0]:
+        return real.contiguous()
+    return torch.cat([real, real.new_zeros((rows - vocab_size, *t.shape[1:]))])
+
+
 def _one_to_one(names: list[tuple[str, str, Any]], m: ModelConfig, to_tessel: bool
                 ) -> dict[str, Callable[[Read], torch.Tensor]]:
     """(tessel name, HF name, change) -> {target name: build from source tensors}; a change
     is None, "t" (transposed) or the config attribute of the head count whose rows are
-    permuted (each change is its own inverse in the other direction)."""
+    permuted (each change is its own inverse in the other direction). The vocabulary's
+    padding rows are added on the way in and dropped on the way out."""
     out: dict[str, Callable[[Read], torch.Tensor]] = {}
     for t, h, change in names:
         src, dst = (h, t) if to_tessel else (t, h)
@@ -207,6 +222,10 @@ def _one_to_one(names: list[tuple[str, str, Any]], m: ModelConfig, to_tessel: bo
             out[dst] = _transposed(src)
         else:
             out[dst] = _permuted(src, getattr(m, change), to_tessel)
+        if t in VOCAB_ROWS:
+            rows = m.padded_vocab_size if to_tessel else m.vocab_size
+            out[dst] = lambda read, build=out[dst], rows=rows: fit_vocab_rows(
+                build(read), m.vocab_size, rows)
     return out
 
 

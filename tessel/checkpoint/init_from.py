@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from tessel.checkpoint.eod import hf_eod, run_eod
-from tessel.checkpoint.hf_arch import HFError, for_hf_config
+from tessel.checkpoint.hf_arch import VOCAB_ROWS, HFError, fit_vocab_rows, for_hf_config
 from tessel.checkpoint.hf_io import HFReader, read_json
 from tessel.config import Config
 from tessel.config.load import read_merged
@@ -122,6 +122,7 @@ class WeightSource:
 
     def __init__(self, path: Path, m: ModelConfig):
         self.path = path
+        self.m = m
         self._get: Callable[[str], torch.Tensor]
         if (path / "config.json").is_file():
             arch = for_hf_config(read_json(path / "config.json"), str(path / "config.json"))
@@ -164,6 +165,12 @@ class WeightSource:
             tensor = self._get(name)
         except KeyError:
             raise HFError(f"model.init_from={str(self.path)!r}: no tensor for {name!r}") from None
+        rows = min(tensor.shape[0], shape[0]) if tensor.ndim and len(shape) else 0
+        if (name in VOCAB_ROWS and tuple(tensor.shape[1:]) == tuple(shape[1:])
+                and rows >= self.m.vocab_size):
+            # Saved with other padding (model.vocab_pad_to; none before it existed): the
+            # same real rows, the padding re-made.
+            tensor = fit_vocab_rows(tensor, self.m.vocab_size, shape[0])
         if tuple(tensor.shape) != tuple(shape):
             raise HFError(
                 f"model.init_from={str(self.path)!r}: tensor {name!r} has shape "

@@ -376,9 +376,12 @@ def load_model(path: Path, models: Models) -> None:
             )
         for name, t in sd.items():
             if tuple(t.shape) != saved[name]:
+                vocab = name in ("tok_embeddings.weight", "output.weight")
                 raise CheckpointError(
                     f"checkpoint tensor {name!r} has shape {saved[name]}, the model expects "
-                    f"{tuple(t.shape)}"
+                    f"{tuple(t.shape)}" + ("; its rows are the padded vocabulary: set "
+                    "model.vocab_pad_to to the run's (1 for runs saved before that setting)"
+                    if vocab else "")
                 )
         holder = {"model": sd}
         _dcp_load(path, holder, metadata=meta)

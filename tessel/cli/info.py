@@ -29,6 +29,8 @@ def cmd_presets(argv: list[str]) -> int:
               f"{style:<26} {gflop:>11.3g}")
     print("GFLOP/token: training FLOPs per token at the preset's full context "
           "(6 x matmul params + 12 x layers x d_model x seq_len)")
+    print("params and GFLOP/token count the embedding and head padded to a multiple of "
+          "model.vocab_pad_to (128) rows: 50257 -> 50304")
     return 0
 
 

@@ -68,7 +68,7 @@ def cmd_train(argv: list[str]) -> int:
         raise TesselError("--auto-resume and --resume exclude each other; pass one")
 
     from tessel.checkpoint.init_from import load_config
-    from tessel.config import Config
+    from tessel.config import Config, read_saved
 
     resume = args.resume
     if args.auto_resume:
@@ -89,7 +89,8 @@ def cmd_train(argv: list[str]) -> int:
                 f"cannot resume {resume!r}: it is not a tessel run directory (no config.toml)"
             )
         # The run directory is where the run is now (it may have been moved).
-        cfg = Config.load(run_config, [*overrides, f"--run.dir={toml_str(resume)}"])
+        cfg = Config.from_dict(read_saved(run_config),
+                               [*overrides, f"--run.dir={toml_str(resume)}"])
     else:
         cfg = load_config(args.config, overrides)
     if nproc is not None and nproc > 1:

@@ -7,11 +7,13 @@
 
 The model fields that the weights of `model.init_from` fix are read by
 `tessel.checkpoint.init_from.load_config` (also `tessel.load_config`), which passes them in;
-`Config.load` reads only the TOML file.
+`Config.load` reads only the TOML file. A config tessel saved (a run directory's config.toml,
+a checkpoint's state) is read with `read_saved` / `with_saved_defaults`: a key an older tessel
+did not write means that tessel's behaviour, not today's default.
 """
 
 from tessel.config.base import ConfigError, table_model
-from tessel.config.load import parse_override_value, read_toml
+from tessel.config.load import parse_override_value, read_saved, read_toml, with_saved_defaults
 from tessel.config.monitoring import (
     AlertCondition,
     AlertConfig,
@@ -37,5 +39,5 @@ __all__ = [
     "SHAPE_FIELDS", "AlertCondition", "AlertConfig", "CheckpointConfig", "Config", "ConfigError",
     "DataConfig", "MetricsConfig", "ModelConfig", "NotifyConfig", "OptimConfig", "ParallelConfig",
     "RecoveryConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "parse_override_value",
-    "read_toml", "reference_markdown", "table_model",
+    "read_saved", "read_toml", "reference_markdown", "table_model", "with_saved_defaults",
 ]

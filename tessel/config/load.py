@@ -35,6 +35,31 @@ INIT_FIELDS = "init_fields"
 """Key of the validation context holding the model fields of model.init_from's weights."""
 
 
+SAVED_DEFAULTS: dict[str, dict[str, Any]] = {"model": {"vocab_pad_to": 1}}
+"""Keys added to the config after tessel began saving resolved configs (config.toml of a run
+directory, a checkpoint's state.json), with the value a saved config lacking them means: the
+behaviour of the tessel that wrote it (no vocabulary padding: its checkpoints hold vocab_size
+rows), not today's default. New runs write every key, so this applies to older runs only."""
+
+
+def with_saved_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the saved config `data` (e.g. a checkpoint's state) with the keys it
+    predates filled (SAVED_DEFAULTS): `Config.from_dict(with_saved_defaults(data))`."""
+    out = _deep_copy(data)
+    for section, values in SAVED_DEFAULTS.items():
+        node = out.setdefault(section, {})
+        if isinstance(node, dict):  # anything else: validation says why
+            for key, value in values.items():
+                node.setdefault(key, value)
+    return out
+
+
+def read_saved(path: str | Path) -> dict[str, Any]:
+    """A config.toml tessel wrote (a run directory's), its missing keys filled as the tessel
+    that wrote it behaved: `Config.from_dict(read_saved(path), overrides)`."""
+    return with_saved_defaults(read_toml(path))
+
+
 def read_merged(schema: type[BaseModel], path: str | Path | None,
                 overrides: Overrides = None) -> dict[str, Any]:
     """The TOML file at `path` (or nothing) with dotted overrides applied, not yet validated."""

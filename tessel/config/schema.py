@@ -47,7 +47,12 @@ class ModelConfig(Section):
     """Key/value heads: equal to `n_heads` for multi-head attention, fewer for grouped-query
     attention (must divide `n_heads`). Defaults to `n_heads`."""
     vocab_size: int = Field(2048, gt=0)
-    """Rows of the embedding table; must hold every token id of the tokenizer."""
+    """Token ids the model predicts over; must hold every token id of the tokenizer."""
+    vocab_pad_to: int = Field(128, gt=0)
+    """Embedding and output rows: vocab_size rounded up to a multiple of this (Megatron's
+    --make-vocab-size-divisible-by; GPT-2's 50,257 ids get 50,304 rows), so that tp divides
+    them and matmuls get round sizes. The extra ids are never predicted. Independent of tp,
+    so checkpoints reshard freely. 1 = no padding (runs saved before this setting)."""
     max_seq_len: int = Field(256, gt=0)
     """Longest sequence the model accepts (size of the learned position table)."""
     ffn_hidden: int | None = Field(None, gt=0)
@@ -155,6 +160,11 @@ class ModelConfig(Section):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and output projection (a multiple of vocab_pad_to)."""
+        return -(-self.vocab_size // self.vocab_pad_to) * self.vocab_pad_to
 
 
 # What weights fix (other model fields, e.g. dropout, may differ from the source's).

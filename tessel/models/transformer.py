@@ -136,7 +136,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # padded_vocab_size rows: ids from vocab_size up are padding (model.vocab_pad_to).
+        self.tok_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.embeds = True
         """Whether forward embeds token ids: False on a pipeline stage after the first, which
         may still hold `tok_embeddings` as the tied output projection's weight."""
@@ -146,10 +147,14 @@ class Transformer(nn.Module):
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.tie_weights()
-        # Not persistent: derived from the config, recomputed by init_weights.
+        # Not persistent: derived from the config, recomputed by init_buffers.
         self.register_buffer("rope_freqs", self._rope_table(), persistent=False)
+        # Added to the logits: -inf at the padding ids, so they are never predicted and get
+        # no gradient; None without padding. A DTensor sharded like the logits under tensor
+        # parallelism (tessel.parallel.tensor).
+        self.register_buffer("vocab_mask", self._vocab_mask(), persistent=False)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection when configured. `to_empty`
@@ -167,6 +172,15 @@ class Transformer(nn.Module):
                        cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len)
         return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=scaling)
 
+    def _vocab_mask(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """(padded_vocab_size,) float32: 0 for real ids, -inf for padding; None if none."""
+        cfg = self.cfg
+        if cfg.padded_vocab_size == cfg.vocab_size:
+            return None
+        mask = torch.zeros(cfg.padded_vocab_size, device=device)
+        mask[cfg.vocab_size:] = float("-inf")
+        return mask
+
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The initial value of parameter `name` (full, unsharded, float32, on CPU).
 
@@ -182,6 +196,12 @@ class Transformer(nn.Module):
         )
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         std = resid_std if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+        if name in VOCAB_PARAMS and shape[0] > cfg.vocab_size:
+            # The real rows are what the unpadded model draws; the padding rows are zero
+            # (and stay zero: they get no gradient).
+            real = torch.randn((cfg.vocab_size, *shape[1:]), generator=gen,
+                               dtype=torch.float32) * std
+            return torch.cat([real, real.new_zeros((shape[0] - cfg.vocab_size, *shape[1:]))])
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
     @torch.no_grad()
@@ -193,12 +213,26 @@ class Transformer(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        """Recompute the non-persistent buffers (the RoPE table) on their device."""
+        """Recompute the non-persistent buffers (the RoPE table, the vocabulary mask) on their
+        device, after `to_empty`; a buffer that is a DTensor (tensor parallelism) keeps its
+        mesh and placements, each rank filling its own slice."""
         if self.rope_freqs is not None:
             self.rope_freqs = self._rope_table().to(self.rope_freqs.device)
+        mask = self.vocab_mask
+        if mask is not None:
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            if isinstance(mask, DTensor):
+                full = self._vocab_mask(mask.to_local().device)
+                # src_data_rank=None: every rank holds the full value; no communication.
+                self.vocab_mask = distribute_tensor(full, mask.device_mesh, mask.placements,
+                                                    src_data_rank=None)
+            else:
+                self.vocab_mask = self._vocab_mask(mask.device)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, T) int64 -> logits (B, T, vocab) in the compute dtype.
+        """tokens: (B, T) int64 -> logits (B, T, padded_vocab_size) in the compute dtype, -inf
+        at the padding ids.
 
         doc_ids: optional (B, T) document index of each position; attention then stays
         inside each document of a packed sequence.
@@ -220,7 +254,16 @@ class Transformer(nn.Module):
             h = block(h, freqs, mask)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)  # (B, T, padded_vocab_size)
+        if self.vocab_mask is not None:
+            logits = logits + self.vocab_mask.to(logits.dtype)
+        return logits
+
+
+VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
+"""Parameters with one row per vocabulary id (padded_vocab_size rows)."""
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -269,7 +312,7 @@ def _norm_params(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     """Exact number of parameters (a tied output matrix counted once)."""
-    d, V = cfg.d_model, cfg.vocab_size
+    d, V = cfg.d_model, cfg.padded_vocab_size  # padding rows are real memory
     matmul, other = _block_params(cfg)
     emb = V * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
     total = cfg.n_layers * (matmul + other) + _norm_params(cfg)
@@ -286,5 +329,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     activations and the softmax.
     """
     matmul, _ = _block_params(cfg)
-    n_matmul = cfg.n_layers * matmul + cfg.vocab_size * cfg.d_model
+    n_matmul = cfg.n_layers * matmul + cfg.padded_vocab_size * cfg.d_model  # padding: real work
     return 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * seq_len

@@ -155,16 +155,16 @@ def _check_model(d: ParallelDims, m: ModelConfig, p: ParallelConfig) -> None:
         for label, value in (
             ("hidden size", m.d_model), ("attention heads", m.n_heads),
             ("key/value heads", m.n_kv_heads), ("ffn_hidden", m.ffn_hidden),
-            ("vocab_size", m.vocab_size),
+            ("padded vocabulary", m.padded_vocab_size),
         ):
-            if value % d.tp and label == "vocab_size":
-                # Megatron's --make-vocab-size-divisible-by: extra rows are never targets.
-                step = math.lcm(128, d.tp)
-                padded = -(-value // step) * step
+            if value % d.tp and label == "padded vocabulary":
+                # Megatron's --make-vocab-size-divisible-by, but independent of tp so that
+                # checkpoint shapes do not depend on the layout.
+                step = math.lcm(m.vocab_pad_to, d.tp)
                 raise ParallelError(
-                    f"vocab_size {value} is not divisible by tp={d.tp}; pad it: "
-                    f"--model.vocab_size={padded} (a multiple of {step}; the extra ids are never "
-                    "produced by the tokenizer)"
+                    f"the padded vocabulary ({m.vocab_size} ids padded to {value} rows, "
+                    f"model.vocab_pad_to={m.vocab_pad_to}) is not divisible by tp={d.tp}; set "
+                    f"model.vocab_pad_to to a multiple of tp (e.g. {step})"
                 )
             if value % d.tp:
                 raise ParallelError(

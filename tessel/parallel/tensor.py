@@ -4,7 +4,8 @@ Per block: wq/wk/wv and w1/w3 are split by output columns (each rank holds n_hea
 heads, n_kv_heads/tp key/value heads, ffn_hidden/tp hidden units); wo and w2 by input rows,
 so each block needs one all-reduce in forward and one in backward per sub-layer. The
 embedding is split by vocabulary rows (vocab-parallel), the output projection by vocabulary
-columns, and the loss is computed on vocabulary-sharded logits (`loss_parallel`) without
+columns (tp divides model.padded_vocab_size; the -inf mask of the padding ids is sharded the
+same way), and the loss is computed on vocabulary-sharded logits (`loss_parallel`) without
 gathering them.
 
 With sequence parallelism the residual stream between sub-layers is sharded along the
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -54,6 +55,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
         )
     parallelize_module(model, tp_mesh, plan)
+    if model.output is not None and model.vocab_mask is not None:
+        # The -inf of the vocabulary's padding ids, sharded like the logits (Shard(-1)); on
+        # meta here, filled per rank by Transformer.init_buffers after materialisation.
+        model.vocab_mask = distribute_tensor(model.vocab_mask, tp_mesh, [Shard(0)])
 
     for block in model.layers.values():
         block_plan: dict = {

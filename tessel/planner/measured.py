@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessel.config import Config
+from tessel.config import Config, read_saved, with_saved_defaults
 from tessel.errors import TesselError
 
 WARMUP_RECORDS = 2
@@ -43,7 +43,7 @@ def _from_run_dir(run: Path) -> MeasuredRun:
     for name in ("config.toml", "run.json", "metrics.jsonl"):
         if not (run / name).is_file():
             raise TesselError(f"--calibrate {str(run)!r}: not a tessel run directory (no {name})")
-    cfg = Config.load(run / "config.toml")
+    cfg = Config.from_dict(read_saved(run / "config.toml"))
     info = _read_json(run / "run.json")
     rates = [r["tokens_per_s"] for r in read_metrics(run / "metrics.jsonl") if "tokens_per_s" in r]
     if len(rates) <= WARMUP_RECORDS:
@@ -63,7 +63,8 @@ def _from_json(path: Path) -> MeasuredRun:
     if not isinstance(tps, (int, float)) or tps <= 0:
         raise TesselError(f"--calibrate {str(path)!r}: 'tokens_per_s' must be a positive number")
     world = _positive_int(data.get("world_size"), path, "world_size")
-    return MeasuredRun(Config.from_dict(data["config"]), world, float(tps), str(path))
+    cfg = Config.from_dict(with_saved_defaults(data["config"]))  # saved: old keys as old
+    return MeasuredRun(cfg, world, float(tps), str(path))
 
 
 def _read_json(path: Path) -> dict:

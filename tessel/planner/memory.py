@@ -107,7 +107,8 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
     """Parameters held by one tensor-parallel rank of a pipeline rank with `layers` blocks,
     the embeddings if `first`, the final norm and head if `last`. Column-parallel weights
     and biases and row-parallel weights are split by tp; row-parallel biases and norms are
-    replicated; the embedding and the head are split over the vocabulary."""
+    replicated; the embedding and the head (padded_vocab_size rows) are split over the
+    vocabulary."""
     d, f, kv = m.d_model, m.ffn_hidden, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1  # w1 (and w3)
     matmul = (d * d + 2 * d * kv + n_in * d * f) // tp + (d * d + f * d) // tp
@@ -118,10 +119,10 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
     root = 0
     head_matmul = 0
     if first:
-        root += m.vocab_size * d // tp + (m.max_seq_len * d if m.position == "learned" else 0)
+        root += m.padded_vocab_size * d // tp + (m.max_seq_len * d if m.position == "learned" else 0)
     if last:
         root += norm
-        head_matmul = m.vocab_size * d // tp
+        head_matmul = m.padded_vocab_size * d // tp
         if not (m.tie_embeddings and first):
             root += head_matmul
     return StageParams(layers * block + root, block, root, layers * matmul + head_matmul, layers,
@@ -327,7 +328,7 @@ def rank_memory(
         # The block being recomputed holds its full activations during its backward.
         transient = (acts.block.per_token(tp, sp) + per_position) * tokens
     if last:
-        vocab = m.vocab_size / tp
+        vocab = m.padded_vocab_size / tp
         transient = max(transient, (compute + 4 * HEAD_TRANSIENT_FP32_COPIES) * vocab * tokens)
     activations += transient
 

@@ -164,8 +164,9 @@ def _probe_config(m: ModelConfig, dropout: float) -> ModelConfig:
     kv = _HEADS if m.n_kv_heads == m.n_heads else 2
     return m.model_copy(update={
         "preset": None, "d_model": _D, "n_heads": _HEADS, "n_kv_heads": kv, "ffn_hidden": _FFN,
-        "n_layers": 1, "vocab_size": _VOCAB, "max_seq_len": _T, "dropout": dropout,
-    })
+        "n_layers": 1, "vocab_size": _VOCAB, "vocab_pad_to": 1, "max_seq_len": _T,
+        "dropout": dropout,
+    })  # unpadded: the vocabulary width is _VOCAB, scaled to the real padded_vocab_size
 
 
 @contextlib.contextmanager
@@ -251,7 +252,7 @@ def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig) -> tuple[str, float]
     kv_real = m.n_kv_heads * m.head_dim
     widths = {
         _D: ("d", m.d_model / _D), _FFN: ("f", m.ffn_hidden / _FFN),
-        _VOCAB: ("v", m.vocab_size / _VOCAB), _HEADS: ("h", m.n_heads / _HEADS),
+        _VOCAB: ("v", m.padded_vocab_size / _VOCAB), _HEADS: ("h", m.n_heads / _HEADS),
         1: ("1", 1.0), _T: ("t", None), _HEADS * _T: ("ht", None),
     }
     if kv_probe != _D:

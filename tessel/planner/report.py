@@ -103,7 +103,7 @@ def _rejected_lines(result: SearchResult, hw: GpuProfile) -> list[str]:
 
 def no_fit_headline(result: SearchResult) -> str:
     """Why nothing fits, in one line: memory only when some layout was evaluated; when every
-    layout was refused for a structural reason (a vocabulary tp does not divide, tied
+    layout was refused for a structural reason (a padded vocabulary tp does not divide, tied
     embeddings under pp, ...), that reason and its fix, since more GPUs would not help."""
     if result.evaluated == 0 and result.invalid:
         total = sum(count for count, _ in result.invalid.values())

@@ -96,7 +96,7 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
     attention = attn_flops / (rate * _size_efficiency(m.head_dim))
     total = layers * (block + attention)
     if last:
-        v = m.vocab_size / tp
+        v = m.padded_vocab_size / tp
         total += 6 * tokens * d * v / (rate * _size_efficiency(min(tokens, d, v)))
     return total, layers * attention
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tessel.checkpoint import CheckpointError, read_state
-from tessel.config import Config
+from tessel.config import Config, with_saved_defaults
 from tessel.data import load_tokenizer
 from tessel.errors import DataError, TesselError
 from tessel.train.control import EXIT_PAUSED
@@ -58,7 +58,7 @@ def resume_point(run: RunDir, cfg: Config, resume: bool, auto_resume: bool,
         return None
     state = read_state(ckpt)
     try:
-        then = Config.from_dict(state["config"])
+        then = Config.from_dict(with_saved_defaults(state["config"]))
     except KeyError:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks its config; it is damaged") from None
     for key in FROZEN_ON_RESUME:

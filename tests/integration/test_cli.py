@@ -51,9 +51,11 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> Non
 def test_presets_lists_every_shape_with_counts():
     out = tessel("presets")
     assert out.returncode == 0
-    for name, count in [("gpt2-124m", "124,439,808"), ("llama3-8b", "8,030,261,248"),
+    # gpt2-124m: 124,439,808 with its 50,257 ids, + 47 padding rows x 768 (vocab_pad_to=128)
+    for name, count in [("gpt2-124m", "124,475,904"), ("llama3-8b", "8,030,261,248"),
                         ("llama3-405b", "405,853,388,800"), ("tiny", "149,248")]:
         assert any(line.startswith(name + " ") and count in line for line in out.stdout.splitlines())
+    assert "padded to a multiple of model.vocab_pad_to" in out.stdout
 
 
 def test_help_and_config_commands(tmp_path: Path):

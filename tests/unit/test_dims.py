@@ -45,11 +45,22 @@ def test_model_dimensions_must_divide_by_tp():
     msg = rejected(8, **{"parallel.tp": 8, "model.preset": "tiny-llama",
                          "train.seq_len": 256})
     assert "heads" in msg and "tp=8" in msg
-    # GPT-2's 50257 ids divide by no tp: the message gives the padded size that does.
-    msg = rejected(2, **{"parallel.tp": 2, "model.vocab_size": 50257})
-    assert "pad it: --model.vocab_size=50304" in msg
-    d, cfg = dims(2, **{"parallel.tp": 2, "model.vocab_size": 50304})
-    d.validate(cfg)
+    # GPT-2's 50257 ids divide by no tp, but the default padding (model.vocab_pad_to=128)
+    # gives 50304 rows, which tp=2..128 in powers of two divide.
+    for tp in (2, 8, 128):
+        d, cfg = dims(tp, **{"parallel.tp": tp, "model.vocab_size": 50257,
+                             "model.n_heads": 128, "model.d_model": 1024})
+        assert cfg.model.padded_vocab_size == 50304
+        d.validate(cfg)
+    # Without padding (or with too little) the message names the setting that fixes it.
+    msg = rejected(2, **{"parallel.tp": 2, "model.vocab_size": 50257, "model.vocab_pad_to": 1})
+    assert msg == ("the padded vocabulary (50257 ids padded to 50257 rows, "
+                   "model.vocab_pad_to=1) is not divisible by tp=2; set model.vocab_pad_to to "
+                   "a multiple of tp (e.g. 2)")
+    msg = rejected(256, **{"parallel.tp": 256, "model.vocab_size": 50257,
+                           "model.n_heads": 256, "model.d_model": 2048,
+                           "train.global_batch_size": 1})
+    assert "50304 rows" in msg and "set model.vocab_pad_to to a multiple of tp (e.g. 256)" in msg
 
 
 def test_layers_that_cannot_be_split_into_stages():

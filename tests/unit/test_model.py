@@ -26,8 +26,10 @@ def test_variant_shapes_and_param_count(variant):
     cfg = small(**variant)
     model = build_model(cfg, "cpu", seed=0)
     logits = model(torch.randint(0, 97, (3, 11)))
-    assert logits.shape == (3, 11, 97)
-    assert torch.isfinite(logits).all()
+    assert cfg.padded_vocab_size == 128  # 97 ids padded to model.vocab_pad_to=128 rows
+    assert logits.shape == (3, 11, 128)
+    assert torch.isfinite(logits[..., :97]).all()
+    assert (logits[..., 97:] == float("-inf")).all()  # padding ids are never predicted
     assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
     attn = model.layers["0"].attention
     assert attn.wk.weight.shape == (cfg.n_kv_heads * 8, 32)  # grouped-query K/V
@@ -60,8 +62,12 @@ def test_preset_param_count_matches_formula_on_meta(name):
 
 
 def test_published_parameter_counts():
-    assert param_count(ModelConfig(preset="gpt2-124m")) == 124_439_808
-    assert param_count(ModelConfig(preset="gpt2-350m")) == 354_823_168
+    # Published counts are of the unpadded vocabulary; the default padding (50257 -> 50304
+    # rows) adds 47 real rows of d_model each, counted like Megatron counts them.
+    assert param_count(ModelConfig(preset="gpt2-124m", vocab_pad_to=1)) == 124_439_808
+    assert param_count(ModelConfig(preset="gpt2-350m", vocab_pad_to=1)) == 354_823_168
+    assert param_count(ModelConfig(preset="gpt2-124m")) == 124_439_808 + 47 * 768
+    assert param_count(ModelConfig(preset="gpt2-350m")) == 354_823_168 + 47 * 1024
     assert param_count(ModelConfig(preset="llama3-8b")) == 8_030_261_248
     assert param_count(ModelConfig(preset="llama3-70b")) == 70_553_706_496
     assert param_count(ModelConfig(preset="llama3-1b")) == 1_235_814_400
@@ -69,9 +75,11 @@ def test_published_parameter_counts():
 
 def test_flops_per_token_formula():
     cfg = ModelConfig(preset="gpt2-124m")
-    d, L, V, T = 768, 12, 50257, 1024
+    d, L, V, T = 768, 12, 50304, 1024  # the padded vocabulary: its rows are computed
     matmul = L * (4 * d * d + 8 * d * d) + V * d
     assert flops_per_token(cfg, T) == 6 * matmul + 12 * L * d * T
+    unpadded = ModelConfig(preset="gpt2-124m", vocab_pad_to=1)
+    assert flops_per_token(cfg, T) - flops_per_token(unpadded, T) == 6 * (50304 - 50257) * d
     # attention term grows with the sequence, the rest does not
     assert flops_per_token(cfg, 2048) - flops_per_token(cfg, 1024) == 12 * L * d * 1024
 

@@ -321,12 +321,14 @@ def test_the_no_fit_headline_names_a_structural_refusal_not_more_gpus():
     from tessel.planner.report import no_fit_headline
     from tessel.planner.search import SearchResult
 
-    refused = {"vocab": (9216, "vocab_size 50257 is not divisible by tp=2; pad it: "
-                                "--model.vocab_size=50304"),
+    refused = {"vocab": (9216, "the padded vocabulary (50257 ids padded to 50257 rows, "
+                                "model.vocab_pad_to=1) is not divisible by tp=2; set "
+                                "model.vocab_pad_to to a multiple of tp (e.g. 2)"),
                "tied": (210, "tied embeddings cannot be split across pipeline stages")}
     line = no_fit_headline(SearchResult([], [], refused, evaluated=0))
     assert line.startswith("no layout can run these settings: all 9,426 were refused")
-    assert "(9,216) because vocab_size 50257 is not divisible by tp=2" in line
+    assert "(9,216) because the padded vocabulary (50257 ids padded to 50257 rows" in line
+    assert line.endswith("set model.vocab_pad_to to a multiple of tp (e.g. 2)")
     assert "more GPUs" not in line
     memory = no_fit_headline(SearchResult([], [], refused, evaluated=12))
     assert memory.startswith("no layout fits: more GPUs") and "lift the refusals" in memory
