@@ -13,6 +13,8 @@ Method
   "best within the rule" is the fastest fitting layout of the rule's class (tp = 1 and pp = 1
   for DP; tp > 1, pp = 1 for TP+DP; tp > 1 and pp > 1 for 3D), and its speed relative to the
   pick says how much the rule would cost according to the planner's model.
+- its tp x pp here: the fastest fitting layout with the published tensor and pipeline
+  degrees on this GPU count (data parallelism and the rest as the search finds best).
 - published: Megatron-LM (Narayanan et al., SC21, Table 1: GPT models on A100-80GB of
   1.7B / 3.6B / 7.5B / 18.4B / 145.6B parameters, the nearest in size to each preset) and, for
   175B, the MegaScale Megatron-LM baseline (Jiang et al., NSDI'24, Table 2). The GPT-3 paper
@@ -69,8 +71,8 @@ def main() -> None:
     ap.add_argument("--gpu", nargs="+", default=["a100-80gb", "h100-sxm"])
     args = ap.parse_args()
     print("| model | batch | GPUs | picked by tessel plan | class | MFU | rule of thumb | "
-          "best within the rule (vs pick) | Megatron-LM published |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "best within the rule (vs pick) | Megatron-LM published | its tp x pp here (vs pick) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for preset, batch in BATCH.items():
         cfg = Config.load(None, {"model.preset": preset, "train.seq_len": 2048,
                                  "train.global_batch_size": batch, "train.precision": "bf16"})
@@ -85,7 +87,7 @@ def main() -> None:
                 label = f"{gpus:,} {gpu}"
                 if not result.plans:
                     print(f"| {preset} | {batch} | {label} | none fits | | | {wanted} | | "
-                          f"{published} |")
+                          f"{published} | |")
                     continue
                 best = result.plans[0]
                 within = next((p for p in result.plans if in_rule(p, wanted)), None)
@@ -96,9 +98,13 @@ def main() -> None:
                 else:
                     note = (f"{within.layout.short()} "
                             f"({within.tokens_per_s / best.tokens_per_s:.2f}x)")
+                theirs = next((p for p in result.plans
+                               if p.layout.tp == mtp and p.layout.pp == mpp), None)
+                same = ("none fits" if theirs is None else "the pick" if theirs is best else
+                        f"{theirs.layout.short()} ({theirs.tokens_per_s / best.tokens_per_s:.2f}x)")
                 print(f"| {preset} | {batch} | {label} | {best.layout.short()} | "
                       f"{layout_class(best)} | {best.mfu:.0%} | {wanted} | {note} | "
-                      f"{published} |")
+                      f"{published} | {same} |")
 
 
 if __name__ == "__main__":

@@ -315,7 +315,8 @@ class ParallelConfig(Section):
     replicas too (counted into dp_replicate; an explicit value > 1 gets a one-line note)."""
     tp: int = Field(1, gt=0)
     """Tensor-parallel degree (Megatron column/row split of attention and MLP, vocab-parallel
-    embedding and loss); divides heads, key/value heads, ffn_hidden and vocab_size."""
+    embedding and loss); divides heads, key/value heads, ffn_hidden and the padded
+    vocabulary (model.vocab_pad_to)."""
     pp: int = Field(1, gt=0)
     """Pipeline-parallel degree: the layers are split into pp (x pp_virtual_stages) stages."""
     cp: int = Field(1, gt=0)

@@ -121,7 +121,9 @@ LAYOUTS_2, LAYOUTS_4 = with_gpt(LAYOUTS_2), with_gpt(LAYOUTS_4)
 # Tied input/output embeddings (GPT-2/GPT-3) under pipeline parallelism: the last stage holds
 # a copy of the embedding whose gradient is summed with the first stage's (Megatron's
 # embedding group); every schedule, with TP + ZeRO-1 and with plain replication (zero 0).
-TIED = {"model.preset": "tiny"}  # GPT shape, tie_embeddings = true
+# GPT shape, tie_embeddings = true; a 500-id vocabulary padded to 512 rows (vocab_pad_to
+# 128): the padding's -inf logits sharded under TP, its zero rows resharded.
+TIED = {"model.preset": "tiny", "model.vocab_size": 500}
 LAYOUTS_2.update({
     "tied_pp2_1f1b": {**TIED, "parallel.pp": 2},
     "tied_pp2_interleaved": {**TIED, "parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",

@@ -333,3 +333,20 @@ def test_the_no_fit_headline_names_a_structural_refusal_not_more_gpus():
     memory = no_fit_headline(SearchResult([], [], refused, evaluated=12))
     assert memory.startswith("no layout fits: more GPUs") and "lift the refusals" in memory
     assert "refusals" not in no_fit_headline(SearchResult([], [], {}, evaluated=12))
+
+
+def test_gpt3_175b_on_1024_a100s_gets_a_3d_layout_that_fits():
+    """The issue's recipe: GPT-3 175B (tied embeddings, 50,257-token vocabulary) on 1,024
+    A100-80GB at the paper's batch. Tied embeddings across stages and the padded vocabulary
+    open tp x pp x dp layouts; the fastest predicted to fit is one."""
+    c = Config.load(None, {"model.preset": "gpt3-175b", "train.global_batch_size": 1536,
+                           "train.seq_len": 2048})
+    assert c.model.tie_embeddings and c.model.vocab_size == 50257
+    result = search(c, 1024, hardware.get_profile("a100-80gb"), keep=3)
+    best = result.plans[0]
+    assert best.fits and best.layout.tp > 1 and best.layout.pp > 1 and best.layout.dp > 1
+    assert check_layout(c, best.layout, full=True) is None
+    # The recipe in configs/ is one of the layouts that fit.
+    recipe = Config.load(Path(__file__).parents[2] / "configs/gpt3-175b.toml")
+    plan = evaluate(recipe, Layout.from_config(recipe, 1024), hardware.get_profile("a100-80gb"))
+    assert plan.fits and plan.mfu > 0.4
