@@ -90,8 +90,7 @@ class Trainer:
         # Everything that can reject the input happens before anything is written.
         self.device = pick_device(cfg.train.device)
         cfg = auto_layout(cfg, self.device, proc.world_size, say)
-        # Saved as given: parallel.zero = auto takes the stage of the layout a resume runs.
-        self.saved_cfg = cfg
+        self.zero_as_given = cfg.parallel.zero  # saved: auto takes a resume's layout's stage
         cfg, note = resolved(cfg)  # parallel.zero = auto -> the stage the layout takes
         if note:
             say(note)
@@ -237,8 +236,9 @@ class Trainer:
                 # another new run took this directory since the start-up check
                 raise TesselError(f"{str(self.run_dir)!r} already holds a run; choose another "
                                   "--run.dir")
-            self.run.write_start(self.saved_cfg.to_toml(), lifecycle.run_info(self),
-                                 self.tokenizer.save)
+            saved = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+                update={"zero": self.zero_as_given})})
+            self.run.write_start(saved.to_toml(), lifecycle.run_info(self), self.tokenizer.save)
         lifecycle.announce(self)
         lifecycle.start_event(self)
         log = StepLogger(cfg, self.display, open_metrics(cfg, self.run, self.display.print)
