@@ -1,5 +1,5 @@
-"""The [model] section: the model's shape, its preset and the checks that run when it is
-built (they never touch the disk).
+"""The [model] section: the model's shape (dense, or Mixture-of-Experts with the `moe_*`
+fields), its preset and the checks that run when it is built (they never touch the disk).
 
 The fields fixed by the weights of `model.init_from` come in through the validation context
 (see `ModelConfig._apply_preset`); `SHAPE_FIELDS` are the ones such weights fix.
@@ -72,6 +72,46 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0)
     """Standard deviation of the normal weight initialisation; residual output projections
     are scaled by 1/sqrt(2*n_layers) as in GPT-2."""
+    moe_experts: int = Field(0, ge=0)
+    """Routed experts per Mixture-of-Experts layer; 0 = a dense model (every layer has one
+    MLP). MoE layers replace the MLP with a router, these experts and the shared experts."""
+    moe_top_k: int = Field(2, gt=0)
+    """Routed experts each token is sent to (at most moe_experts). With top_k > 1 the chosen
+    experts' scores are normalised to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3); with
+    top_k = 1 the raw score weights the output (Switch), so the router gets a gradient."""
+    moe_shared_experts: int = Field(0, ge=0)
+    """Experts every token goes through besides the routed ones (DeepSeek-V3 has one): one
+    dense MLP of moe_shared_experts x moe_ffn_hidden hidden units. Needs moe_experts > 0."""
+    moe_ffn_hidden: int | None = Field(None, gt=0)
+    """Hidden size of each expert's MLP (moe_intermediate_size in Hugging Face configs);
+    defaults to ffn_hidden. Experts follow model.mlp (SwiGLU or GELU) and have no biases."""
+    moe_first_dense_layers: int = Field(0, ge=0)
+    """The first N layers keep a dense MLP of ffn_hidden units (DeepSeek-V3: 3)."""
+    moe_every: int = Field(1, gt=0)
+    """After the first dense layers, every N-th layer is an MoE layer and the others dense:
+    layer i is MoE when i >= moe_first_dense_layers and (i - moe_first_dense_layers) is a
+    multiple of N (1: all of them)."""
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scoring, computed in float32: softmax over the experts (Mixtral, Qwen3-MoE) or
+    an independent sigmoid per expert (DeepSeek-V3)."""
+    moe_aux_loss_coef: float = Field(0.01, ge=0)
+    """Weight of the Switch/GShard load-balancing loss, experts x sum_i(f_i x P_i) per MoE
+    layer (f_i: fraction of routed token slots sent to expert i, P_i: its mean router
+    probability; 1.0 when balanced). Its gradient is added inside each MoE layer, so it
+    reaches every layout, pipeline stages included. 0 = off (the value is still logged)."""
+    moe_bias_update_rate: float = Field(0.0, ge=0)
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the routing
+    scores for the choice of experts only (never to the output weights), moved by this rate
+    x sign(mean load - expert load) after each optimizer step, from the step's token counts
+    over all ranks (DeepSeek-V3: 0.001). Saved in checkpoints. 0 = off."""
+    moe_z_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2,
+    which keeps the router logits small. 0 = off."""
+    moe_capacity_factor: float | None = None
+    """Dropless routing when unset (the default). A value c > 0 gives each expert room for
+    ceil(c x tokens x top_k / experts) token slots per micro-batch; slots beyond it are
+    dropped (the token keeps only its residual and shared-expert path) and counted in the
+    metrics (moe_dropped_frac)."""
     init_from: str | None = None
     """Start from these weights instead of a random initialisation (a new run only): a
     Hugging Face model directory (config.json + safetensors; GPT-2 or Llama), a directory
@@ -135,12 +175,49 @@ class ModelConfig(Section):
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 "model.n_kv_heads must divide model.n_heads"
             )
+        self._check_moe()
         if self.position == "rope" and (self.d_model // self.n_heads) % 2:
             raise ValueError(
                 f"rotary embeddings need an even head dim, got {self.d_model // self.n_heads}; "
                 "change model.n_heads or use model.position='learned'"
             )
         return self
+
+    def _check_moe(self) -> None:
+        if self.moe_experts == 0:
+            if self.moe_shared_experts:
+                raise ValueError(
+                    f"moe_shared_experts={self.moe_shared_experts} needs routed experts; set "
+                    "model.moe_experts > 0 or drop model.moe_shared_experts"
+                )
+            return
+        if self.moe_ffn_hidden is None:
+            object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
+        if self.moe_top_k > self.moe_experts:
+            raise ValueError(
+                f"moe_top_k={self.moe_top_k} exceeds moe_experts={self.moe_experts}; a token "
+                "cannot go to more experts than there are: lower model.moe_top_k"
+            )
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ValueError(
+                f"moe_capacity_factor={self.moe_capacity_factor:g} must be > 0 (e.g. 1.25), or "
+                "unset for dropless routing"
+            )
+        if self.n_moe_layers == 0:
+            raise ValueError(
+                f"moe_first_dense_layers={self.moe_first_dense_layers} leaves no MoE layer "
+                f"among n_layers={self.n_layers}; lower it or set model.moe_experts=0"
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` (0-based) has an MoE layer instead of a dense MLP."""
+        first = self.moe_first_dense_layers
+        return (self.moe_experts > 0 and index >= first
+                and (index - first) % self.moe_every == 0)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
     def head_dim(self) -> int:
@@ -157,4 +234,5 @@ SHAPE_FIELDS = {
     "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "position",
     "norm", "mlp", "tie_embeddings", "bias", "rope_theta", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
+    "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers", "moe_every",
 }
