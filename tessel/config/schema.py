@@ -298,6 +298,11 @@ class Config(BaseModel):
                 f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                 f"lower train.seq_len or raise model.max_seq_len"
             )
+        if m.moe_experts and self.checkpoint.hf_export_interval:
+            raise ValueError(
+                "checkpoint.hf_export_interval: MoE models have no Hugging Face export yet "
+                "(Mixtral/Qwen3-MoE: issue 18); set it to 0"
+            )
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(

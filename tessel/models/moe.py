@@ -130,6 +130,10 @@ class MoE(nn.Module):
         self.grad_scale = 1.0
         """Gradient of the auxiliary losses per unit weight: 1/micro-batches per step (times
         the fp16 loss scale), set by the trainer before each step."""
+        self.skip_stats = 0
+        """Training forwards to leave out of the statistics: the trainer sets 1 before a
+        pipeline step that starts with torch.distributed.pipelining's metadata-inference
+        forward (the first, and the first after an evaluation), which is not a micro-batch."""
         # The aux-loss-free balancing bias (DeepSeek-V3): state of training, so persistent
         # (checkpointed); changed only by `tessel.train.moe_balance` after optimizer steps.
         self.register_buffer("expert_bias", torch.zeros(self.n_experts))
@@ -195,7 +199,9 @@ class MoE(nn.Module):
             if torch.is_grad_enabled() and (self.aux_coef > 0 or self.z_coef > 0):
                 out = AuxLossScaler.apply(out, self.aux_coef * balance + self.z_coef * z,
                                           self.grad_scale)
-            if not _in_backward():  # activation checkpointing's recompute: counted once
+            if self.skip_stats:
+                self.skip_stats -= 1
+            elif not _in_backward():  # activation checkpointing's recompute: counted once
                 with torch.no_grad():
                     self.tokens_per_expert.add_(counts.float())
                     self.aux_sum.add_(torch.stack([balance.detach(), z.detach()]))

@@ -347,7 +347,8 @@ class Trainer:
             elapsed_s=self.elapsed_prev + elapsed,
             eta_s=elapsed / max(self.step - first_step, 1) * (t.steps - self.step),
             time_split=self.timer.window(),
-            loss_scale=float(scaler.get_scale()) if scaler is not None else None)
+            loss_scale=float(scaler.get_scale()) if scaler is not None else None,
+            extra=self.train_step.moe.metrics(self.cfg.model.moe_capacity_factor is not None))
 
     def _evaluate(self, log: StepLogger, start: float) -> None:
         if self.evaluator is None:

@@ -40,6 +40,26 @@ def test_loss_falls_below_unigram_baseline(tiny_config):
     assert Config.load(cfg_dir / "config.toml") == cfg
 
 
+def test_moe_model_trains_below_unigram_baseline_with_balance_metrics(tiny_config):
+    cfg = tiny_config(**{"model.preset": "tiny-moe", "model.moe_bias_update_rate": 0.001,
+                         "train.steps": 60, "train.eval_interval": 0, "train.seq_len": 64,
+                         "metrics.log_interval": 10})
+    result = Trainer(cfg, console=False).train()
+    run_dir = Path(cfg.run.dir)
+    losses = _losses(run_dir)
+    assert losses[60] < losses[10] - 1.0
+    assert result.val_loss < result.unigram_baseline - 0.3
+    rec = next(r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] == 60 and "loss" in r)
+    for layer in (1, 2, 3):  # layer 0 is dense
+        assert rec[f"moe_load_imbalance_l{layer}"] >= 1.0
+        assert 0.9 < rec[f"moe_aux_loss_l{layer}"] < 8.0  # 1.0 when perfectly balanced
+    assert "moe_load_imbalance_l0" not in rec
+    # the auxiliary-loss-free bias is checkpointed (moved by +-0.001 per step)
+    weights = read_full(run_dir / "checkpoints/latest", "model")
+    bias = weights["layers.1.feed_forward.expert_bias"]
+    assert bias.abs().max() > 0 and bias.abs().max() <= 60 * 0.001 + 1e-6
+
+
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tiny_config):
     eager = tiny_config("eager", **{"train.steps": 3})
