@@ -20,7 +20,8 @@ non-persistent buffers (`tessel.train.moe_balance`).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,16 @@ class AuxLossScaler(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int,
+                         compiling: bool = False) -> bool:
     """Whether `torch._grouped_mm` runs for this device, dtype and these inner sizes.
 
     CUDA: bf16 on compute capability 8.0+ (torch's documented constraint; sm90 has the
     CUTLASS kernel, sm80 a fallback). CPU (torch 2.13): fp32, bf16 and fp16 run, forward and
-    backward. Both need every row stride to be a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm"):
+    backward. Both need every row stride to be a multiple of 16 bytes. `compiling`: under
+    torch.compile, whose tracing uses the meta kernel, which accepts bf16 only (torch 2.13's
+    _meta_registrations.py), even where the CPU kernel runs fp32."""
+    if not hasattr(torch, "_grouped_mm") or (compiling and dtype != torch.bfloat16):
         return False
     if device.type == "cuda":
         ok = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
@@ -71,44 +75,56 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(n_experts, d_model, hidden)) if gated else None
-        self.use_grouped: bool | None = None
-        """None: `torch._grouped_mm` where it runs (grouped_mm_supported), else the loop;
-        True/False force one path (the benchmark and tests compare them)."""
+        self.path: Literal["auto", "grouped", "loop", "padded"] = "auto"
+        """auto: `torch._grouped_mm` where it runs (grouped_mm_supported), else the loop
+        over experts, or under torch.compile the padded batch (no host sync, no graph
+        break); the others force one path (the benchmark and tests compare them)."""
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
+                max_rows: int) -> torch.Tensor:
         """x: (S, C) token slots sorted by expert; counts: (E,) int64 slots per expert
-        (summing to S) -> (S, C)."""
+        (summing to S); experts: (S,) the expert of each slot; max_rows: the most slots one
+        expert can get (the token count: top-k experts are distinct) -> (S, C)."""
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
-        grouped = self.use_grouped
-        if grouped is None:
-            grouped = grouped_mm_supported(x.device, dtype, self.w1.shape[1], self.w1.shape[2])
-        if grouped:
-            return self._grouped(x.to(dtype), counts, dtype)
-        return self._loop(x, counts)
+        path = self.path
+        if path == "auto":
+            compiling = torch.compiler.is_compiling()
+            if grouped_mm_supported(x.device, dtype, self.w1.shape[1], self.w1.shape[2],
+                                    compiling=compiling):
+                path = "grouped"
+            else:
+                path = "padded" if compiling else "loop"
+        if path == "grouped":
+            offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows, on device
+            return self._mlp(x.to(dtype), lambda a, w: torch._grouped_mm(a, w.to(dtype), offs=offs))
+        if path == "padded":
+            return self._padded(x, counts, experts, max_rows)
+        # One matmul per expert on its contiguous slice. The sizes must be Python ints: a
+        # host sync, and under torch.compile a graph break (hence "padded" there).
+        return torch.cat([self._mlp(chunk, lambda a, w, e=e: a @ w[e])
+                          for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows; stays on device
-        w1, w2 = self.w1.to(dtype), self.w2.to(dtype)
-        h = torch._grouped_mm(x, w1, offs=offs)  # (S, F)
+    def _mlp(self, x: torch.Tensor, mm: Callable[[torch.Tensor, nn.Parameter], torch.Tensor]
+             ) -> torch.Tensor:
+        """The expert MLP with `mm(activations, 3-D weight)` as its matmul."""
+        h = mm(x, self.w1)
         if self.w3 is not None:
-            h = F.silu(h) * torch._grouped_mm(x, self.w3.to(dtype), offs=offs)
+            h = F.silu(h) * mm(x, self.w3)
         else:
             h = F.gelu(h, approximate="tanh")
-        return torch._grouped_mm(h, w2, offs=offs)  # (S, C)
+        return mm(h, self.w2)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # One matmul per expert on its contiguous slice. The sizes must be Python ints: a
-        # host sync, and a graph break under torch.compile (the grouped path has neither).
-        outs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
-            h = chunk @ self.w1[e]
-            if self.w3 is not None:
-                h = F.silu(h) * (chunk @ self.w3[e])
-            else:
-                h = F.gelu(h, approximate="tanh")
-            outs.append(h @ self.w2[e])
-        return torch.cat(outs)
+    def _padded(self, x: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
+                max_rows: int) -> torch.Tensor:
+        """Each expert's slots in a zero-padded (E, max_rows, C) batch, one bmm per weight:
+        static shapes and no host sync, at E x max_rows / S (= experts / top_k) times the
+        routed FLOPs."""
+        S, C = x.shape
+        start = counts.cumsum(0) - counts  # (E,) first slot of each expert
+        row = torch.arange(S, device=x.device) - start[experts]  # (S,) slot's row in its expert
+        batch = x.new_zeros((counts.shape[0], max_rows, C)).index_put((experts, row), x)
+        return self._mlp(batch, torch.bmm)[experts, row]
 
 
 class MoE(nn.Module):
@@ -185,7 +201,7 @@ class MoE(nn.Module):
             # Dropped slots are still computed (static shapes) but weigh nothing.
             slot_w = slot_w * keep
 
-        y = self.experts(h[token_of], counts)  # (N*k, C)
+        y = self.experts(h[token_of], counts, flat[order], N)  # (N*k, C)
         out = torch.zeros((N, C), dtype=y.dtype, device=h.device).index_add_(
             0, token_of, y * slot_w[:, None].to(y.dtype))
         if self.shared is not None:
@@ -212,6 +228,10 @@ class MoE(nn.Module):
 
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass (e.g. activation checkpointing
-    recomputing a block's forward)."""
+    recomputing a block's forward). Under torch.compile a checkpointed region is recomputed
+    inside the compiled backward graph, which does not replay the statistics' in-place
+    updates, so the traced forward always counts (and the query, a graph break, is skipped)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
