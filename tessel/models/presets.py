@@ -91,7 +91,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # attention is MLA (low-rank compressed Q and KV), which tessel lacks: this shape uses
     # plain attention with the same 128 heads on d_model 7168 (tessel's head_dim 56, no
     # compression), and has no multi-token-prediction module, so its counts differ from the
-    # published 671B total / 37B active (`tessel presets` prints tessel's).
+    # published 671B total / 37B active (`tessel presets` prints tessel's). Balancing: the
+    # paper's bias update speed 0.001 and its sequence-wise balance factor 0.0001 (tessel's
+    # balance loss is per micro-batch, not per sequence).
     "deepseek-v3": {**_LLAMA3, "n_layers": 61, "d_model": 7168, "n_heads": 128,
                     "n_kv_heads": 128, "ffn_hidden": 18432, "vocab_size": 129280,
                     "max_seq_len": 163840, "rope_theta": 10000.0, "norm_eps": 1e-6,
