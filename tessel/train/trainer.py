@@ -182,7 +182,10 @@ class Trainer:
         source = WeightSource(Path(self.cfg.model.init_from), self.cfg.model)
         self.display.print(f"tessel: initialising from {source.kind} {source.path}")
         if self.cfg.data.tokenizer == "auto" and source.tokenizer.is_file():
-            self.cfg = self.cfg.with_overrides({"data.tokenizer": str(source.tokenizer)})
+            tokenizer = {"data.tokenizer": str(source.tokenizer)}
+            self.cfg = self.cfg.with_overrides(tokenizer)
+            # config.toml too: a resume must read the text with the same tokenizer.
+            self.saved_cfg = self.saved_cfg.with_overrides(tokenizer)
             self.display.print(f"tessel: tokenizer from {source.tokenizer}")
         return source
 
