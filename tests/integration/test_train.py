@@ -60,6 +60,23 @@ def test_moe_model_trains_below_unigram_baseline_with_balance_metrics(tiny_confi
     assert bias.abs().max() > 0 and bias.abs().max() <= 60 * 0.001 + 1e-6
 
 
+def test_moe_resume_is_bitwise_identical_balancing_bias_included(tiny_config):
+    moe = {"model.preset": "tiny-moe", "model.moe_bias_update_rate": 0.01}
+    full = tiny_config("full", **moe, **{"train.steps": 6})
+    Trainer(full, console=False).train()
+    part = tiny_config("part", **moe, **{"train.steps": 3, "checkpoint.interval": 3})
+    Trainer(part, console=False).train()
+    run = Path(part.run.dir)
+    Trainer(Config.load(run / "config.toml", {"train.steps": 6}), resume=True,
+            console=False).train()
+    assert _losses(run) == _losses(Path(full.run.dir))
+    wa = read_full(Path(full.run.dir) / "checkpoints/latest", "model")
+    wb = read_full(run / "checkpoints/latest", "model")
+    assert wa["layers.1.feed_forward.expert_bias"].abs().sum() > 0
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tiny_config):
     eager = tiny_config("eager", **{"train.steps": 3})
