@@ -78,3 +78,21 @@ def test_a_pipeline_metadata_forward_is_left_out_of_the_statistics():
     model(tokens)  # the schedule's metadata inference
     model(tokens)  # the micro-batch
     assert model.layers["1"].feed_forward.tokens_per_expert.sum().item() == 2 * 16 * 2
+
+
+def test_the_planner_refuses_moe_in_one_line_and_the_launch_check_steps_aside():
+    import subprocess
+    import sys
+
+    from tessel.planner.prelaunch import refuse_if_too_big
+
+    proc = subprocess.run([sys.executable, "-m", "tessel", "plan", "--model.preset=tiny-moe",
+                           "--gpus", "8", "--gpu", "h100-sxm"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not model Mixture-of-Experts layers yet" in lines[0]
+    said: list[str] = []
+    cfg = Config.load(None, {"model.preset": "tiny-moe"})
+    refuse_if_too_big(cfg, torch.device("cuda"), 8, False, said.append)  # no GPU touched
+    assert said and "no memory check before launch" in said[0]
