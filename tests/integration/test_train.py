@@ -75,6 +75,11 @@ def test_moe_resume_is_bitwise_identical_balancing_bias_included(tiny_config):
     assert wa["layers.1.feed_forward.expert_bias"].abs().sum() > 0
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+    # model.init_from of an MoE run reads its MoE shape (and refuses an HF export of it)
+    from tessel.checkpoint.init_from import model_fields_of
+
+    fields = model_fields_of(run)
+    assert (fields["moe_experts"], fields["moe_top_k"], fields["moe_first_dense_layers"]) == (8, 2, 1)
 
 
 @pytest.mark.slow
