@@ -368,4 +368,7 @@ def for_hf_config(hf: dict[str, Any], where: str) -> Architecture:
 
 def for_model(m: ModelConfig) -> Architecture:
     """GPT-2 for the learned-position GELU shape, Llama for the RoPE SwiGLU one."""
+    if m.moe_experts:
+        raise HFError("model: Mixture-of-Experts models have no Hugging Face export yet "
+                      "(MixtralForCausalLM/Qwen3MoeForCausalLM: issue 18)")
     return ARCHITECTURES["llama" if m.position == "rope" else "gpt2"]

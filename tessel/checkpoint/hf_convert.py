@@ -108,9 +108,9 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
     if (src / "config.json").is_file():
         raise HFError(f"{str(src)!r} is already a Hugging Face model directory")
     m = ModelConfig(preset=None, **model_fields_of(src))
+    arch = for_model(m)  # before reading weights: it refuses shapes it cannot export
     source = WeightSource(src, m)
     tokenizer_path = source.tokenizer
-    arch = for_model(m)
     config = arch.hf_config(m)
     files: dict[str, str] = {}
     if tokenizer_path is not None and tokenizer_path.is_file():

@@ -15,22 +15,31 @@ def presets_parser() -> Parser:
 def cmd_presets(argv: list[str]) -> int:
     presets_parser().parse_args(argv)
     from tessel.config import ModelConfig
-    from tessel.models import PRESETS, flops_per_token, param_count
+    from tessel.models import PRESETS, active_param_count, flops_per_token, param_count
 
-    head = f"{'preset':<12} {'params':>17} {'layers':>6} {'d_model':>7} {'heads':>5} " \
-           f"{'kv':>3} {'ffn':>6} {'vocab':>6} {'ctx':>5}  {'style':<26} {'GFLOP/token':>11}"
+    head = f"{'preset':<14} {'params':>17} {'active':>17} {'layers':>6} {'d_model':>7} " \
+           f"{'heads':>5} {'kv':>3} {'ffn':>6} {'experts':<16} {'vocab':>6} {'ctx':>6}  " \
+           f"{'style':<26} {'GFLOP/token':>11}"
     print(head)
     for name in PRESETS:
         m = ModelConfig(preset=name)
         style = "/".join([m.position, m.norm, m.mlp, "tied" if m.tie_embeddings else "untied"])
         gflop = flops_per_token(m, m.max_seq_len) / 1e9
-        print(f"{name:<12} {param_count(m):>17,} {m.n_layers:>6} {m.d_model:>7} {m.n_heads:>5} "
-              f"{m.n_kv_heads:>3} {m.ffn_hidden:>6} {m.vocab_size:>6} {m.max_seq_len:>5}  "
-              f"{style:<26} {gflop:>11.3g}")
+        experts = "-"
+        if m.moe_experts:  # routed x hidden, top-k, shared, MoE layers
+            experts = (f"{m.moe_experts}x{m.moe_ffn_hidden} k{m.moe_top_k}"
+                       + (f" +{m.moe_shared_experts}" if m.moe_shared_experts else ""))
+        print(f"{name:<14} {param_count(m):>17,} {active_param_count(m):>17,} {m.n_layers:>6} "
+              f"{m.d_model:>7} {m.n_heads:>5} {m.n_kv_heads:>3} {m.ffn_hidden:>6} {experts:<16} "
+              f"{m.vocab_size:>6} {m.max_seq_len:>6}  {style:<26} {gflop:>11.3g}")
+    print("active: the parameters one token uses (MoE: the router, top_k routed experts and the "
+          "shared experts of each MoE layer); experts: routed x hidden, top-k, +shared")
     print("GFLOP/token: training FLOPs per token at the preset's full context "
-          "(6 x matmul params + 12 x layers x d_model x seq_len)")
+          "(6 x active matmul params + 12 x layers x d_model x seq_len)")
     print("params and GFLOP/token count the embedding and head padded to a multiple of "
           "model.vocab_pad_to (128) rows: 50257 -> 50304")
+    print("qwen3-30b-a3b and deepseek-v3 differ from the published models in attention "
+          "(tessel has no head_dim override, QK-norm or MLA; see tessel/models/presets.py)")
     return 0
 
 

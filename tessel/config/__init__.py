@@ -1,7 +1,7 @@
 """The one typed configuration of a tessel run.
 
-- `schema` (with `monitoring`): the sections, a docstring under every field, the checks run
-  when a config is built. They never touch the disk.
+- `schema` (with `model` and `monitoring`): the sections, a docstring under every field, the
+  checks run when a config is built. They never touch the disk.
 - `load`: TOML files and dotted overrides, merged and validated; one-line errors.
 - `reference`: the Markdown table of every key (`tessel config --reference`).
 

@@ -4,7 +4,9 @@ A preset is a partial set of `model.*` fields; fields the user sets explicitly w
 preset (see `tessel.config.ModelConfig`). Shapes follow the published architectures:
 GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020, table 2.1, with the head counts
 Megatron-LM uses for the sizes whose published head dim does not divide d_model) and Llama 3
-(Meta 2024; `llama3-1b` is the Llama 3.2 1B shape).
+(Meta 2024; `llama3-1b` is the Llama 3.2 1B shape). The Mixture-of-Experts shapes follow the
+published Hugging Face config.json of each model; what tessel cannot express yet is said at
+each of them, and `tessel presets` prints tessel's own exact total and active counts.
 """
 
 from __future__ import annotations
@@ -63,4 +65,39 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "ffn_hidden": 28672},
     "llama3-405b": {**_LLAMA3, "n_layers": 126, "d_model": 16384, "n_heads": 128,
                     "ffn_hidden": 53248},
+    # ---- Mixture-of-Experts ------------------------------------------------------------
+    # a CPU-trainable MoE: tiny-llama's attention, 8 experts (top-2) + 1 shared expert in
+    # layers 1-3, layer 0 dense (DeepSeek-style)
+    "tiny-moe": {**_LLAMA3, "n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
+                 "ffn_hidden": 192, "vocab_size": 512, "max_seq_len": 256,
+                 "rope_theta": 10000.0, "moe_experts": 8, "moe_top_k": 2,
+                 "moe_shared_experts": 1, "moe_ffn_hidden": 64, "moe_first_dense_layers": 1},
+    # mistralai/Mixtral-8x7B-v0.1: every layer MoE, 8 experts of 14336, top-2, softmax
+    "mixtral-8x7b": {**_LLAMA3, "n_layers": 32, "d_model": 4096, "n_heads": 32,
+                     "n_kv_heads": 8, "ffn_hidden": 14336, "vocab_size": 32000,
+                     "max_seq_len": 32768, "rope_theta": 1e6, "moe_experts": 8,
+                     "moe_top_k": 2, "moe_ffn_hidden": 14336, "moe_aux_loss_coef": 0.02},
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top-8, no shared expert. Its attention has
+    # head_dim 128 with 32 query heads on d_model 2048 (q_proj 2048 -> 4096) and QK-norm;
+    # tessel's head_dim is d_model / n_heads (64) and it has no QK-norm, so attention here is
+    # narrower (about 0.45B fewer parameters than the published 30.5B).
+    "qwen3-30b-a3b": {**_LLAMA3, "n_layers": 48, "d_model": 2048, "n_heads": 32,
+                      "n_kv_heads": 4, "ffn_hidden": 6144, "vocab_size": 151936,
+                      "max_seq_len": 40960, "rope_theta": 1e6, "norm_eps": 1e-6,
+                      "moe_experts": 128, "moe_top_k": 8, "moe_ffn_hidden": 768,
+                      "moe_aux_loss_coef": 0.001},
+    # deepseek-ai/DeepSeek-V3: 3 dense layers (18432), then 256 routed experts of 2048, top-8,
+    # 1 shared expert, sigmoid router with the auxiliary-loss-free bias. DeepSeek-V3's
+    # attention is MLA (low-rank compressed Q and KV), which tessel lacks: this shape uses
+    # plain attention with the same 128 heads on d_model 7168 (tessel's head_dim 56, no
+    # compression), and has no multi-token-prediction module, so its counts differ from the
+    # published 671B total / 37B active (`tessel presets` prints tessel's). Balancing: the
+    # paper's bias update speed 0.001 and its sequence-wise balance factor 0.0001 (tessel's
+    # balance loss is per micro-batch, not per sequence).
+    "deepseek-v3": {**_LLAMA3, "n_layers": 61, "d_model": 7168, "n_heads": 128,
+                    "n_kv_heads": 128, "ffn_hidden": 18432, "vocab_size": 129280,
+                    "max_seq_len": 163840, "rope_theta": 10000.0, "norm_eps": 1e-6,
+                    "moe_experts": 256, "moe_top_k": 8, "moe_shared_experts": 1,
+                    "moe_ffn_hidden": 2048, "moe_first_dense_layers": 3, "moe_router": "sigmoid",
+                    "moe_aux_loss_coef": 0.0001, "moe_bias_update_rate": 0.001},
 }

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessel.models.moe import MoE
+
 if TYPE_CHECKING:  # the config imports the presets from this package
     from tessel.config import ModelConfig
 
@@ -103,12 +105,14 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
+        """`hidden`: the MLP's hidden size, cfg.ffn_hidden unless given (MoE shared experts)."""
         super().__init__()
+        hidden = hidden or cfg.ffn_hidden
         self.gated = cfg.mlp == "swiglu"
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias) if self.gated else None
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
@@ -117,12 +121,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """`index`: the block's layer number, which decides whether its MLP is an MoE layer
+        (cfg.is_moe_layer). Either way it is called `feed_forward`."""
         super().__init__()
         self.attention_norm = _norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = _norm(cfg)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: nn.Module = _mlp(cfg, index)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -130,6 +136,15 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs, mask))
         return x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+def _mlp(cfg: ModelConfig, index: int) -> nn.Module:
+    """Block `index`'s MLP: dense, or an MoE layer with its shared experts."""
+    if not cfg.is_moe_layer(index):
+        return FeedForward(cfg)
+    assert cfg.moe_ffn_hidden is not None
+    shared = cfg.moe_shared_experts * cfg.moe_ffn_hidden
+    return MoE(cfg, FeedForward(cfg, shared) if shared else None)
 
 
 class Transformer(nn.Module):
@@ -145,7 +160,7 @@ class Transformer(nn.Module):
             nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         )
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.tie_weights()
@@ -195,7 +210,10 @@ class Transformer(nn.Module):
             (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
         )
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        std = resid_std if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+        # Residual output projections (attention, MLP, experts) get the scaled std; the MoE
+        # router gets init_std like every other input projection.
+        std = (resid_std if name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+               else cfg.init_std)
         if name in VOCAB_PARAMS and shape[0] > cfg.vocab_size:
             # The real rows are what the unpadded model draws; the padding rows are zero
             # (and stay zero: they get no gradient).
@@ -213,11 +231,17 @@ class Transformer(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        """Recompute the non-persistent buffers (the RoPE table, the vocabulary mask) on their
-        device, after `to_empty`; a buffer that is a DTensor (tensor parallelism) keeps its
-        mesh and placements, each rank filling its own slice."""
+        """Recompute the non-persistent buffers (the RoPE table, the vocabulary mask, MoE
+        statistics) on their device and zero the MoE balancing bias (persistent, but zero at
+        initialisation; a checkpoint restores it later), after `to_empty`; a buffer that is a
+        DTensor (tensor parallelism) keeps its mesh and placements, each rank filling its own
+        slice."""
         if self.rope_freqs is not None:
             self.rope_freqs = self._rope_table().to(self.rope_freqs.device)
+        for module in self.modules():
+            if isinstance(module, MoE):  # a fresh model: no balancing bias yet, no statistics
+                module.expert_bias.zero_()
+                module.reset_stats()
         mask = self.vocab_mask
         if mask is not None:
             from torch.distributed.tensor import DTensor, distribute_tensor
@@ -292,18 +316,38 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
     return n_in * n_out + (n_out if bias else 0)
 
 
-def _block_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(matmul weights, everything else) in one block."""
-    d, f, kv = cfg.d_model, cfg.ffn_hidden, cfg.n_kv_heads * cfg.head_dim
-    matmul = 2 * d * d + 2 * d * kv + (3 if cfg.mlp == "swiglu" else 2) * d * f
-    total = (
-        2 * _linear(d, d, cfg.bias)
-        + 2 * _linear(d, kv, cfg.bias)
-        + (3 if cfg.mlp == "swiglu" else 2) * d * f
-        + ((2 * f if cfg.mlp == "swiglu" else f) + d if cfg.bias else 0)
-        + 2 * _norm_params(cfg)
-    )
-    return matmul, total - matmul
+def _mlp_params(cfg: ModelConfig, hidden: int) -> tuple[int, int]:
+    """(matmul weights, all parameters) of one dense MLP with `hidden` units."""
+    d, n_mats = cfg.d_model, 3 if cfg.mlp == "swiglu" else 2
+    bias = (2 * hidden if cfg.mlp == "swiglu" else hidden) + d if cfg.bias else 0
+    return n_mats * d * hidden, n_mats * d * hidden + bias
+
+
+def _moe_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(active matmul weights per token, all matmul weights, all parameters) of one MoE
+    layer: router, routed experts (top_k of them active), shared experts (always active)."""
+    assert cfg.moe_ffn_hidden is not None
+    d, E, f = cfg.d_model, cfg.moe_experts, cfg.moe_ffn_hidden
+    expert = (3 if cfg.mlp == "swiglu" else 2) * d * f  # no biases
+    shared_mm, shared_all = (_mlp_params(cfg, cfg.moe_shared_experts * f)
+                             if cfg.moe_shared_experts else (0, 0))
+    router = E * d
+    return (router + cfg.moe_top_k * expert + shared_mm, router + E * expert + shared_mm,
+            router + E * expert + shared_all)
+
+
+def _block_params(cfg: ModelConfig, index: int) -> tuple[int, int, int]:
+    """(active matmul weights per token, all matmul weights, all parameters) of block
+    `index`; active = all for a dense block."""
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    attn_mm = 2 * d * d + 2 * d * kv
+    attn = 2 * _linear(d, d, cfg.bias) + 2 * _linear(d, kv, cfg.bias) + 2 * _norm_params(cfg)
+    if cfg.is_moe_layer(index):
+        active, mm, total = _moe_params(cfg)
+    else:
+        mm, total = _mlp_params(cfg, cfg.ffn_hidden)
+        active = mm
+    return attn_mm + active, attn_mm + mm, attn + total
 
 
 def _norm_params(cfg: ModelConfig) -> int:
@@ -311,23 +355,35 @@ def _norm_params(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
-    """Exact number of parameters (a tied output matrix counted once)."""
+    """Exact number of parameters (a tied output matrix counted once; every expert)."""
     d, V = cfg.d_model, cfg.padded_vocab_size  # padding rows are real memory
-    matmul, other = _block_params(cfg)
     emb = V * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
-    total = cfg.n_layers * (matmul + other) + _norm_params(cfg)
+    total = sum(_block_params(cfg, i)[2] for i in range(cfg.n_layers)) + _norm_params(cfg)
     total += 0 if cfg.tie_embeddings else V * d
     return total if exclude_embeddings else total + emb
+
+
+def active_param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
+    """Parameters one token uses: param_count less the routed experts it is not sent to
+    (each MoE layer: experts - top_k of them). Equal to param_count for a dense model."""
+    idle = 0
+    if cfg.moe_experts:
+        assert cfg.moe_ffn_hidden is not None
+        expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * cfg.moe_ffn_hidden
+        idle = cfg.n_moe_layers * (cfg.moe_experts - cfg.moe_top_k) * expert
+    return param_count(cfg, exclude_embeddings) - idle
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward = 3x forward), attention included.
 
-    6 * (matmul weights, output projection included) + 12 * n_layers * d_model * seq_len:
-    the PaLM-paper formula (Chowdhery et al. 2022, appendix B) used by nanoGPT's MFU. It
-    counts the full attention score matrix (no causal halving) and ignores norms,
-    activations and the softmax.
+    6 * (matmul weights a token uses, output projection included) + 12 * n_layers * d_model
+    * seq_len: the PaLM-paper formula (Chowdhery et al. 2022, appendix B) used by nanoGPT's
+    MFU. It counts the full attention score matrix (no causal halving) and ignores norms,
+    activations and the softmax. In MoE layers a token uses the router, its top_k routed
+    experts and the shared experts (active parameters, as DeepSeek-V3 and Megatron count);
+    the permutation and the weighted combine are not counted.
     """
-    matmul, _ = _block_params(cfg)
-    n_matmul = cfg.n_layers * matmul + cfg.padded_vocab_size * cfg.d_model  # padding: real work
+    active = sum(_block_params(cfg, i)[0] for i in range(cfg.n_layers))
+    n_matmul = active + cfg.padded_vocab_size * cfg.d_model  # padding: real work
     return 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * seq_len

@@ -78,6 +78,12 @@ class ParallelDims:
         _check_batch(self, cfg.train, cfg.parallel)
         p = cfg.parallel
         zero = resolve_zero(p)
+        if cfg.model.moe_experts and self.tp > 1:
+            raise ParallelError("tensor parallelism of MoE layers is not supported yet; set "
+                                "parallel.tp=1 (expert parallelism: issue 18)")
+        if cfg.model.moe_experts and self.cp > 1:
+            raise ParallelError("context parallelism with MoE layers is not supported yet; set "
+                                "parallel.cp=1 (issue 18)")
         if zero == 0 and self.cp > 1:
             raise ParallelError("context parallelism shards with FSDP; set parallel.zero >= 1 "
                                 "(or auto)")

@@ -14,7 +14,7 @@ from tessel.errors import TesselError
 from tessel.planner.hardware import GpuProfile, load_profiles, profile_for_device
 from tessel.planner.layout import Layout
 from tessel.planner.memory import GIB
-from tessel.planner.search import Plan, check_fits, search
+from tessel.planner.search import MOE_NOT_PLANNED, Plan, check_fits, search
 
 # Stand-in rates for a device no profile describes: they only rank layouts against each
 # other (the memory check uses the device's real capacity).
@@ -112,6 +112,10 @@ def refuse_if_too_big(cfg: Config, device: torch.device, world: int, force: bool
         _refuse_beyond_host_memory(cfg, world)
         return
     if cfg.parallel.auto:  # auto chose a layout that fits
+        return
+    if cfg.model.moe_experts:
+        say("tessel: note: no memory check before launch: "
+            + MOE_NOT_PLANNED.split(": choose")[0])
         return
     hw = device_profile(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     _, refusal = check_memory(cfg, world, hw)

@@ -77,9 +77,15 @@ def precision_for(cfg: Config, device_type: str = "cuda") -> str:
     return cfg.train.precision
 
 
+MOE_NOT_PLANNED = ("the planner does not model Mixture-of-Experts layers yet (model.moe_experts > "
+                   "0; issue 18): choose the layout by hand")
+
+
 def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cuda",
              dp_overlap: float | None = None) -> Plan:
     t, m = cfg.train, cfg.model
+    if m.moe_experts:  # its memory and speed models know dense MLPs only
+        raise TesselError(MOE_NOT_PLANNED)
     precision = precision_for(cfg, device_type)
     mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
                           cfg.data.document_mask)

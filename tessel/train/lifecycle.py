@@ -11,7 +11,7 @@ import torch
 
 from tessel.errors import CollectiveTimeout
 from tessel.generate import sample
-from tessel.models import param_count
+from tessel.models import active_param_count, param_count
 from tessel.train.control import EXIT_PAUSED, EXIT_STOPPED
 
 if TYPE_CHECKING:
@@ -30,9 +30,12 @@ def announce(tr: Trainer) -> None:
     cfg, t = tr.cfg, tr.cfg.train
     planned = t.steps * t.global_batch_size * t.seq_len
     verb = f"resuming at step {tr.step}" if tr.step else "training"
+    m = cfg.model
+    moe = (f"; MoE: {m.moe_experts} experts, top-{m.moe_top_k}, "
+           f"{active_param_count(m):,} active" if m.moe_experts else "")
     tr.display.print(
-        f"tessel: {verb} {param_count(cfg.model):,}-parameter model "
-        f"({cfg.model.preset or 'custom'}) on {tr.proc.world_size} x {tr.device.type} "
+        f"tessel: {verb} {param_count(m):,}-parameter model "
+        f"({m.preset or 'custom'}{moe}) on {tr.proc.world_size} x {tr.device.type} "
         f"({tr.precision.name}; {tr.dims.describe()}{_data_parallel(tr)}), "
         f"{t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens = {planned:,} tokens "
         f"(accumulation {tr.train_step.accum}); run dir {tr.run_dir}"

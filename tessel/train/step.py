@@ -22,6 +22,7 @@ from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.grad_norm import clip_grad_norm
 from tessel.parallel.pipeline import EmbeddingSync, build_schedule
 from tessel.parallel.tensor import local_value, loss_context
+from tessel.train.moe_balance import MoEBalance
 from tessel.train.precision import Precision
 
 
@@ -50,6 +51,12 @@ class TrainStep:
         self.schedule = None
         self.embedding_sync = EmbeddingSync(list(zip(model.stage_ids, model.inner)), mesh,
                                             dims.pp, model.inner[0].cfg.tie_embeddings)
+        self.moe = MoEBalance(model.inner, distributed, dims.dp)
+        """The MoE layers' aux-loss scale, token counts, balancing bias and metrics."""
+        self._pipeline_infers = True
+        """The next pipeline training step starts with the schedule's metadata-inference
+        forward: on the first step, and again after an evaluation (torch.distributed.
+        pipelining re-initialises its stages when the schedule switches eval <-> train)."""
         if dims.pp > 1:
             stages = list(zip(model.stage_ids, model.parts))
             self.schedule = build_schedule(stages, parallel_cfg, mesh["pp"], device, accum,
@@ -70,6 +77,8 @@ class TrainStep:
         self.timer.start("compute")
         n_tokens = sum(b.targets.numel() for b in batches)
         scaler = self.precision.scaler
+        if self.moe.active:
+            self.moe.before_step(len(batches), scaler.get_scale() if scaler is not None else 1.0)
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
             total = self._pipeline_step(batches, n_tokens)
@@ -113,6 +122,8 @@ class TrainStep:
             opt.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.update()
+        if self.moe.active:  # after the step: the bias moves with this step's counts
+            self.moe.after_step(len(batches), self.device)
         self.timer.end()
         return total, grad_norm
 
@@ -130,6 +141,9 @@ class TrainStep:
         kwargs = {"doc_ids": docs} if docs is not None else {}
         target = y if self.model.has_last else None
         assert self.schedule is not None
+        if self._pipeline_infers and self.moe.active:
+            self.moe.skip_first_forward()  # that forward must not count as a micro-batch
+        self._pipeline_infers = False
         with loss_context(self.dims.tp > 1), self.precision.autocast():
             self.schedule.step(*args, target=target, losses=losses, **kwargs)
         if not losses:
@@ -141,6 +155,7 @@ class TrainStep:
         the number of target tokens (the sum is on the last stage, zero elsewhere)."""
         x, y, docs = self.on_device(concat(batches))
         self._loss_tokens = 1  # sums
+        self._pipeline_infers = True  # the next training step re-initialises the stages
         losses: list[torch.Tensor] = []
         assert self.schedule is not None
         with loss_context(self.dims.tp > 1), self.precision.autocast():

@@ -49,8 +49,10 @@ class StepLogger:
 
     def train(self, *, step: int, loss: float, lr: float, grad_norm: float, window_s: float,
               window_steps: int, tokens_seen: int, elapsed_s: float, eta_s: float,
-              time_split: dict[str, float], loss_scale: float | None) -> None:
-        """One metrics line for the `window_steps` steps of the last `window_s` seconds."""
+              time_split: dict[str, float], loss_scale: float | None,
+              extra: dict[str, float] | None = None) -> None:
+        """One metrics line for the `window_steps` steps of the last `window_s` seconds;
+        `extra`: more figures of the last step (the MoE layers')."""
         t = self.cfg.train
         tokens_per_step = t.global_batch_size * t.seq_len
         tps = window_steps * tokens_per_step / window_s
@@ -73,6 +75,7 @@ class StepLogger:
         rec.update({f"time_{k}_s": v / window_steps for k, v in time_split.items()})
         if loss_scale is not None:
             rec["loss_scale"] = loss_scale
+        rec.update(extra or {})
         rec.update(memory_stats(self.device))
         self._emit(rec, eta_s, rec["token_budget_pct"])
 

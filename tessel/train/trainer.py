@@ -181,7 +181,10 @@ class Trainer:
         source = WeightSource(Path(self.cfg.model.init_from), self.cfg.model)
         self.display.print(f"tessel: initialising from {source.kind} {source.path}")
         if self.cfg.data.tokenizer == "auto" and source.tokenizer.is_file():
-            self.cfg = self.cfg.with_overrides({"data.tokenizer": str(source.tokenizer)})
+            tokenizer = {"data.tokenizer": str(source.tokenizer)}
+            self.cfg = self.cfg.with_overrides(tokenizer)
+            # config.toml too: a resume must read the text with the same tokenizer.
+            self.saved_cfg = self.saved_cfg.with_overrides(tokenizer)
             self.display.print(f"tessel: tokenizer from {source.tokenizer}")
         return source
 
@@ -347,7 +350,8 @@ class Trainer:
             elapsed_s=self.elapsed_prev + elapsed,
             eta_s=elapsed / max(self.step - first_step, 1) * (t.steps - self.step),
             time_split=self.timer.window(),
-            loss_scale=float(scaler.get_scale()) if scaler is not None else None)
+            loss_scale=float(scaler.get_scale()) if scaler is not None else None,
+            extra=self.train_step.moe.metrics(self.cfg.model.moe_capacity_factor is not None))
 
     def _evaluate(self, log: StepLogger, start: float) -> None:
         if self.evaluator is None:

@@ -40,6 +40,48 @@ def test_loss_falls_below_unigram_baseline(tiny_config):
     assert Config.load(cfg_dir / "config.toml") == cfg
 
 
+def test_moe_model_trains_below_unigram_baseline_with_balance_metrics(tiny_config):
+    cfg = tiny_config(**{"model.preset": "tiny-moe", "model.moe_bias_update_rate": 0.001,
+                         "train.steps": 60, "train.eval_interval": 0, "train.seq_len": 64,
+                         "metrics.log_interval": 10})
+    result = Trainer(cfg, console=False).train()
+    run_dir = Path(cfg.run.dir)
+    losses = _losses(run_dir)
+    assert losses[60] < losses[10] - 1.0
+    assert result.val_loss < result.unigram_baseline - 0.3
+    rec = next(r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] == 60 and "loss" in r)
+    for layer in (1, 2, 3):  # layer 0 is dense
+        assert rec[f"moe_load_imbalance_l{layer}"] >= 1.0
+        assert 0.9 < rec[f"moe_aux_loss_l{layer}"] < 8.0  # 1.0 when perfectly balanced
+    assert "moe_load_imbalance_l0" not in rec
+    # the auxiliary-loss-free bias is checkpointed (moved by +-0.001 per step)
+    weights = read_full(run_dir / "checkpoints/latest", "model")
+    bias = weights["layers.1.feed_forward.expert_bias"]
+    assert bias.abs().max() > 0 and bias.abs().max() <= 60 * 0.001 + 1e-6
+
+
+def test_moe_resume_is_bitwise_identical_balancing_bias_included(tiny_config):
+    moe = {"model.preset": "tiny-moe", "model.moe_bias_update_rate": 0.01}
+    full = tiny_config("full", **moe, **{"train.steps": 6})
+    Trainer(full, console=False).train()
+    part = tiny_config("part", **moe, **{"train.steps": 3, "checkpoint.interval": 3})
+    Trainer(part, console=False).train()
+    run = Path(part.run.dir)
+    Trainer(Config.load(run / "config.toml", {"train.steps": 6}), resume=True,
+            console=False).train()
+    assert _losses(run) == _losses(Path(full.run.dir))
+    wa = read_full(Path(full.run.dir) / "checkpoints/latest", "model")
+    wb = read_full(run / "checkpoints/latest", "model")
+    assert wa["layers.1.feed_forward.expert_bias"].abs().sum() > 0
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    # model.init_from of an MoE run reads its MoE shape (and refuses an HF export of it)
+    from tessel.checkpoint.init_from import model_fields_of
+
+    fields = model_fields_of(run)
+    assert (fields["moe_experts"], fields["moe_top_k"], fields["moe_first_dense_layers"]) == (8, 2, 1)
+
+
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tiny_config):
     eager = tiny_config("eager", **{"train.steps": 3})

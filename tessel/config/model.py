@@ -1,0 +1,238 @@
+"""The [model] section: the model's shape (dense, or Mixture-of-Experts with the `moe_*`
+fields), its preset and the checks that run when it is built (they never touch the disk).
+
+The fields fixed by the weights of `model.init_from` come in through the validation context
+(see `ModelConfig._apply_preset`); `SHAPE_FIELDS` are the ones such weights fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, model_validator
+
+from tessel.config.base import Section
+from tessel.config.load import INIT_FIELDS
+from tessel.models.presets import PRESETS
+
+
+class ModelConfig(Section):
+    preset: str | None = "demo"
+    """Named shape (`tessel presets` lists them). It fills the shape fields below; any field
+    set explicitly wins over the preset."""
+    n_layers: int = Field(4, gt=0)
+    """Number of transformer blocks."""
+    d_model: int = Field(192, gt=0)
+    """Hidden size."""
+    n_heads: int = Field(6, gt=0)
+    """Attention (query) heads; `d_model` must be divisible by it."""
+    n_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads: equal to `n_heads` for multi-head attention, fewer for grouped-query
+    attention (must divide `n_heads`). Defaults to `n_heads`."""
+    vocab_size: int = Field(2048, gt=0)
+    """Token ids the model predicts over; must hold every token id of the tokenizer."""
+    vocab_pad_to: int = Field(128, gt=0)
+    """Embedding and output rows: vocab_size rounded up to a multiple of this (Megatron's
+    --make-vocab-size-divisible-by; GPT-2's 50,257 ids get 50,304 rows), so that tp divides
+    them and matmuls get round sizes. The extra ids are never predicted. Independent of tp,
+    so checkpoints reshard freely. 1 = no padding (runs saved before this setting)."""
+    max_seq_len: int = Field(256, gt=0)
+    """Longest sequence the model accepts (size of the learned position table)."""
+    ffn_hidden: int | None = Field(None, gt=0)
+    """MLP hidden size. Defaults to 4*d_model for GELU and to the Llama rule
+    (2/3 of 4*d_model, rounded up to a multiple of 256) for SwiGLU."""
+    position: Literal["learned", "rope"] = "learned"
+    """Learned absolute position embeddings (GPT) or rotary embeddings (Llama)."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency (Llama 3 uses 500000)."""
+    rope_scaling_factor: float = Field(1.0, ge=1)
+    """Llama 3.1's RoPE frequency scaling for long context: wavelengths above
+    rope_original_max_seq_len / rope_low_freq_factor are divided by this factor, those below
+    / rope_high_freq_factor kept, the band between interpolated. 1 = no scaling."""
+    rope_low_freq_factor: float = Field(1.0, gt=0)
+    """Llama 3 RoPE scaling: the low-frequency bound (see rope_scaling_factor)."""
+    rope_high_freq_factor: float = Field(4.0, gt=0)
+    """Llama 3 RoPE scaling: the high-frequency bound (see rope_scaling_factor)."""
+    rope_original_max_seq_len: int = Field(8192, gt=0)
+    """Llama 3 RoPE scaling: the context length the model was first trained at."""
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Normalisation layer."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """Epsilon of the normalisation layers."""
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    """GELU MLP (GPT) or gated SwiGLU (Llama)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorm (GPT-2 style) or none (Llama style)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on embeddings, attention and residual branches."""
+    init_std: float = Field(0.02, gt=0)
+    """Standard deviation of the normal weight initialisation; residual output projections
+    are scaled by 1/sqrt(2*n_layers) as in GPT-2."""
+    moe_experts: int = Field(0, ge=0)
+    """Routed experts per Mixture-of-Experts layer; 0 = a dense model (every layer has one
+    MLP). MoE layers replace the MLP with a router, these experts and the shared experts."""
+    moe_top_k: int = Field(2, gt=0)
+    """Routed experts each token is sent to (at most moe_experts). With top_k > 1 the chosen
+    experts' scores are normalised to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3); with
+    top_k = 1 the raw score weights the output (Switch), so the router gets a gradient."""
+    moe_shared_experts: int = Field(0, ge=0)
+    """Experts every token goes through besides the routed ones (DeepSeek-V3 has one): one
+    dense MLP of moe_shared_experts x moe_ffn_hidden hidden units. Needs moe_experts > 0."""
+    moe_ffn_hidden: int | None = Field(None, gt=0)
+    """Hidden size of each expert's MLP (moe_intermediate_size in Hugging Face configs);
+    defaults to ffn_hidden. Experts follow model.mlp (SwiGLU or GELU) and have no biases."""
+    moe_first_dense_layers: int = Field(0, ge=0)
+    """The first N layers keep a dense MLP of ffn_hidden units (DeepSeek-V3: 3)."""
+    moe_every: int = Field(1, gt=0)
+    """After the first dense layers, every N-th layer is an MoE layer and the others dense:
+    layer i is MoE when i >= moe_first_dense_layers and (i - moe_first_dense_layers) is a
+    multiple of N (1: all of them)."""
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scoring, computed in float32: softmax over the experts (Mixtral, Qwen3-MoE) or
+    an independent sigmoid per expert (DeepSeek-V3)."""
+    moe_aux_loss_coef: float = Field(0.01, ge=0)
+    """Weight of the Switch/GShard load-balancing loss, experts x sum_i(f_i x P_i) per MoE
+    layer (f_i: fraction of routed token slots sent to expert i, P_i: its mean router
+    probability; 1.0 when balanced). Its gradient is added inside each MoE layer, so it
+    reaches every layout, pipeline stages included. 0 = off (the value is still logged)."""
+    moe_bias_update_rate: float = Field(0.0, ge=0)
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the routing
+    scores for the choice of experts only (never to the output weights), moved by this rate
+    x sign(mean load - expert load) after each optimizer step, from the step's token counts
+    over all ranks (DeepSeek-V3: 0.001). Saved in checkpoints. 0 = off."""
+    moe_z_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2,
+    which keeps the router logits small. 0 = off."""
+    moe_capacity_factor: float | None = None
+    """Dropless routing when unset (the default). A value c > 0 gives each expert room for
+    ceil(c x tokens x top_k / experts) token slots per micro-batch; slots beyond it are
+    dropped (the token keeps only its residual and shared-expert path) and counted in the
+    metrics (moe_dropped_frac)."""
+    init_from: str | None = None
+    """Start from these weights instead of a random initialisation (a new run only): a
+    Hugging Face model directory (config.json + safetensors; GPT-2 or Llama), a directory
+    written by `tessel convert hf-to-tessel` or `tessel checkpoint consolidate`, or a tessel
+    run or checkpoint directory. Its shape fills the model fields; explicit ones must agree."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any, info: ValidationInfo) -> Any:
+        """Shape sources, weakest first: the preset, the weights of init_from (whose shape
+        cannot be changed: an explicit field that disagrees is an error), explicit fields.
+
+        The fields the weights fix are not read here (validation never touches the disk):
+        whoever loads the weights passes them as the validation context's `init_fields`
+        (`tessel.checkpoint.init_from.load_config`). A config that already states every
+        field (a resolved config.toml, `with_overrides`) needs none."""
+        if not isinstance(data, Mapping):
+            return data
+        init = dict((info.context or {}).get(INIT_FIELDS) or {})
+        from_weights = bool(init) or (isinstance(data.get("init_from"), str)
+                                      and bool(data.get("init_from")))
+        default = None if from_weights else cls.model_fields["preset"].default
+        name = data.get("preset", default)
+        preset = {}
+        if name is not None:
+            if not isinstance(name, str) or name not in PRESETS:
+                raise ValueError(
+                    f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} "
+                    "(`tessel presets` shows them)"
+                )
+            preset = PRESETS[name]
+        for key, value in init.items():
+            if key in data and data[key] != value and key in SHAPE_FIELDS:
+                raise ValueError(
+                    f"model.{key}={data[key]!r} but the weights of model.init_from have "
+                    f"{value!r}; drop model.{key} (init_from sets the shape)"
+                )
+        merged = {**preset, **init, **data}
+        if from_weights and "preset" not in data:
+            merged["preset"] = None
+        return merged
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> ModelConfig:
+        # Fill derived fields so the resolved config.toml states every shape value.
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.ffn_hidden is None:
+            if self.mlp == "gelu":
+                hidden = 4 * self.d_model
+            else:
+                hidden = 256 * math.ceil(int(2 * 4 * self.d_model / 3) / 256)
+            object.__setattr__(self, "ffn_hidden", hidden)
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "change model.n_heads or model.d_model"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                "model.n_kv_heads must divide model.n_heads"
+            )
+        self._check_moe()
+        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"rotary embeddings need an even head dim, got {self.d_model // self.n_heads}; "
+                "change model.n_heads or use model.position='learned'"
+            )
+        return self
+
+    def _check_moe(self) -> None:
+        if self.moe_experts == 0:
+            if self.moe_shared_experts:
+                raise ValueError(
+                    f"moe_shared_experts={self.moe_shared_experts} needs routed experts; set "
+                    "model.moe_experts > 0 or drop model.moe_shared_experts"
+                )
+            return
+        if self.moe_ffn_hidden is None:
+            object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
+        if self.moe_top_k > self.moe_experts:
+            raise ValueError(
+                f"moe_top_k={self.moe_top_k} exceeds moe_experts={self.moe_experts}; a token "
+                "cannot go to more experts than there are: lower model.moe_top_k"
+            )
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ValueError(
+                f"moe_capacity_factor={self.moe_capacity_factor:g} must be > 0 (e.g. 1.25), or "
+                "unset for dropless routing"
+            )
+        if self.n_moe_layers == 0:
+            raise ValueError(
+                f"moe_first_dense_layers={self.moe_first_dense_layers} leaves no MoE layer "
+                f"among n_layers={self.n_layers}; lower it or set model.moe_experts=0"
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` (0-based) has an MoE layer instead of a dense MLP."""
+        first = self.moe_first_dense_layers
+        return (self.moe_experts > 0 and index >= first
+                and (index - first) % self.moe_every == 0)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and output projection (a multiple of vocab_pad_to)."""
+        return -(-self.vocab_size // self.vocab_pad_to) * self.vocab_pad_to
+
+
+# What weights fix (other model fields, e.g. dropout, may differ from the source's).
+SHAPE_FIELDS = {
+    "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "position",
+    "norm", "mlp", "tie_embeddings", "bias", "rope_theta", "rope_scaling_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
+    "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers", "moe_every",
+}
