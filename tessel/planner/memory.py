@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 from tessel.config import ModelConfig
 from tessel.parallel.dims import stage_layer_counts
+from tessel.parallel.fsdp import data_parallel_kind
 from tessel.planner.layout import Layout
 from tessel.planner.probe import ActivationProfile, activation_profile
 
@@ -261,7 +262,8 @@ def rank_memory(
     compute = 2 if precision in ("bf16", "fp16") else 4
     # Replicated data parallelism beside tp/pp runs as FSDP2 over a shard group of one:
     # ZeRO-1's buffers with nothing sharded.
-    replicate = layout.zero == 0 and layout.dp * layout.cp > 1 and (layout.tp > 1 or layout.pp > 1)
+    replicate = data_parallel_kind(layout.zero, layout.dp * layout.cp, layout.tp,
+                                   layout.pp) == "replicate"
     fsdp = fsdp_active(layout) or replicate
     shard = layout.dp_shard * layout.cp if fsdp_active(layout) else 1
     offload_params = layout.offload == "params" and fsdp
