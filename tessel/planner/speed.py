@@ -189,7 +189,7 @@ def estimate_step(
         if m.tie_embeddings:
             # Megatron's embedding group: the first and the last stage sum the tied
             # embedding's fp32 gradient (their shard of it) once per step, across nodes.
-            emb_shard = m.vocab_size * m.d_model / tp / (shard_group if fsdp_active(layout) else 1)
+            emb_shard = m.padded_vocab_size * m.d_model / tp / (shard_group if fsdp_active(layout) else 1)
             pp_comm += _ring(4.0 * emb_shard, 2, inter, all_reduce=True)
         per_mb = t_mb + tp_comm / micro_batches
         bubble = (pp - 1) * per_mb / v
