@@ -179,6 +179,12 @@ class ParallelConfig(Section):
     cp: int = Field(1, gt=0)
     """Context-parallel degree: each sequence is split over cp ranks (ring attention; CUDA
     only)."""
+    ep: int = Field(1, gt=0)
+    """Expert-parallel degree (Mixture-of-Experts models): each MoE layer's routed experts
+    are split over ep ranks, which send each token to its experts' ranks and back with
+    all-to-all. ep borrows ranks from dp_shard x tp (it adds no processes) and divides
+    model.moe_experts; the experts' own data-parallel group is the rest of them
+    (dp_shard x tp / ep ranks, sharded as the ZeRO stage says)."""
     zero: Literal["auto", 0, 1, 2, 3] = "auto"
     """ZeRO stage over the dp_shard ranks: 0 = replicated data parallel (DDP's bucketed
     all-reduce overlapped with the backward pass; beside tp/pp, FSDP2 with a shard group of
@@ -186,7 +192,8 @@ class ParallelConfig(Section):
     sharded (gradients reduce-scattered once per step: Megatron's distributed optimizer);
     2 = + gradients sharded (reduce-scattered every micro-batch); 3 = + parameters sharded
     (FSDP2: gathered for each block's forward and backward). auto = 0 for pure data
-    parallelism (and one process), 1 beside tp, pp or cp or with an explicit dp_shard > 1."""
+    parallelism (and one process), 1 beside tp, pp, cp or ep or with an explicit
+    dp_shard > 1."""
     dp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
     """Gradient compression for DDP (zero = 0): all-reduce in bf16/fp16, or PowerSGD rank 2."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"

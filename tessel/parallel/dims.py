@@ -78,6 +78,8 @@ class ParallelDims:
         _check_batch(self, cfg.train, cfg.parallel)
         p = cfg.parallel
         zero = resolve_zero(p)
+        if p.ep > 1:  # wired in the next commits; until then refused, never ignored
+            raise ParallelError("parallel.ep > 1 is not supported yet; set parallel.ep=1")
         if cfg.model.moe_experts and self.tp > 1:
             raise ParallelError("tensor parallelism of MoE layers is not supported yet; set "
                                 "parallel.tp=1 (expert parallelism: issue 18)")
@@ -108,7 +110,7 @@ class ParallelDims:
 def resolve_zero(p: ParallelConfig) -> int:
     """The ZeRO stage parallel.zero names; `auto`: 0 (replicated: DDP's all-reduce, no
     gathers) for pure data parallelism, 1 (Megatron's distributed optimizer: the same traffic,
-    optimizer state sharded) beside tp, pp or cp or when dp_shard > 1 is asked for, 3 for
+    optimizer state sharded) beside tp, pp, cp or ep or when dp_shard > 1 is asked for, 3 for
     offload='params' (FSDP2's CPU offload)."""
     if p.zero != "auto":
         return p.zero
@@ -116,7 +118,7 @@ def resolve_zero(p: ParallelConfig) -> int:
         return 3
     if p.dp_comm_hook != "none":
         return 0
-    return 1 if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.dp_shard > 1 else 0
+    return 1 if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1 or p.dp_shard > 1 else 0
 
 
 def resolved(cfg: Config) -> tuple[Config, str | None]:
