@@ -182,9 +182,11 @@ class ParallelConfig(Section):
     ep: int = Field(1, gt=0)
     """Expert-parallel degree (Mixture-of-Experts models): each MoE layer's routed experts
     are split over ep ranks, which send each token to its experts' ranks and back with
-    all-to-all. ep borrows ranks from dp_shard x tp (it adds no processes) and divides
-    model.moe_experts; the experts' own data-parallel group is the rest of them
-    (dp_shard x tp / ep ranks, sharded as the ZeRO stage says)."""
+    all-to-all. ep borrows ranks from dp_shard x tp (it adds no processes), which it
+    divides, and divides model.moe_experts; the experts' own data-parallel group is the rest
+    of them (dp_shard x tp / ep ranks, times dp_replicate, sharded as the ZeRO stage says).
+    Needs zero >= 1. Under tp, MoE layers run on each rank's part of the sequence (they need
+    sequence_parallel)."""
     zero: Literal["auto", 0, 1, 2, 3] = "auto"
     """ZeRO stage over the dp_shard ranks: 0 = replicated data parallel (DDP's bucketed
     all-reduce overlapped with the backward pass; beside tp/pp, FSDP2 with a shard group of

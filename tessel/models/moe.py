@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.distributed.tensor
 import torch.nn.functional as F
 from torch import nn
 
@@ -90,14 +91,15 @@ class GroupedExperts(nn.Module):
         path = self.path
         if path == "auto":
             compiling = torch.compiler.is_compiling()
-            if grouped_mm_supported(x.device, dtype, self.w1.shape[1], self.w1.shape[2],
+            if grouped_mm_supported(x.device, dtype, *_local(self.w1).shape[1:],
                                     compiling=compiling):
                 path = "grouped"
             else:
                 path = "padded" if compiling else "loop"
         if path == "grouped":
             offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows, on device
-            return self._mlp(x.to(dtype), lambda a, w: torch._grouped_mm(a, w.to(dtype), offs=offs))
+            return self._mlp(x.to(dtype), lambda a, w: torch._grouped_mm(a, w.to(dtype),
+                                                                           offs=offs))
         if path == "padded":
             return self._padded(x, counts, experts, max_rows)
         # One matmul per expert on its contiguous slice. The sizes must be Python ints: a
@@ -108,12 +110,12 @@ class GroupedExperts(nn.Module):
     def _mlp(self, x: torch.Tensor, mm: Callable[[torch.Tensor, nn.Parameter], torch.Tensor]
              ) -> torch.Tensor:
         """The expert MLP with `mm(activations, 3-D weight)` as its matmul."""
-        h = mm(x, self.w1)
+        h = mm(x, _local(self.w1))
         if self.w3 is not None:
-            h = F.silu(h) * mm(x, self.w3)
+            h = F.silu(h) * mm(x, _local(self.w3))
         else:
             h = F.gelu(h, approximate="tanh")
-        return mm(h, self.w2)
+        return mm(h, _local(self.w2))
 
     def _padded(self, x: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
                 max_rows: int) -> torch.Tensor:
@@ -143,6 +145,14 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(self.n_experts, cfg.d_model, cfg.moe_ffn_hidden,
                                       cfg.mlp == "swiglu")
         self.shared = shared
+        self.dispatcher: Callable[[GroupedExperts, torch.Tensor, torch.Tensor],
+                                  torch.Tensor] | None = None
+        """Expert parallelism (tessel.parallel.expert): runs the experts this rank holds on
+        the slots every rank of its group sends; None = all experts are here."""
+        self.token_group: torch.distributed.ProcessGroup | None = None
+        """Tensor parallelism (tessel.parallel.tensor): the ranks that each hold a part of
+        the micro-batch's tokens (the sequence), token_shards of them; None = all here."""
+        self.token_shards = 1
         self.grad_scale = 1.0
         """Gradient of the auxiliary losses per unit weight: 1/micro-batches per step (times
         the fp16 loss scale), set by the trainer before each step."""
@@ -164,12 +174,22 @@ class MoE(nn.Module):
         self.aux_sum.zero_()
         self.dropped.zero_()
 
+    def _shared(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared experts; under tensor parallelism on this rank's copies of their
+        (replicated) weights, with partial gradients (see `_local`)."""
+        assert self.shared is not None
+        params = dict(self.shared.named_parameters())
+        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):
+            return self.shared(h)
+        return torch.func.functional_call(
+            self.shared, {name: _local(p) for name, p in params.items()}, (h,))
+
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor]:
         """h: (N, C) -> (logits (N, E) fp32, scores (N, E) fp32, chosen experts (N, k),
         their combine weights (N, k) fp32)."""
         with torch.autocast(h.device.type, enabled=False):
-            logits = F.linear(h.float(), self.router.weight.float())  # (N, E)
+            logits = F.linear(h.float(), _local(self.router.weight).float())  # (N, E)
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         # The bias steers the choice only; the weights come from the unbiased scores.
         _, chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1)  # (N, k)
@@ -201,17 +221,27 @@ class MoE(nn.Module):
             # Dropped slots are still computed (static shapes) but weigh nothing.
             slot_w = slot_w * keep
 
-        y = self.experts(h[token_of], counts, flat[order], N)  # (N*k, C)
+        if self.dispatcher is None:
+            y = self.experts(h[token_of], counts, flat[order], N)  # (N*k, C)
+        else:
+            y = self.dispatcher(self.experts, h[token_of], counts)
         out = torch.zeros((N, C), dtype=y.dtype, device=h.device).index_add_(
             0, token_of, y * slot_w[:, None].to(y.dtype))
         if self.shared is not None:
-            out = out + self.shared(h).to(out.dtype)
+            out = out + self._shared(h).to(out.dtype)
 
         if self.training:
-            # Switch/GShard balance: E * sum_i f_i P_i, with P from the normalised scores.
+            # Switch/GShard balance: E * sum_i f_i P_i, with P from the normalised scores,
+            # over the micro-batch's tokens. Under tensor parallelism this rank holds 1/tp of
+            # them: f from the counts summed over the tp ranks, P and the z-loss from this
+            # rank's tokens over the whole count, so the ranks' terms add up to the loss.
             probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
-            balance = E * (counts.float() / (N * k) * probs.mean(0)).sum()
-            z = torch.logsumexp(logits, -1).square().mean()
+            total_counts, n_total = counts.float(), N * self.token_shards
+            if self.token_group is not None:
+                total_counts = total_counts.clone()
+                torch.distributed.all_reduce(total_counts, group=self.token_group)
+            balance = E * (total_counts / (n_total * k) * probs.sum(0) / n_total).sum()
+            z = torch.logsumexp(logits, -1).square().sum() / n_total
             if torch.is_grad_enabled() and (self.aux_coef > 0 or self.z_coef > 0):
                 out = AuxLossScaler.apply(out, self.aux_coef * balance + self.z_coef * z,
                                           self.grad_scale)
@@ -224,6 +254,18 @@ class MoE(nn.Module):
                     if dropped is not None:
                         self.dropped.add_(dropped.float())
         return out.view(B, T, C)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor weight, else `w`: the experts it holds under expert
+    parallelism (Shard(0)); or, under tensor parallelism, its copy of a replicated weight,
+    whose gradient from this rank's tokens is then one part of a sum (Partial)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(w, DTensor):
+        return w
+    grads = [Partial() if p.is_replicate() else p for p in w.placements]
+    return w.to_local(grad_placements=grads)
 
 
 def _in_backward() -> bool:

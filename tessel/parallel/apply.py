@@ -1,7 +1,8 @@
 """Build the model for one rank of a layout, in the one fixed order:
 
-    build on meta -> pipeline split -> tensor parallel -> float8 linears (train.fp8)
-    -> activation checkpointing -> compile -> FSDP (ZeRO 1-3) -> materialise + initialise
+    build on meta -> pipeline split -> tensor parallel -> expert parallel -> float8 linears
+    (train.fp8) -> activation checkpointing -> compile -> FSDP (ZeRO 1-3; the experts over
+    their own group) -> materialise + initialise
     -> DDP (zero 0)
 
 Tensor parallelism comes first because the later steps must see the DTensor parameters it
@@ -30,7 +31,14 @@ from torch.utils.checkpoint import (
 from tessel.config import Config
 from tessel.models.transformer import Transformer
 from tessel.parallel.dims import ParallelDims, resolve_zero
-from tessel.parallel.fsdp import DataParallel, apply_ddp, apply_fsdp, data_parallel_kind
+from tessel.parallel.expert import apply_expert_parallel
+from tessel.parallel.fsdp import (
+    DataParallel,
+    ExpertSharding,
+    apply_ddp,
+    apply_fsdp,
+    data_parallel_kind,
+)
 from tessel.parallel.pipeline import split_model
 from tessel.parallel.tensor import apply_tensor_parallel
 
@@ -82,10 +90,17 @@ def build_parallel_model(
     n_stages = dims.pp * p.pp_virtual_stages
     zero = resolve_zero(p)
     kind = data_parallel_kind(zero, dims.dp * dims.cp, dims.tp, dims.pp)
+    ep_mesh = experts_fsdp_mesh = None
+    if dims.ep > 1:
+        assert mesh is not None
+        ep_mesh, experts_fsdp_mesh = dims.expert_meshes(mesh)
     for _, stage in stages:
         if dims.tp > 1:
             assert mesh is not None
-            apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel)
+            apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel,
+                                  replicate_experts=ep_mesh is None)
+        if ep_mesh is not None:
+            apply_expert_parallel(stage, ep_mesh)
         if cfg.train.fp8:
             from tessel.parallel.fp8 import apply_fp8
 
@@ -102,7 +117,11 @@ def build_parallel_model(
             # replicate: dp_shard is 1 (ParallelDims), so this is a (replicas, 1) mesh.
             shard_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
                           else mesh["dp_shard_cp"])
-            apply_fsdp(stage, shard_mesh, max(zero, 1), param_dtype, p.offload == "params")
+            experts = None
+            if experts_fsdp_mesh is not None:
+                experts = ExpertSharding(experts_fsdp_mesh, dims.dp * dims.cp)
+            apply_fsdp(stage, shard_mesh, max(zero, 1), param_dtype, p.offload == "params",
+                       experts)
     for _, stage in stages:
         materialise(stage, device, cfg.train.seed, initial)
     inner = [stage for _, stage in stages]

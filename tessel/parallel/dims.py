@@ -31,6 +31,8 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
+    """Expert-parallel degree: borrowed from the dp_shard x tp ranks (adds no processes)."""
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
@@ -57,7 +59,7 @@ class ParallelDims:
                 f"dp_replicate={p.dp_replicate}, dp_shard={dp_shard}, cp={p.cp}); start "
                 f"{product} (tessel train --nproc {product}) or set parallel.dp_shard=-1"
             )
-        return cls(replicate, dp_shard, p.cp, p.tp, p.pp, world_size)
+        return cls(replicate, dp_shard, p.cp, p.tp, p.pp, world_size, p.ep)
 
     @property
     def dp(self) -> int:
@@ -68,9 +70,17 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
+    @property
+    def efsdp(self) -> int:
+        """The experts' own shard group: the dp_shard x tp ranks that hold the same experts
+        (MoE layers run on each tensor-parallel rank's part of the sequence, so for them the
+        tp ranks are data-parallel ranks too)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
     def describe(self) -> str:
         return (f"dp={self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
-                f"tp={self.tp}, pp={self.pp}, cp={self.cp}")
+                f"tp={self.tp}, pp={self.pp}, cp={self.cp}"
+                + (f", ep={self.ep}" if self.ep > 1 else ""))
 
     def validate(self, cfg: Config) -> None:
         """Every check that needs only the config: divisibility of the model and the batch."""
@@ -78,11 +88,12 @@ class ParallelDims:
         _check_batch(self, cfg.train, cfg.parallel)
         p = cfg.parallel
         zero = resolve_zero(p)
-        if p.ep > 1:  # wired in the next commits; until then refused, never ignored
-            raise ParallelError("parallel.ep > 1 is not supported yet; set parallel.ep=1")
-        if cfg.model.moe_experts and self.tp > 1:
-            raise ParallelError("tensor parallelism of MoE layers is not supported yet; set "
-                                "parallel.tp=1 (expert parallelism: issue 18)")
+        _check_experts(self, cfg.model, zero)
+        if cfg.model.moe_experts and self.tp > 1 and not p.sequence_parallel:
+            raise ParallelError(
+                "under tensor parallelism MoE layers run on each rank's part of the sequence; "
+                "set parallel.sequence_parallel=true"
+            )
         if cfg.model.moe_experts and self.cp > 1:
             raise ParallelError("context parallelism with MoE layers is not supported yet; set "
                                 "parallel.cp=1 (issue 18)")
@@ -105,6 +116,19 @@ class ParallelDims:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return mesh
+
+    def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+        """(ep, the experts' FSDP mesh): the dp_shard x cp x tp ranks of `mesh` split into
+        (efsdp, ep), ep innermost, so an ep group is ep neighbouring ranks (tp first); the
+        efsdp ranks hold the same experts and shard them as ZeRO says, replicated over
+        dp_replicate (HSDP: a (dp_replicate, efsdp) mesh). Call once per mesh: it creates
+        the groups."""
+        region = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+        sparse = region._unflatten(0, (self.efsdp, self.ep), ("efsdp", "ep"))
+        shard = sparse["efsdp"]
+        if self.dp_replicate > 1:
+            shard = DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+        return sparse["ep"], shard
 
 
 def resolve_zero(p: ParallelConfig) -> int:
@@ -180,6 +204,42 @@ def _check_model(d: ParallelDims, m: ModelConfig, p: ParallelConfig) -> None:
                 )
     stage_layer_counts(m.n_layers, d.pp * p.pp_virtual_stages, p.pp_layers_first,
                        p.pp_layers_last, p.pp_virtual_stages)
+
+
+def _check_experts(d: ParallelDims, m: ModelConfig, zero: int) -> None:
+    if d.ep == 1:
+        return
+    if not m.moe_experts:
+        raise ParallelError(
+            f"parallel.ep={d.ep} splits the experts of Mixture-of-Experts layers, and this model "
+            "has none (model.moe_experts=0); set parallel.ep=1"
+        )
+    if m.moe_experts % d.ep:
+        raise ParallelError(
+            f"parallel.ep={d.ep} does not divide model.moe_experts={m.moe_experts}; choose an ep "
+            "that divides the number of experts"
+        )
+    if zero == 0:
+        raise ParallelError(
+            "parallel.zero=0 replicates every parameter and expert parallelism splits the "
+            "experts; set parallel.zero >= 1 (or auto)"
+        )
+    if (d.dp_shard * d.tp) % d.ep:
+        raise ParallelError(
+            f"parallel.ep={d.ep} borrows its ranks from the dp_shard x tp = {d.dp_shard * d.tp} "
+            "data-parallel shard and tensor-parallel ranks, which it must divide; start more "
+            "processes or lower ep"
+        )
+    efsdp = d.efsdp
+    for label, size in (("model.d_model", m.d_model), ("model.moe_ffn_hidden", m.moe_ffn_hidden)):
+        # FSDP2 shards each rank's experts along their second dimension (the first is split
+        # by ep), which must divide evenly.
+        if size and size % efsdp:
+            raise ParallelError(
+                f"{label}={size} is not divisible by the experts' shard group "
+                f"dp_shard*tp/ep = "
+                f"{efsdp}; raise parallel.ep or choose sizes that divide"
+            )
 
 
 def _check_batch(d: ParallelDims, t: TrainConfig, p: ParallelConfig) -> None:

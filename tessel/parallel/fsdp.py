@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tessel.config import ParallelConfig
@@ -34,17 +35,31 @@ from tessel.models.transformer import Transformer
 DDP_BUCKET_MB = 25  # PyTorch's default; the first bucket's all-reduce starts while backward runs
 
 
+@dataclass(frozen=True)
+class ExpertSharding:
+    """How FSDP shards the routed experts under expert parallelism."""
+
+    mesh: DeviceMesh
+    """The experts' own shard group (efsdp), or (dp_replicate, efsdp) for HSDP."""
+    divide_factor: int
+    """The whole data-parallel degree: each expert's gradient already sums the losses of
+    the ep ranks that sent it tokens (tessel.parallel.expert)."""
+
+
 def apply_fsdp(
     model: Transformer,
     mesh: DeviceMesh,
     zero: int,
     param_dtype: torch.dtype | None,
     offload_params: bool,
+    experts: ExpertSharding | None = None,
 ) -> None:
     """Shard each block, then the rest (embeddings, final norm, head) as the root unit.
 
     `mesh` is the shard group, or a 2-D (replicate, shard) mesh for HSDP. Gradients are
-    always reduced in fp32, whatever the compute dtype.
+    always reduced in fp32, whatever the compute dtype. With expert parallelism each MoE
+    layer's routed experts are a unit of their own over `experts.mesh`, sharded along
+    dimension 1 (dimension 0, the experts, is already split over the ep ranks).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh, "mp_policy": mp}
@@ -55,6 +70,18 @@ def apply_fsdp(
         # The last block's backward starts right after its forward: resharding it would
         # gather it again at once.
         reshard = zero == 3 and i < len(blocks) - 1
+        routed = getattr(block.feed_forward, "experts", None)
+        if experts is not None and routed is not None:
+            fully_shard(routed, mesh=experts.mesh, mp_policy=mp,
+                        shard_placement_fn=lambda _: Shard(1), reshard_after_forward=reshard,
+                        **({"offload_policy": kwargs["offload_policy"]}
+                           if offload_params else {}))
+            routed.set_gradient_divide_factor(experts.divide_factor)
+            if experts.mesh.device_type == "cpu" and experts.mesh.size(-1) > 1:
+                # Gloo has no PREMUL_SUM (NCCL's multiply-then-sum): sum, then divide. Not
+                # for a shard group of one, where torch 2.13's FSDP2 divides by the factor
+                # when it copies the gradient instead of reducing it, and would divide twice.
+                routed.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=zero == 3, **kwargs)
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 @torch.no_grad()
@@ -23,6 +23,12 @@ def clip_grad_norm(
     """Clip in place to `max_norm` (math.inf: only measure); returns the total norm as a
     plain tensor, identical on every rank. No host synchronisation. `also_clip`: gradients
     scaled by the same factor but not measured (copies of measured ones)."""
+    for p in params:
+        # A replicated weight that ranks used on different tokens (MoE layers under tensor
+        # parallelism) has a partial gradient where no FSDP summed it: sum it first.
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:

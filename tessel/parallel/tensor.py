@@ -31,11 +31,18 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessel.models.moe import MoE
 from tessel.models.transformer import Transformer
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` (a whole model or a pipeline stage of one) over `tp_mesh` in place."""
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          replicate_experts: bool = True) -> None:
+    """Shard `model` (a whole model or a pipeline stage of one) over `tp_mesh` in place.
+
+    MoE layers (which need sequence parallelism) are not split: each rank runs its own part
+    of the sequence through them, like a data-parallel rank; their router and shared experts,
+    and the routed experts unless expert parallelism will shard them (`replicate_experts`
+    False), are replicated over `tp_mesh` with partial gradients (see `replicate_moe`)."""
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()  # layout of the residual stream between sub-layers
     plan: dict = {}
@@ -61,32 +68,65 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         model.vocab_mask = distribute_tensor(model.vocab_mask, tp_mesh, [Shard(0)])
 
     for block in model.layers.values():
-        block_plan: dict = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
+        if isinstance(block.feed_forward, MoE):
+            replicate_moe(block.feed_forward, tp_mesh, replicate_experts)
+            block_plan = _attention_plan(sp)
+            # The MoE layer takes this rank's part of the sequence as a plain tensor.
+            block_plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                use_local_output=True)
+            parallelize_module(block, tp_mesh, block_plan)
+            continue
+        block_plan = _attention_plan(sp)
+        block_plan.update({
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }
+        })
         if block.feed_forward.w3 is not None:
             block_plan["feed_forward.w3"] = ColwiseParallel()
         if sp:
-            block_plan.update({
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
-                # Gather the sequence before attention / the MLP (x, freqs, mask).
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
-                ),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-            })
+            # Gather the sequence before the MLP.
+            block_plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, block_plan)
     # parallelize_module replaced the embedding and the output weight separately: tie again.
     model.tie_weights()
+
+
+def _attention_plan(sp: bool) -> dict:
+    """A block's attention and norms (the MLP's plan is the caller's)."""
+    seq = Shard(1) if sp else Replicate()
+    plan: dict = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+    }
+    if sp:
+        plan.update({
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # Gather the sequence before attention (x, freqs, mask).
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+        })
+    return plan
+
+
+def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, experts: bool) -> None:
+    """The MoE layer's parameters as Replicate DTensors on `tp_mesh` (on the meta device: no
+    communication). Each rank computes with its local copy on its own tokens, so its
+    gradient is one part of a sum: `MoE` takes them with partial gradients, which FSDP (or
+    clip_grad_norm) sums over the tp ranks."""
+    modules = [moe.router, *([moe.shared] if moe.shared is not None else []),
+               *([moe.experts] if experts else [])]
+    for module in (sub for m in modules for sub in m.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(
+                distribute_tensor(param, tp_mesh, [Replicate()], src_data_rank=None)))
+    moe.token_group, moe.token_shards = tp_mesh.get_group(), tp_mesh.size()
 
 
 @contextlib.contextmanager

@@ -5,10 +5,10 @@ imbalance, dropped tokens), per MoE layer.
 
 One all-reduce of a small (MoE layers, experts + 3) tensor per step over the whole world: a
 data-parallel replica adds its counts, a pipeline stage its own layers' rows (the others are
-zero), so every rank ends with the same global counts and so the same bias (tensor and
-context parallelism, whose ranks would count the same tokens twice, are refused with MoE
-before launch). Nothing here syncs with the host: the metrics stay device tensors until
-they are logged.
+zero), so every rank ends with the same global counts and so the same bias (under tensor
+parallelism each tp rank routes its own part of the sequence, so its counts are its own too;
+context parallelism with MoE is refused before launch). Nothing here syncs with the host:
+the metrics stay device tensors until they are logged.
 """
 
 from __future__ import annotations

@@ -140,3 +140,35 @@ def test_one_process_accepts_the_defaults():
     d, cfg = dims(1)
     d.validate(cfg)
     assert d.describe() == "dp=1 (replicate 1 x shard 1), tp=1, pp=1, cp=1"
+
+
+MOE = {"model.preset": "tiny-moe", "train.seq_len": 64}
+
+
+@pytest.mark.parametrize("world, overrides, needle", [
+    (2, {"parallel.ep": 2, "model.preset": "tiny", "train.seq_len": 64},
+     "parallel.ep=2 splits the experts of Mixture-of-Experts layers, and this model has none "
+     "(model.moe_experts=0); set parallel.ep=1"),
+    (3, {**MOE, "parallel.ep": 3, "train.global_batch_size": 3},
+     "parallel.ep=3 does not divide model.moe_experts=8; choose an ep that divides"),
+    (2, {**MOE, "parallel.ep": 2, "parallel.zero": 0},
+     "parallel.zero=0 replicates every parameter and expert parallelism splits the experts; "
+     "set parallel.zero >= 1 (or auto)"),
+    # ep borrows from dp_shard: here 2 shard ranks x 2 replicas
+    (4, {**MOE, "parallel.ep": 4, "parallel.dp_replicate": 2},
+     "parallel.ep=4 borrows its ranks from the dp_shard x tp = 2 data-parallel shard and "),
+    (4, {**MOE, "parallel.ep": 2, "model.moe_ffn_hidden": 65},
+     "model.moe_ffn_hidden=65 is not divisible by the experts' shard group dp_shard*tp/ep = 2"),
+])
+def test_expert_parallel_layouts_that_cannot_run(world, overrides, needle):
+    msg = rejected(world, **overrides)
+    assert needle in msg and "\n" not in msg
+
+
+def test_expert_parallelism_borrows_from_dp_shard_and_implies_zero_1():
+    from tessel.parallel.dims import resolve_zero
+
+    d, cfg = dims(8, **MOE, **{"parallel.ep": 4, "parallel.dp_replicate": 2})
+    d.validate(cfg)
+    assert (d.dp_replicate, d.dp_shard, d.ep, d.efsdp, d.world_size) == (2, 4, 4, 1, 8)
+    assert resolve_zero(cfg.parallel) == 1 and "ep=4" in d.describe()

@@ -38,11 +38,12 @@ def test_dense_model_has_no_balance_work():
 
 
 @pytest.mark.parametrize("degree, message", [
-    ({"parallel.tp": 2}, "tensor parallelism of MoE layers is not supported yet; set "
-                         "parallel.tp=1 (expert parallelism: issue 18)"),
+    ({"parallel.tp": 2, "parallel.sequence_parallel": False},
+     "under tensor parallelism MoE layers run on each rank's part of the sequence; set "
+     "parallel.sequence_parallel=true"),
     ({"parallel.cp": 2}, "context parallelism with MoE layers is not supported yet"),
 ])
-def test_tp_and_cp_with_moe_are_refused_before_launch(degree, message):
+def test_tp_without_sp_and_cp_with_moe_are_refused_before_launch(degree, message):
     from tessel.parallel.dims import ParallelDims, ParallelError
 
     cfg = Config.load(None, {"model.preset": "tiny-moe", "train.micro_batch_size": 1,
