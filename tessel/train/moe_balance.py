@@ -57,9 +57,11 @@ class MoEBalance:
             layer.skip_stats = 1
 
     @torch.no_grad()
-    def after_step(self, micro_batches: int, device: torch.device) -> None:
+    def after_step(self, micro_batches: int, device: torch.device, move_bias: bool = True) -> None:
         """Read and reset the layers' statistics, all-reduce them, move the balancing bias.
-        Call after the optimizer step, on every rank."""
+        Call after the optimizer step, on every rank; `move_bias=False` for a step the fp16
+        loss scaler skipped (inf/nan gradients): its statistics are still read, reset and
+        reported, but the bias stays where the weights stayed."""
         E = self.n_experts
         stats = torch.zeros(len(self.moe_ids), E + 3, device=device)
         for row, i in enumerate(self.moe_ids):
@@ -73,7 +75,7 @@ class MoEBalance:
             all_reduce_sum(stats)
         counts = stats[:, :E]  # (L, E) token slots per expert over the whole step
         mean = counts.mean(-1, keepdim=True)
-        if self.rate > 0:
+        if self.rate > 0 and move_bias:
             # Under-loaded experts move up, over-loaded ones down, by a fixed step.
             step = self.rate * torch.sign(mean - counts)
             for row, i in enumerate(self.moe_ids):
