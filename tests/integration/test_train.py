@@ -54,6 +54,8 @@ def test_moe_model_trains_below_unigram_baseline_with_balance_metrics(tiny_confi
         assert rec[f"moe_load_imbalance_l{layer}"] >= 1.0
         assert 0.9 < rec[f"moe_aux_loss_l{layer}"] < 8.0  # 1.0 when perfectly balanced
     assert "moe_load_imbalance_l0" not in rec
+    share = rec["moe_expert_share_l1"]  # what the report's heatmaps draw
+    assert len(share) == 8 and sum(share) == pytest.approx(1.0, abs=1e-3)
     # the auxiliary-loss-free bias is checkpointed (moved by +-0.001 per step)
     weights = read_full(run_dir / "checkpoints/latest", "model")
     bias = weights["layers.1.feed_forward.expert_bias"]

@@ -32,6 +32,12 @@ def test_bias_moves_against_the_load_and_stats_reset():
     assert rec["moe_load_imbalance"] >= 1.0 and 0.5 < rec["moe_aux_loss"] < 2.0
     assert {"moe_aux_loss_l1", "moe_aux_loss_l3", "moe_z_loss"} <= set(rec)
     assert "moe_dropped_frac" not in rec
+    # each expert's share of the layer's slots, one list per MoE layer (for the report)
+    share = rec["moe_expert_share_l1"]
+    assert isinstance(share, list) and len(share) == 8 and sum(share) == pytest.approx(1, abs=1e-3)
+    assert share == pytest.approx((counts / counts.sum()).tolist(), rel=1e-3)
+    assert {f"moe_expert_share_l{i}" for i in (1, 2, 3)} <= set(rec)
+    assert "moe_expert_share_l0" not in rec  # the dense layer
 
 
 def test_dense_model_has_no_balance_work():
