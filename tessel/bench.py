@@ -8,7 +8,8 @@ host clock on a CPU.
 
 FLOPs per token are the model's own formula (`tessel.models.flops_per_token`: 6 x matmul
 parameters + 12 x layers x d_model x seq_len, the PaLM appendix-B count used by nanoGPT and
-Megatron; attention counted at full, not causal, size). MFU is TFLOP/s over the device's
+Megatron; attention counted at full, not causal, size; in MoE layers only the parameters a
+token uses: router, top_k routed experts, shared experts). MFU is TFLOP/s over the device's
 dense BF16 peak from the table in `tessel.observe.mfu` (unknown devices, CPUs included, get
 none) and over the peak of a large matrix multiply measured on the same device in the same
 run (bf16 on a GPU, fp32 on a CPU). The planner's memory prediction for the layout is printed
@@ -153,7 +154,8 @@ def _figures(cfg: Config, trainer: Any, times: list[float], memory: dict[str, fl
                         "p10": q[0], "p90": q[-1],
                         "stdev": statistics.stdev(times) if len(times) > 1 else 0.0},
         "flops_per_token": fpt,
-        "flops_formula": "6 x matmul parameters + 12 x n_layers x d_model x seq_len (PaLM, appendix B)",
+        "flops_formula": ("6 x matmul parameters (MoE: active) + 12 x n_layers x d_model x seq_len "
+                          "(PaLM, appendix B)"),
         "tflops": fpt * tps / 1e12,
         "peak_tflops_bf16": peak / 1e12 if peak is not None else None,
         "mfu": fpt * tps / peak if peak is not None else None,

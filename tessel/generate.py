@@ -86,5 +86,5 @@ def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
                           "the tokenizer it was trained with beside it")
     with torch.device("meta"):
         model = Transformer(m)
-    materialise(model, torch.device(device), 0, source.get)
+    materialise(model, torch.device(device), 0, source.get, source.buffer)
     return model.eval(), load_tokenizer(source.tokenizer, source.eod_token)

@@ -127,6 +127,7 @@ class WeightSource:
         self.path = path
         self.m = m
         self._get: Callable[[str], torch.Tensor]
+        self._has: Callable[[str], bool] = lambda name: False  # no buffers in an HF directory
         if (path / "config.json").is_file():
             arch = for_hf_config(read_json(path / "config.json"), str(path / "config.json"))
             reader = HFReader(path)
@@ -148,6 +149,7 @@ class WeightSource:
                 return handle.get_tensor(name)
 
             self._get = get
+            self._has = names.__contains__
             self.kind = "tessel safetensors"
             self.tokenizer = file.parent / "tokenizer.json"
             self.eod_token, self.eod_from = run_eod(file.parent), "config.toml"
@@ -155,12 +157,22 @@ class WeightSource:
         ckpt = _tessel_checkpoint(path)
         if ckpt is None:
             raise HFError(f"model.init_from={str(path)!r} does not exist or holds no weights")
-        from tessel.checkpoint.store import read_full
+        from tessel.checkpoint.store import checkpoint_shapes, read_full
 
         self._get = lambda name: read_full(ckpt, "model", only={name})[name]
+        self._has = checkpoint_shapes(ckpt).__contains__
         self.kind = f"tessel checkpoint {ckpt.name}"
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
         self.eod_token, self.eod_from = run_eod(ckpt.parent.parent), "config.toml"
+
+    def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Persistent buffer `name` (the MoE balancing bias `...feed_forward.expert_bias`) in
+        float32, or None when the weights hold none (a Hugging Face directory).
+
+        Carried over because it is part of the trained router: the top-k choice of each token
+        is made on the scores plus this bias, so a fine-tune (or sampling) that started it at
+        zero would route tokens differently from the run that trained the experts."""
+        return self.get(name, shape) if self._has(name) else None
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor `name` in float32, checked against the model's `shape`."""

@@ -44,6 +44,9 @@ from tessel.parallel.tensor import apply_tensor_parallel
 
 InitialValue = Callable[[str, tuple[int, ...]], torch.Tensor]
 """The full initial value of a parameter, by name and shape."""
+InitialBuffer = Callable[[str, tuple[int, ...]], "torch.Tensor | None"]
+"""The full value of a persistent buffer (trained state, e.g. the MoE balancing bias), by
+name and shape, or None to keep the fresh model's value."""
 
 
 @dataclass
@@ -76,9 +79,11 @@ class ParallelModel:
 def build_parallel_model(
     cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
     param_dtype: torch.dtype | None, initial: InitialValue | None = None,
+    initial_buffer: InitialBuffer | None = None,
 ) -> ParallelModel:
     """This rank's share of the model, initialised from `initial` (full tensor by name and
-    shape; e.g. weights of model.init_from) or else from the seeded random initialisation."""
+    shape; e.g. weights of model.init_from) or else from the seeded random initialisation;
+    its persistent buffers from `initial_buffer` where that has them."""
     p = cfg.parallel
     with torch.device("meta"):
         whole = Transformer(cfg.model)
@@ -123,7 +128,7 @@ def build_parallel_model(
             apply_fsdp(stage, shard_mesh, max(zero, 1), param_dtype, p.offload == "params",
                        experts)
     for _, stage in stages:
-        materialise(stage, device, cfg.train.seed, initial)
+        materialise(stage, device, cfg.train.seed, initial, initial_buffer)
     inner = [stage for _, stage in stages]
     parts: list[nn.Module] = list(inner)
     if kind == "ddp":
@@ -138,9 +143,11 @@ def build_parallel_model(
 
 @torch.no_grad()
 def materialise(model: Transformer, device: torch.device, seed: int,
-                initial: InitialValue | None = None) -> None:
+                initial: InitialValue | None = None,
+                initial_buffer: InitialBuffer | None = None) -> None:
     """Allocate `model`'s (possibly sharded) parameters on `device` and give each its slice
-    of the full initial value (`initial(name, shape)`, else the seeded initialisation)."""
+    of the full initial value (`initial(name, shape)`, else the seeded initialisation); the
+    persistent buffers take `initial_buffer(name, shape)` where it gives one."""
     # FSDP2's CPU offload keeps the sharded parameters in host memory (it requires them there
     # at its first use); buffers still live on the compute device.
     offloaded = _fsdp_offloaded(model)
@@ -165,6 +172,13 @@ def materialise(model: Transformer, device: torch.device, seed: int,
                 if buf is not None:
                     module._buffers[key] = buf.to(device)
     model.init_buffers()
+    if initial_buffer is not None:
+        # The persistent buffers are what the state dict holds besides the parameters.
+        for name, buf in model.state_dict(keep_vars=True).items():
+            if not isinstance(buf, nn.Parameter):
+                full = initial_buffer(name, tuple(buf.shape))
+                if full is not None:
+                    buf.copy_(full)
 
 
 def _fsdp_offloaded(model: nn.Module) -> bool:

@@ -39,6 +39,9 @@ class MoEBalance:
         self.summary: torch.Tensor | None = None
         """After a step: (MoE layers, 4) = load imbalance (max/mean tokens per expert),
         balance loss, z-loss, dropped fraction; on the device."""
+        self.shares: torch.Tensor | None = None
+        """After a step: (MoE layers, experts) each expert's share of the layer's token
+        slots (rows sum to 1); on the device."""
 
     @property
     def active(self) -> bool:
@@ -57,9 +60,11 @@ class MoEBalance:
             layer.skip_stats = 1
 
     @torch.no_grad()
-    def after_step(self, micro_batches: int, device: torch.device) -> None:
+    def after_step(self, micro_batches: int, device: torch.device, move_bias: bool = True) -> None:
         """Read and reset the layers' statistics, all-reduce them, move the balancing bias.
-        Call after the optimizer step, on every rank."""
+        Call after the optimizer step, on every rank; `move_bias=False` for a step the fp16
+        loss scaler skipped (inf/nan gradients): its statistics are still read, reset and
+        reported, but the bias stays where the weights stayed."""
         E = self.n_experts
         stats = torch.zeros(len(self.moe_ids), E + 3, device=device)
         for row, i in enumerate(self.moe_ids):
@@ -73,13 +78,14 @@ class MoEBalance:
             all_reduce_sum(stats)
         counts = stats[:, :E]  # (L, E) token slots per expert over the whole step
         mean = counts.mean(-1, keepdim=True)
-        if self.rate > 0:
+        if self.rate > 0 and move_bias:
             # Under-loaded experts move up, over-loaded ones down, by a fixed step.
             step = self.rate * torch.sign(mean - counts)
             for row, i in enumerate(self.moe_ids):
                 layer = self.layers.get(i)
                 if layer is not None:
                     layer.expert_bias.add_(step[row].to(layer.expert_bias.device))
+        self.shares = counts / counts.sum(-1, keepdim=True).clamp_min(1)
         passes = micro_batches * self.dp  # forwards that added to each row
         self.summary = torch.stack([
             counts.amax(-1) / mean.squeeze(-1).clamp_min(1e-9),
@@ -88,20 +94,24 @@ class MoEBalance:
             stats[:, E + 2] / counts.sum(-1).clamp_min(1),
         ], dim=-1)
 
-    def metrics(self, with_dropped: bool) -> dict[str, float]:
+    def metrics(self, with_dropped: bool) -> dict[str, float | list[float]]:
         """The last step's figures (a host sync): per MoE layer, and summarised (mean aux
-        loss, worst imbalance)."""
-        if self.summary is None:
+        loss, worst imbalance); per MoE layer also each expert's share of its token slots,
+        as one list (`moe_expert_share_l{i}`, what the report's heatmaps draw)."""
+        if self.summary is None or self.shares is None:
             return {}
         s = self.summary.tolist()
-        rec: dict[str, float] = {
+        rec: dict[str, float | list[float]] = {
             "moe_aux_loss": sum(r[1] for r in s) / len(s),
             "moe_z_loss": sum(r[2] for r in s) / len(s),
             "moe_load_imbalance": max(r[0] for r in s),
         }
         if with_dropped:
             rec["moe_dropped_frac"] = sum(r[3] for r in s) / len(s)
-        for i, r in zip(self.moe_ids, s):
+        for i, r, share in zip(self.moe_ids, s, self.shares.tolist()):
             rec[f"moe_load_imbalance_l{i}"] = r[0]
             rec[f"moe_aux_loss_l{i}"] = r[1]
+            # 4 significant digits keep a line short (experts x MoE layers numbers per record)
+            # and are finer than a heatmap's colours.
+            rec[f"moe_expert_share_l{i}"] = [float(f"{x:.4g}") for x in share]
         return rec

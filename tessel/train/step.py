@@ -77,8 +77,11 @@ class TrainStep:
         self.timer.start("compute")
         n_tokens = sum(b.targets.numel() for b in batches)
         scaler = self.precision.scaler
+        # fp16: the loss scale this step's gradients are multiplied by (GradScaler syncs
+        # with the host in its step anyway, so reading it here costs nothing more).
+        scale = scaler.get_scale() if scaler is not None and self.moe.active else 1.0
         if self.moe.active:
-            self.moe.before_step(len(batches), scaler.get_scale() if scaler is not None else 1.0)
+            self.moe.before_step(len(batches), scale)
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
             total = self._pipeline_step(batches, n_tokens)
@@ -123,7 +126,11 @@ class TrainStep:
         if scaler is not None:
             scaler.update()
         if self.moe.active:  # after the step: the bias moves with this step's counts
-            self.moe.after_step(len(batches), self.device)
+            # GradScaler skips the optimizer step when it found inf/nan gradients, and only
+            # then lowers the scale: such a step changed no weight, so the router's bias
+            # (trained state like them) must not move either.
+            skipped = scaler is not None and scaler.get_scale() < scale
+            self.moe.after_step(len(batches), self.device, move_bias=not skipped)
         self.timer.end()
         return total, grad_norm
 

@@ -50,9 +50,10 @@ class StepLogger:
     def train(self, *, step: int, loss: float, lr: float, grad_norm: float, window_s: float,
               window_steps: int, tokens_seen: int, elapsed_s: float, eta_s: float,
               time_split: dict[str, float], loss_scale: float | None,
-              extra: dict[str, float] | None = None) -> None:
+              extra: dict[str, float | list[float]] | None = None) -> None:
         """One metrics line for the `window_steps` steps of the last `window_s` seconds;
-        `extra`: more figures of the last step (the MoE layers')."""
+        `extra`: more figures of the last step (the MoE layers'; a list is a per-expert
+        vector, which the scalar sinks (TensorBoard, W&B, Prometheus) leave out)."""
         t = self.cfg.train
         tokens_per_step = t.global_batch_size * t.seq_len
         tps = window_steps * tokens_per_step / window_s

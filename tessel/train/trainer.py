@@ -126,8 +126,10 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)
         param_dtype = torch.bfloat16 if self.precision.name == "bf16" else None
-        initial = self.init_source.get if self.init_source is not None else None
-        self.model = build_parallel_model(cfg, dims, mesh, self.device, param_dtype, initial)
+        source = self.init_source
+        self.model = build_parallel_model(cfg, dims, mesh, self.device, param_dtype,
+                                          source.get if source is not None else None,
+                                          source.buffer if source is not None else None)
         self.optimizers = [build_optimizer(m, cfg.optim, self.device,
                                            cfg.parallel.offload == "optimizer")
                            for m in self.model.inner]

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tessel import Trainer
 from tessel.cli import main
 from tessel.observe.report import write_report
+from tessel.observe.report.plots import share_colour
 from tessel.observe.secrets import Redactor
 
 if sys.version_info >= (3, 11):
@@ -28,6 +30,8 @@ else:  # pragma: no cover
 
 PLOT_IDS = ("plot-loss", "plot-lr", "plot-grad_norm", "plot-tokens_per_s", "plot-mfu",
             "plot-memory", "plot-step_time")
+MOE_PLOT_IDS = ("plot-moe_load_imbalance", "plot-moe_aux_loss", "plot-moe_z_loss",
+                "plot-moe_dropped_frac")
 SECRET = "https://hooks.example.com/services/T000/B000/SECRETxyz123"
 T0 = 1_750_000_000.0  # 2025-06-15 15:06:40 UTC
 
@@ -157,6 +161,9 @@ def test_every_plot_is_drawn_with_data_or_a_no_data_placeholder(report):
     mfu = dom.by_id("plot-mfu")
     assert mfu["data-empty"] == "true" and "MFU unknown" in mfu["data-reason"]
     assert not dom.inside("plot-mfu", "polyline")
+    # A dense run has no Mixture-of-Experts section.
+    assert not [a for _, a, _ in dom.elements if a.get("id", "").startswith(("expert-load", "heatmap-"))]
+    assert "Expert load" not in "".join(dom.text)
 
 
 def test_loss_plot_has_both_series_gaps_and_event_markers(report):
@@ -308,6 +315,48 @@ def test_long_runs_are_thinned_but_keep_their_spikes(tmp_path: Path):
     assert len(text) < 400_000
 
 
+def test_many_moe_layers_are_summarised_and_damaged_shares_skipped(tmp_path: Path):
+    run = tmp_path / "big-moe"
+    run.mkdir()
+    layers, experts = range(3, 19), 128  # 16 MoE layers of 128 experts, 100 log records
+    recs = []
+    for step in range(1, 101):
+        rec: dict = {"step": step, "loss": 3.0, "moe_aux_loss": 1.1, "moe_z_loss": 4.0,
+                     "moe_load_imbalance": 1.0 + layers[-1] / 10}
+        for i in layers:
+            rec[f"moe_load_imbalance_l{i}"] = 1.0 + i / 10
+            rec[f"moe_aux_loss_l{i}"] = 1.0 + i / 100
+            rec[f"moe_expert_share_l{i}"] = [2 / experts] * (experts // 2) + [0.0] * (experts // 2)
+        recs.append(rec)
+    recs[49]["moe_expert_share_l3"] = [0.5, 0.5]  # damaged: not one value per expert
+    recs[50]["moe_expert_share_l3"] = "garbage"
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "config.toml").write_text(f"[model]\nmoe_experts = {experts}\n")
+    text = write_report(run).read_text()
+    dom = _Dom(text)
+    # Beyond six layers: the worst, median and best layer per step instead of one line each.
+    imbalance = dom.by_id("plot-moe_load_imbalance")
+    assert imbalance["data-series"] == ("moe_load_imbalance_max moe_load_imbalance_median "
+                                        "moe_load_imbalance_min")
+    assert (float(imbalance["data-ymin"]), float(imbalance["data-ymax"])) == (1.3, 2.8)
+    assert dom.by_id("plot-moe_dropped_frac")["data-reason"].startswith("dropless routing")
+    heatmaps = [a for _, a, _ in dom.elements if a.get("id", "").startswith("heatmap-moe-l")]
+    assert heatmaps and sum(int(h["data-cells"]) for h in heatmaps) <= 12_000
+    note = dom.by_id("expert-load-note")["_text"]
+    assert len(heatmaps) < 16 and f"{len(heatmaps)} of the 16 MoE layers are shown" in note
+    assert heatmaps[0]["id"] == "heatmap-moe-l3" and heatmaps[-1]["id"] == "heatmap-moe-l18"
+    first = dom.by_id("heatmap-moe-l3")
+    assert first["data-rows"] == "128" and (first["data-xmin"], first["data-xmax"]) == ("1", "100")
+    columns = int(first["data-columns"])
+    assert first["data-cells"] == str(128 * columns)  # the damaged records left no hole
+    # The first half of the experts got twice the even share (red), the rest none (blue).
+    fills = [r["fill"] for r in dom.inside("heatmap-moe-l3", "rect") if r.get("fill") != "none"]
+    half = experts // 2 * columns
+    assert set(fills[:half]) == {share_colour(2 / experts, experts)}
+    assert set(fills[half:2 * half]) == {share_colour(0.0, experts)}
+    assert len(text) < 2_000_000
+
+
 # ---- in a real browser ------------------------------------------------------------------------
 
 
@@ -363,3 +412,56 @@ def test_report_renders_in_headless_chromium(tmp_path: Path):
                       ("rollback marker", (0xDC, 0x26, 0x26))):
         near = (np.abs(px[:2400] - np.array(rgb, np.int16)).sum(axis=2) < 60).sum()
         assert near > {"blue series": 1500, "orange series": 300}.get(name, 150), f"{name}: {near} pixels"
+
+
+@pytest.fixture
+def moe_run(tiny_config) -> Path:
+    """A real tiny-moe run: 4 steps of 32 tokens a sequence, each logged, with a capacity
+    factor (so some token slots are dropped) and the balancing bias."""
+    cfg = tiny_config(**{"model.preset": "tiny-moe", "model.moe_capacity_factor": 1.0,
+                         "model.moe_bias_update_rate": 0.01, "train.steps": 4})
+    Trainer(cfg, console=False).train()
+    return Path(cfg.run.dir)
+
+
+def test_moe_run_has_an_expert_load_section_in_headless_chromium(moe_run: Path, tmp_path: Path):
+    exe = _chromium()
+    page = write_report(moe_run)
+    records = [json.loads(line) for line in (moe_run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    proc = _browser(exe, tmp_path, "--dump-dom", page.resolve().as_uri())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for dom in (_Dom(page.read_text()), _Dom(proc.stdout)):  # as written, and as Chromium built it
+        assert "Expert load" in dom.by_id("expert-load-title")["_text"]
+        for plot_id in MOE_PLOT_IDS:
+            fig = dom.by_id(plot_id)
+            assert fig["data-empty"] == "false", plot_id
+            assert dom.inside(plot_id, "polyline"), plot_id
+        imbalance = dom.by_id("plot-moe_load_imbalance")  # one line per MoE layer (0 is dense)
+        assert imbalance["data-series"] == " ".join(f"moe_load_imbalance_l{i}" for i in (1, 2, 3))
+        assert imbalance["data-points"] == "12" and float(imbalance["data-ymin"]) >= 1.0
+        for layer in (1, 2, 3):
+            heat = dom.by_id(f"heatmap-moe-l{layer}")
+            assert (heat["data-rows"], heat["data-columns"], heat["data-cells"]) == ("8", "4", "32")
+            fills = [r["fill"] for r in dom.inside(f"heatmap-moe-l{layer}", "rect")
+                     if r.get("fill") != "none"]
+            # Each cell (expert by expert, step by step) is coloured by its share in
+            # metrics.jsonl; the colour key's 12 stops follow.
+            logged = [train[c][f"moe_expert_share_l{layer}"][e] for e in range(8) for c in range(4)]
+            assert fills[:32] == [share_colour(v, 8) for v in logged]
+            assert len(set(fills[:32])) > 4  # the routing was not even: the colours differ
+    shot = tmp_path / "moe.png"
+    proc = _browser(exe, tmp_path, f"--screenshot={shot}", "--window-size=1280,4000",
+                    "--hide-scrollbars", page.resolve().as_uri())
+    assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
+    if os.environ.get("TESSEL_REPORT_SCREENSHOT"):
+        shutil.copy(shot, os.environ["TESSEL_REPORT_SCREENSHOT"])
+    with Image.open(shot) as img:
+        px = np.asarray(img.convert("RGB"), dtype=np.int16)
+    # The heatmaps were painted: the cells' colours cover many pixels.
+    colours = {share_colour(train[-1][f"moe_expert_share_l{layer}"][e], 8)
+               for layer in (1, 2, 3) for e in range(8)} - {"#ffffff"}
+    painted = [c for c in colours if (np.abs(px - np.array([int(c[i:i + 2], 16) for i in (1, 3, 5)],
+                                                            np.int16)).sum(axis=2) < 6).sum() > 200]
+    assert len(painted) >= len(colours) // 2, (painted, colours)

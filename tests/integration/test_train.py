@@ -54,13 +54,15 @@ def test_moe_model_trains_below_unigram_baseline_with_balance_metrics(tiny_confi
         assert rec[f"moe_load_imbalance_l{layer}"] >= 1.0
         assert 0.9 < rec[f"moe_aux_loss_l{layer}"] < 8.0  # 1.0 when perfectly balanced
     assert "moe_load_imbalance_l0" not in rec
+    share = rec["moe_expert_share_l1"]  # what the report's heatmaps draw
+    assert len(share) == 8 and sum(share) == pytest.approx(1.0, abs=1e-3)
     # the auxiliary-loss-free bias is checkpointed (moved by +-0.001 per step)
     weights = read_full(run_dir / "checkpoints/latest", "model")
     bias = weights["layers.1.feed_forward.expert_bias"]
     assert bias.abs().max() > 0 and bias.abs().max() <= 60 * 0.001 + 1e-6
 
 
-def test_moe_resume_is_bitwise_identical_balancing_bias_included(tiny_config):
+def test_moe_resume_is_bitwise_identical_balancing_bias_included(tiny_config, tmp_path, corpus):
     moe = {"model.preset": "tiny-moe", "model.moe_bias_update_rate": 0.01}
     full = tiny_config("full", **moe, **{"train.steps": 6})
     Trainer(full, console=False).train()
@@ -80,6 +82,28 @@ def test_moe_resume_is_bitwise_identical_balancing_bias_included(tiny_config):
 
     fields = model_fields_of(run)
     assert (fields["moe_experts"], fields["moe_top_k"], fields["moe_first_dense_layers"]) == (8, 2, 1)
+    # ... and carries its balancing bias (part of the trained router: the top-k choice is made
+    # with it), from the run directory and from a consolidated safetensors file alike.
+    from conftest import tiny_overrides
+
+    from tessel.checkpoint.consolidate import consolidate
+    from tessel.checkpoint.init_from import WeightSource, load_config
+
+    biases = {k: v for k, v in wb.items() if k.endswith("feed_forward.expert_bias")}
+    assert len(biases) == 3
+    tuned = Trainer(load_config(None, tiny_overrides(tmp_path / "tuned", corpus,
+                                                     **{"model.init_from": str(run)})),
+                    console=False)
+    assert tuned.cfg.model.moe_experts == 8
+    state = tuned.model.inner[0].state_dict()
+    for name, bias in biases.items():
+        assert torch.equal(state[name], bias), name
+    single = tmp_path / "consolidated.safetensors"
+    consolidate(run / "checkpoints/latest", single)
+    source = WeightSource(single, tuned.cfg.model)
+    for name, bias in biases.items():
+        assert torch.equal(source.buffer(name, (8,)), bias), name
+    assert source.buffer("layers.1.feed_forward.no_such_buffer", (8,)) is None
 
 
 @pytest.mark.slow

@@ -191,6 +191,29 @@ def test_counts_match_the_built_model(kw):
     assert fpt - flops_per_token(dense, 16) == 6 * cfg.n_moe_layers * (moe_mm - mats * 32 * 64)
 
 
+def test_flops_per_token_of_tiny_moe_counts_active_parameters_only():
+    """MFU's FLOPs: 6 x the non-embedding parameters a token uses (top_k of the experts, the
+    shared ones, the router, attention, the dense layers and the output projection; norms
+    are not matmuls) + the attention term 12 x layers x d_model x seq_len."""
+    cfg = ModelConfig(preset="tiny-moe")
+    T = 32
+    model = build_model(cfg, "meta")
+    norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    attention = 12 * cfg.n_layers * cfg.d_model * T
+    assert not cfg.tie_embeddings and cfg.position == "rope"  # the head is counted, no table
+    active = active_param_count(cfg, exclude_embeddings=True)
+    assert flops_per_token(cfg, T) == 6 * (active - norms) + attention
+    # The same from the built model's tensors: every matmul weight but the embedding, each
+    # routed expert's at top_k / experts (a token visits top_k of them).
+    used = sum(p.numel() * (cfg.moe_top_k / cfg.moe_experts if ".experts." in n else 1)
+               for n, p in model.named_parameters() if p.ndim > 1 and n != "tok_embeddings.weight")
+    assert flops_per_token(cfg, T) == 6 * used + attention
+    # Not the total count: 6 of the 8 experts per MoE layer are idle for each token.
+    idle = cfg.n_moe_layers * (cfg.moe_experts - cfg.moe_top_k) * 3 * cfg.d_model * cfg.moe_ffn_hidden
+    assert 6 * (param_count(cfg, exclude_embeddings=True) - norms) + attention \
+        == flops_per_token(cfg, T) + 6 * idle
+
+
 def test_moe_presets():
     for name in ("tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"):
         assert ModelConfig(preset=name).moe_experts > 0

@@ -1,6 +1,8 @@
 """MoE in training: the per-step balance bookkeeping (bias update, metrics) and the layouts
 refused before launch."""
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,12 @@ def test_bias_moves_against_the_load_and_stats_reset():
     assert rec["moe_load_imbalance"] >= 1.0 and 0.5 < rec["moe_aux_loss"] < 2.0
     assert {"moe_aux_loss_l1", "moe_aux_loss_l3", "moe_z_loss"} <= set(rec)
     assert "moe_dropped_frac" not in rec
+    # each expert's share of the layer's slots, one list per MoE layer (for the report)
+    share = rec["moe_expert_share_l1"]
+    assert isinstance(share, list) and len(share) == 8 and sum(share) == pytest.approx(1, abs=1e-3)
+    assert share == pytest.approx((counts / counts.sum()).tolist(), rel=1e-3)
+    assert {f"moe_expert_share_l{i}" for i in (1, 2, 3)} <= set(rec)
+    assert "moe_expert_share_l0" not in rec  # the dense layer
 
 
 def test_dense_model_has_no_balance_work():
@@ -97,3 +105,41 @@ def test_the_planner_refuses_moe_in_one_line_and_the_launch_check_steps_aside():
     cfg = Config.load(None, {"model.preset": "tiny-moe"})
     refuse_if_too_big(cfg, torch.device("cuda"), 8, False, said.append)  # no GPU touched
     assert said and "no memory check before launch" in said[0]
+
+
+def test_a_step_the_fp16_scaler_skips_leaves_the_bias_and_resets_the_counts():
+    from tessel.data import Batch
+    from tessel.parallel.apply import build_parallel_model
+    from tessel.parallel.dims import ParallelDims
+    from tessel.train.optim import build_optimizer
+    from tessel.train.precision import resolve_precision
+    from tessel.train.step import TrainStep
+
+    cpu = torch.device("cpu")
+    cfg = Config.load(None, {"model.preset": "tiny-moe", "model.moe_bias_update_rate": 0.01,
+                             "train.seq_len": 16, "train.micro_batch_size": 2,
+                             "train.global_batch_size": 2})
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    model = build_parallel_model(cfg, dims, None, cpu, None)
+    opts = [build_optimizer(m, cfg.optim, cpu) for m in model.inner]
+    step = TrainStep(model, opts, dims, None, cpu, resolve_precision("fp16", cpu), accum=1,
+                     grad_clip=1.0, parallel_cfg=cfg.parallel, distributed=False)
+    scaler = step.precision.scaler
+    assert scaler is not None
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    batches = [Batch(tokens[:, :-1], tokens[:, 1:], None)]
+    layer = model.inner[0].layers["1"].feed_forward
+    weights = {k: v.clone() for k, v in model.inner[0].state_dict().items()}
+
+    step.loss_factor = math.inf  # every gradient inf/nan: GradScaler skips the optimizer step
+    scale = scaler.get_scale()
+    step(batches)
+    assert scaler.get_scale() < scale  # the scaler saw the overflow and backed off
+    for k, v in model.inner[0].state_dict().items():
+        assert torch.equal(v, weights[k]), k  # no weight moved, the balancing bias included
+    assert layer.tokens_per_expert.sum().item() == 0  # the step's counts were still read
+    assert step.moe.summary is not None  # and reported
+
+    step.loss_factor = 1.0  # a finite step moves the bias again
+    step(batches)
+    assert layer.expert_bias.abs().sum() > 0

@@ -16,7 +16,9 @@ placeholder, so a reader sees what is missing rather than wondering. Secrets are
 `tessel.observe.secrets`, in every text the page shows.
 
 One module per job: `run` reads the run directory, `summary` computes the figures at the
-top, `plots` chooses and draws the SVG plots, `page` assembles the HTML and writes it.
+top, `plots` chooses and draws the SVG plots (and heatmaps), `experts` chooses the "Expert
+load" section's figures (Mixture-of-Experts runs only), `page` assembles the HTML and
+writes it.
 """
 
 from tessel.observe.report.page import render, write_report

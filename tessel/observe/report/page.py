@@ -11,7 +11,8 @@ from typing import Any
 
 from tessel.errors import TesselError
 from tessel.fileio import write_text_atomic
-from tessel.observe.report.plots import build_plots, esc, render_plot
+from tessel.observe.report.experts import expert_heatmaps, expert_plots, is_moe
+from tessel.observe.report.plots import build_plots, esc, render_heatmap, render_plot
 from tessel.observe.report.run import Run, event_message, num, read_run
 from tessel.observe.report.summary import fmt, summary
 from tessel.observe.secrets import Redactor
@@ -131,6 +132,23 @@ def _pre(id_: str, text: str | None, missing: str) -> str:
     return f'<pre id="{id_}">{esc(text)}</pre>'
 
 
+def _expert_load(run: Run, redact: Redactor) -> str:
+    """The Mixture-of-Experts section: load imbalance, auxiliary losses, dropped slots and
+    each layer's token share per expert over steps (the last step of each log interval)."""
+    heatmaps, note = expert_heatmaps(run)
+    return "".join([
+        '<h2 id="expert-load-title">Expert load</h2>',
+        '<p class="sub">Figures of the last step of each log interval, over all ranks. Load '
+        "imbalance: the most tokens an expert got over the mean (1 = even). Heatmaps: each "
+        "expert's share of its layer's token slots; white is the even share.</p>",
+        f'<p class="sub" id="expert-load-note">{esc(note)}</p>' if note else "",
+        '<div class="plots" id="expert-load">',
+        *(render_plot(p, redact) for p in expert_plots(run)),
+        *(render_heatmap(h) for h in heatmaps),
+        "</div>",
+    ])
+
+
 def render(run: Run) -> str:
     """The report page for `run` as one HTML document."""
     redact = Redactor.for_config(run.config, run.config_text)
@@ -166,6 +184,9 @@ def render(run: Run) -> str:
     parts.append('<h2>Plots</h2><div class="plots" id="plots">')
     parts.extend(render_plot(p, redact) for p in build_plots(run))
     parts.append("</div>")
+
+    if is_moe(run):  # a dense run has no such section
+        parts.append(_expert_load(run, redact))
 
     parts.append(f'<h2>Events</h2>{_events_table(run, redact)}')
     parts.append(f'<h2>Validation</h2>{_val_table(run)}')

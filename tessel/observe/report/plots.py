@@ -1,5 +1,6 @@
 """The report's plots: which series each shows (`build_plots`), drawn as inline SVG
-(`render_plot`) with nice ticks, gaps and red crosses for nan/inf, and event markers."""
+(`render_plot`) with nice ticks, gaps and red crosses for nan/inf, and event markers; and
+heatmaps (`render_heatmap`: the MoE experts' token shares over steps)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,19 @@ class Plot:
     lines: list[Line]
     empty_reason: str
     markers: list[Marker] = field(default_factory=list)
+
+
+@dataclass
+class Heatmap:
+    """Rows x columns of shares, coloured against the even share 1 / rows."""
+
+    id: str
+    title: str
+    ylabel: str
+    columns: list[tuple[int, int]]  # (first step, last step) of the records in each column
+    values: list[list[float | None]]  # [row][column]; None: no finite value there
+    empty_reason: str
+    attrs: dict[str, str | int] = field(default_factory=dict)  # more data-* attributes
 
 
 def build_plots(run: Run) -> list[Plot]:
@@ -334,4 +348,91 @@ def _legend(plot: Plot) -> str:
         out.append(f'<text x="{x + 23:.1f}" y="{y + 4}">{esc(label)}</text>')
         x += width
     out.append("</g>")
+    return "".join(out)
+
+
+# ---- heatmaps -------------------------------------------------------------------------------
+
+_UNDER, _OVER, _MISSING = (0x25, 0x63, 0xEB), (0xDC, 0x26, 0x26), "#cbd5e1"
+
+
+def share_colour(share: float | None, rows: int) -> str:
+    """White at the even share 1/rows, bluer below it (fully at 0), redder above it (fully
+    at twice it or more); grey without a value."""
+    if share is None or not math.isfinite(share):
+        return _MISSING
+    ratio = share * rows
+    target, t = (_UNDER, 1.0 - max(ratio, 0.0)) if ratio <= 1 else (_OVER, min(ratio - 1.0, 1.0))
+    r, g, b = (round(255 + (c - 255) * t) for c in target)
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def render_heatmap(heat: Heatmap) -> str:
+    """A <figure id=heat.id> with an inline SVG heatmap (rows top to bottom, columns left to
+    right) and its colour key, or the "no data: <reason>" placeholder; data-rows/-columns
+    and the step range as attributes."""
+    cells = sum(v is not None for row in heat.values for v in row)
+    attrs: dict[str, str | int] = {
+        "class": "plot heatmap", "id": heat.id, "data-rows": len(heat.values),
+        "data-columns": len(heat.columns), "data-cells": cells,
+        "data-empty": "false" if cells else "true", **heat.attrs}
+    if cells:
+        attrs.update({"data-xmin": heat.columns[0][0], "data-xmax": heat.columns[-1][1]})
+        body = _heat_cells(heat) + _heat_axes(heat) + _heat_key(len(heat.values))
+    else:
+        attrs["data-reason"] = heat.empty_reason
+        body = _placeholder(heat.empty_reason)
+    head = " ".join(f'{k}="{esc(v)}"' for k, v in attrs.items())
+    return (f'<figure {head}><figcaption>{esc(heat.title)}</figcaption>'
+            f'<svg viewBox="0 0 {_W} {_H}" role="img" aria-label="{esc(heat.title)}">'
+            f"{body}</svg></figure>")
+
+
+def _heat_cells(heat: Heatmap) -> str:
+    rows, cols = len(heat.values), len(heat.columns)
+    w, h = (_X1 - _X0) / cols, (_Y1 - _Y0) / rows
+    out = ['<g class="cells" shape-rendering="crispEdges">']
+    for r, row in enumerate(heat.values):
+        for c, value in enumerate(row):
+            # A hair wider than the cell: no seams between neighbours when scaled.
+            out.append(f'<rect x="{_X0 + c * w:.1f}" y="{_Y0 + r * h:.1f}" width="{w + 0.3:.1f}" '
+                       f'height="{h + 0.3:.1f}" fill="{share_colour(value, rows)}"/>')
+    out.append("</g>")
+    return "".join(out)
+
+
+def _heat_axes(heat: Heatmap) -> str:
+    rows, cols = len(heat.values), len(heat.columns)
+    w, h = (_X1 - _X0) / cols, (_Y1 - _Y0) / rows
+    out = [f'<rect x="{_X0}" y="{_Y0}" width="{_X1 - _X0}" height="{_Y1 - _Y0}" fill="none" '
+           f'stroke="#475569" stroke-width="1"/>',
+           '<g class="yticks" font-size="11" fill="#334155" text-anchor="end">']
+    every = max(1, math.ceil(rows / 16))  # at most 16 row labels
+    out += [f'<text x="{_X0 - 6}" y="{_Y0 + (r + 0.5) * h + 4:.1f}">{r}</text>'
+            for r in range(0, rows, every)]
+    out.append('</g><g class="xticks" font-size="11" fill="#334155" text-anchor="middle">')
+    every = max(1, math.ceil(cols / 7))  # at most 7 step labels, the last column's included
+    for c in sorted({*range(0, cols, every), cols - 1}):
+        first, last = heat.columns[c]
+        x = _X0 + (c + 0.5) * w
+        label = f"{first:,}" if first == last else f"{first:,}-{last:,}"
+        out.append(f'<text x="{x:.1f}" y="{_Y1 + 16}">{esc(label)}</text>')
+    out.append(f'</g><text class="xlabel" x="{(_X0 + _X1) / 2}" y="{_H - 6}" font-size="12" '
+               f'fill="#334155" text-anchor="middle">step</text>'
+               f'<text class="ylabel" transform="translate(14 {(_Y0 + _Y1) / 2}) rotate(-90)" '
+               f'font-size="12" fill="#334155" text-anchor="middle">{esc(heat.ylabel)}</text>')
+    return "".join(out)
+
+
+def _heat_key(rows: int) -> str:
+    """The colour scale above the heatmap: 0, the even share, twice it."""
+    x, y, width = float(_X0), 8, 140
+    stops = 12
+    out = ['<g class="legend" font-size="11" fill="#1e293b">']
+    out += [f'<rect x="{x + i * width / stops:.1f}" y="{y}" width="{width / stops + 0.3:.1f}" '
+            f'height="10" fill="{share_colour(2 * i / (stops - 1) / rows, rows)}"/>'
+            for i in range(stops)]
+    out.append(f'<rect x="{x}" y="{y}" width="{width}" height="10" fill="none" stroke="#94a3b8"/>')
+    out.append(f'<text x="{x + width + 8:.1f}" y="{y + 9}">token share: 0 (blue), 1/{rows} '
+               f'even (white), 2/{rows}+ (red)</text></g>')
     return "".join(out)
