@@ -30,7 +30,7 @@ from torch.utils.checkpoint import (
 
 from tessel.config import Config
 from tessel.models.transformer import Transformer
-from tessel.parallel.dims import ParallelDims, resolve_zero
+from tessel.parallel.dims import ParallelDims, flat_mesh, resolve_zero
 from tessel.parallel.expert import apply_expert_parallel
 from tessel.parallel.fsdp import (
     DataParallel,
@@ -120,8 +120,7 @@ def build_parallel_model(
         if kind in ("fsdp", "replicate"):
             assert mesh is not None
             # replicate: dp_shard is 1 (ParallelDims), so this is a (replicas, 1) mesh.
-            shard_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
-                          else mesh["dp_shard_cp"])
+            shard_mesh = dims.hsdp(mesh, flat_mesh(mesh, "dp_shard_cp"))
             experts = None
             if experts_fsdp_mesh is not None:
                 experts = ExpertSharding(experts_fsdp_mesh, dims.dp * dims.cp)
@@ -133,7 +132,7 @@ def build_parallel_model(
     parts: list[nn.Module] = list(inner)
     if kind == "ddp":
         assert mesh is not None
-        parts = [apply_ddp(m, mesh["dp_cp"], p.dp_comm_hook) for m in inner]
+        parts = [apply_ddp(m, flat_mesh(mesh, "dp_cp"), p.dp_comm_hook) for m in inner]
     ids = [s for s, _ in stages]
     return ParallelModel(
         parts=parts, inner=inner, stage_ids=ids, dp=DataParallel(kind, zero),

@@ -17,6 +17,12 @@ from tessel.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessel.errors import TesselError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLAT_DIMS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+"""The flattened groups of build_mesh, by name."""
 
 
 class ParallelError(TesselError):
@@ -112,9 +118,8 @@ class ParallelDims:
         group: context-parallel ranks hold the same parameters) and `dp_cp` (gradient
         all-reduce and loss averaging)."""
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        for name in FLAT_DIMS:
+            flat_mesh(mesh, name)
         return mesh
 
     def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
@@ -125,10 +130,20 @@ class ParallelDims:
         the groups."""
         region = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
         sparse = region._unflatten(0, (self.efsdp, self.ep), ("efsdp", "ep"))
-        shard = sparse["efsdp"]
-        if self.dp_replicate > 1:
-            shard = DeviceMesh._concatenate([mesh["dp_replicate"], shard])
-        return sparse["ep"], shard
+        return sparse["ep"], self.hsdp(mesh, sparse["efsdp"])
+
+    def hsdp(self, mesh: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:
+        """FSDP's mesh for the shard group `shard`: with dp_replicate > 1 the 2-D
+        (dp_replicate, shard) mesh of HSDP."""
+        if self.dp_replicate == 1:
+            return shard
+        return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+
+
+def flat_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The flattened group `name` of FLAT_DIMS. torch deprecates slicing flattened dims out
+    of the root mesh; `_flatten` of the same dims returns the one mesh it created first."""
+    return mesh[FLAT_DIMS[name]]._flatten(name)
 
 
 def resolve_zero(p: ParallelConfig) -> int:

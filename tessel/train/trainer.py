@@ -32,7 +32,7 @@ from tessel.observe.timing import PhaseTimer
 from tessel.observe.watchdog import Watchdog
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.check import check_layout
-from tessel.parallel.dims import ParallelDims, resolved
+from tessel.parallel.dims import ParallelDims, flat_mesh, resolved
 from tessel.parallel.dist import init_distributed, process_info, shutdown
 from tessel.parallel.fp8 import check_fp8
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
@@ -119,7 +119,8 @@ class Trainer:
         if proc.distributed:
             self.device = init_distributed(proc, self.device, cfg.parallel.timeout_s)
             mesh = dims.build_mesh(self.device.type)
-        self.data = self._build_data(mesh["dp"].get_local_rank() if mesh is not None else 0)
+        self.data = self._build_data(flat_mesh(mesh, "dp").get_local_rank()
+                                     if mesh is not None else 0)
         self.tokenizer = self.data.tokenizer
         if resume_from is not None:
             check_tokenizer(self.run, self.tokenizer)
