@@ -2,7 +2,8 @@
 
 Per block: wq/wk/wv and w1/w3 are split by output columns (each rank holds n_heads/tp query
 heads, n_kv_heads/tp key/value heads, ffn_hidden/tp hidden units); wo and w2 by input rows,
-so each block needs one all-reduce in forward and one in backward per sub-layer. The
+so each block needs one all-reduce in forward and one in backward per sub-layer. QK-norm
+weights (model.qk_norm) are replicated, their gradients summed over tp. The
 embedding is split by vocabulary rows (vocab-parallel), the output projection by vocabulary
 columns (tp divides model.padded_vocab_size; the -inf mask of the padding ids is sharded the
 same way), and the loss is computed on vocabulary-sharded logits (`loss_parallel`) without
@@ -71,6 +72,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         }
         if block.feed_forward.w3 is not None:
             block_plan["feed_forward.w3"] = ColwiseParallel()
+        if block.attention.q_norm is not None:
+            # QK-norm runs on each rank's own heads (B, T, H/tp, hd): its weight is replicated
+            # and its gradient, partial per rank, summed over tp. SequenceParallel does both
+            # for a module whose input is sharded along `sequence_dim` (here the heads).
+            for norm in ("attention.q_norm", "attention.k_norm"):
+                block_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sp:
             block_plan.update({
                 "attention_norm": SequenceParallel(),

@@ -131,6 +131,13 @@ LAYOUTS_2.update({
     "tied_pp2_zero_bubble": {**TIED, "parallel.pp": 2, "parallel.pp_schedule": "zero-bubble",
                              "parallel.pp_virtual_stages": 2},
 })
+# Qwen3's attention (heads of their own width, QK-norm) under tensor parallelism: the QK-norm
+# weights replicated, their gradients summed over tp.
+QK = {"model.head_dim": 24, "model.qk_norm": True}
+LAYOUTS_2.update({
+    "qk_tp2_sp": {**QK, "parallel.tp": 2},
+    "qk_tp2_nosp": {**QK, "parallel.tp": 2, "parallel.sequence_parallel": False},
+})
 LAYOUTS_4.update({
     "tied_tp2_pp2_zero1": {**TIED, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 1},
     "tied_dp2_pp2_replicated": {**TIED, "parallel.pp": 2, "parallel.zero": 0},
@@ -141,7 +148,10 @@ LAYOUTS_4.update({
 
 
 def ref_for(name: str) -> str:
-    return "gpt" if name.startswith("gpt") else "tied" if name.startswith("tied") else "llama"
+    for prefix in ("gpt", "tied", "qk"):
+        if name.startswith(prefix):
+            return prefix
+    return "llama"
 
 
 def job_output(proc: subprocess.CompletedProcess) -> str:
@@ -209,14 +219,14 @@ def assert_same_run(run: Path, ref: Path, first_step: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Single-process reference runs: Llama-shaped and GPT-shaped."""
+    """Single-process reference runs: Llama-shaped, GPT-shaped, tied, with QK-norm."""
     from conftest import write_corpus
 
     root = tmp_path_factory.mktemp("ref")
     os.environ.setdefault("TESSEL_CACHE", str(root / "cache"))
     corpus = write_corpus(root / "corpus")
     out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
-    for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED),
+    for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED), ("qk", QK),
                         ("llama_hf", {"model.init_from": str(out["hf"])})):
         Trainer(load_config(None, base(root / name, corpus, **extra)), console=False).train()
         out[name] = root / name
