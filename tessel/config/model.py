@@ -122,9 +122,10 @@ class ModelConfig(Section):
     metrics (moe_dropped_frac)."""
     init_from: str | None = None
     """Start from these weights instead of a random initialisation (a new run only): a
-    Hugging Face model directory (config.json + safetensors; GPT-2 or Llama), a directory
-    written by `tessel convert hf-to-tessel` or `tessel checkpoint consolidate`, or a tessel
-    run or checkpoint directory. Its shape fills the model fields; explicit ones must agree."""
+    Hugging Face model directory (config.json + safetensors; GPT-2, Llama, Mixtral or
+    Qwen3-MoE), a directory written by `tessel convert hf-to-tessel` or `tessel checkpoint
+    consolidate`, or a tessel run or checkpoint directory. Its shape fills the model fields;
+    explicit ones must agree."""
 
     @model_validator(mode="before")
     @classmethod
