@@ -56,6 +56,8 @@ class MoEArchitecture(Llama):
         if hf.get("use_sliding_window", True) and window is not None and window < max_len:
             raise HFError(f"{where}: sliding_window={window} is not supported (tessel's "
                           "attention is full causal); set it to null to import")
+        if experts is None:
+            raise HFError(f"{where}: missing field 'num_experts' (or 'num_local_experts')")
         if not isinstance(experts, int) or experts < 1:
             raise HFError(f"{where}: {experts!r} routed experts; tessel imports MoE models with "
                           "at least one expert per MoE layer")
