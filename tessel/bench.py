@@ -7,9 +7,9 @@ each step on a GPU, read once at the end (no synchronisation inside the timed st
 host clock on a CPU.
 
 FLOPs per token are the model's own formula (`tessel.models.flops_per_token`: 6 x matmul
-parameters + 12 x layers x d_model x seq_len, the PaLM appendix-B count used by nanoGPT and
-Megatron; attention counted at full, not causal, size; in MoE layers only the parameters a
-token uses: router, top_k routed experts, shared experts). MFU is TFLOP/s over the device's
+parameters + 12 x layers x n_heads x head_dim x seq_len, the PaLM appendix-B count used by
+nanoGPT and Megatron; attention counted at full, not causal, size; in MoE layers only the
+parameters a token uses: router, top_k routed experts, shared experts). MFU is TFLOP/s over the device's
 dense BF16 peak from the table in `tessel.observe.mfu` (unknown devices, CPUs included, get
 none) and over the peak of a large matrix multiply measured on the same device in the same
 run (bf16 on a GPU, fp32 on a CPU). The planner's memory prediction for the layout is printed

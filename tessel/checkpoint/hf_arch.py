@@ -5,7 +5,10 @@ architecture: config fields both ways, tensor names, and the layout changes betw
   transposed; queries, keys and values are one fused `c_attn` (q | k | v along the output).
 - Llama (`LlamaForCausalLM`): HF rotates the two halves of each head (`rotate_half`), tessel
   (like Meta's original code) rotates interleaved pairs, so the rows of q_proj and k_proj are
-  permuted per head (`_to_pairs` / `_to_halves`, exact inverses of each other).
+  permuted per head (`_to_pairs` / `_to_halves`, exact inverses of each other), and so is
+  each QK-norm weight (Qwen3), over one head's width.
+- The Mixture-of-Experts architectures on Llama's attention (Mixtral, Qwen3-MoE) are in
+  `tessel.checkpoint.hf_moe`; `tessel.checkpoint.hf_models` lists them all.
 
 Tensors flow through generators, one (or, for GPT-2's fused attention, three) at a time, so
 a conversion never holds the whole model twice. Needs only the standard library and torch.
@@ -13,7 +16,7 @@ a conversion never holds the whole model twice. Needs only the standard library 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,14 +52,18 @@ class Architecture:
     def hf_config(self, m: ModelConfig) -> dict[str, Any]:
         raise NotImplementedError
 
-    def tessel_from_hf(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
+    def tessel_from_hf(self, m: ModelConfig, names: Collection[str] = ()
+                       ) -> dict[str, Callable[[Read], torch.Tensor]]:
+        """`names`: the tensor names the HF checkpoint has, where an architecture has more
+        than one way to store a weight (MoE experts: one tensor each, or fused)."""
         raise NotImplementedError
 
     def hf_from_tessel(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
         raise NotImplementedError
 
-    def to_tessel(self, read: Read, m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, build in self.tessel_from_hf(m).items():
+    def to_tessel(self, read: Read, m: ModelConfig, names: Collection[str] = ()
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, build in self.tessel_from_hf(m, names).items():
             yield name, build(read)
 
     def to_hf(self, read: Read, m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,7 +79,7 @@ def _transposed(name: str) -> Callable[[Read], torch.Tensor]:
     return lambda read: read(name).t().contiguous()
 
 
-def _get(hf: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
+def get_field(hf: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
     if key in hf and hf[key] is not None:
         return hf[key]
     if default is ...:
@@ -80,7 +87,7 @@ def _get(hf: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
     return default
 
 
-def _require(hf: dict[str, Any], key: str, allowed: tuple, where: str, default: Any) -> Any:
+def require_value(hf: dict[str, Any], key: str, allowed: tuple, where: str, default: Any) -> Any:
     value = hf.get(key, default)
     if value not in allowed:
         raise HFError(f"{where}: {key}={value!r} is not supported (tessel supports "
@@ -96,11 +103,11 @@ class GPT2(Architecture):
         return (name.removeprefix("transformer."),)
 
     def model_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
-        _require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), where, "gelu_new")
-        _require(hf, "scale_attn_weights", (True,), where, True)
-        _require(hf, "scale_attn_by_inverse_layer_idx", (False,), where, False)
-        _require(hf, "reorder_and_upcast_attn", (False,), where, False)
-        d = _get(hf, "n_embd", where)
+        require_value(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), where, "gelu_new")
+        require_value(hf, "scale_attn_weights", (True,), where, True)
+        require_value(hf, "scale_attn_by_inverse_layer_idx", (False,), where, False)
+        require_value(hf, "reorder_and_upcast_attn", (False,), where, False)
+        d = get_field(hf, "n_embd", where)
         # tessel has one dropout rate for embeddings, attention and residuals; GPT2Config
         # defaults each to 0.1 (stock GPT-2 trains with it).
         rates = {k: float(hf.get(k, 0.1)) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
@@ -110,21 +117,22 @@ class GPT2(Architecture):
                           "config.json to import")
         return {
             "dropout": rates["resid_pdrop"],
-            "n_layers": _get(hf, "n_layer", where), "d_model": d,
-            "n_heads": _get(hf, "n_head", where), "n_kv_heads": _get(hf, "n_head", where),
-            "ffn_hidden": _get(hf, "n_inner", where, 4 * d),
-            "vocab_size": _get(hf, "vocab_size", where),
-            "max_seq_len": _get(hf, "n_positions", where), "position": "learned",
-            "norm": "layernorm", "norm_eps": float(_get(hf, "layer_norm_epsilon", where, 1e-5)),
+            "n_layers": get_field(hf, "n_layer", where), "d_model": d,
+            "n_heads": get_field(hf, "n_head", where), "n_kv_heads": get_field(hf, "n_head", where),
+            "ffn_hidden": get_field(hf, "n_inner", where, 4 * d),
+            "vocab_size": get_field(hf, "vocab_size", where),
+            "max_seq_len": get_field(hf, "n_positions", where), "position": "learned",
+            "norm": "layernorm", "norm_eps": float(get_field(hf, "layer_norm_epsilon", where, 1e-5)),
             "mlp": "gelu", "bias": True,
             "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
         }
 
     def hf_config(self, m: ModelConfig) -> dict[str, Any]:
         if not (m.position == "learned" and m.norm == "layernorm" and m.mlp == "gelu" and m.bias
-                and m.n_kv_heads == m.n_heads):
+                and m.n_kv_heads == m.n_heads and m.q_dim == m.d_model and not m.qk_norm):
             raise HFError("model: only the GPT-2 shape (learned positions, LayerNorm, GELU, "
-                          "biases, multi-head attention) exports as GPT2LMHeadModel")
+                          "biases, multi-head attention of d_model / n_heads per head, no "
+                          "QK-norm) exports as GPT2LMHeadModel")
         return {
             "architectures": [self.hf_class], "model_type": self.model_type,
             "n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads,
@@ -162,8 +170,9 @@ class GPT2(Architecture):
             names.append(("output.weight", "lm_head.weight", None))
         return names
 
-    def tessel_from_hf(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
-        out = _one_to_one(self._names(m), m, to_tessel=True)
+    def tessel_from_hf(self, m: ModelConfig, names: Collection[str] = ()
+                       ) -> dict[str, Callable[[Read], torch.Tensor]]:
+        out = one_to_one(self._names(m), m, to_tessel=True)
         d = m.d_model
         for i in range(m.n_layers):  # the fused c_attn holds q | k | v along its output
             h, t = f"transformer.h.{i}.attn.c_attn", f"layers.{i}.attention"
@@ -173,7 +182,7 @@ class GPT2(Architecture):
         return out
 
     def hf_from_tessel(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
-        out = _one_to_one(self._names(m), m, to_tessel=False)
+        out = one_to_one(self._names(m), m, to_tessel=False)
         for i in range(m.n_layers):
             h, t = f"transformer.h.{i}.attn.c_attn", f"layers.{i}.attention"
             out[h + ".weight"] = _fused([f"{t}.{n}.weight" for n in ("wq", "wk", "wv")], True)
@@ -207,11 +216,11 @@ def fit_vocab_rows(t: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
     return torch.cat([real, real.new_zeros((rows - vocab_size, *t.shape[1:]))])
 
 
-def _one_to_one(names: list[tuple[str, str, Any]], m: ModelConfig, to_tessel: bool
+def one_to_one(names: list[tuple[str, str, Any]], m: ModelConfig, to_tessel: bool
                 ) -> dict[str, Callable[[Read], torch.Tensor]]:
     """(tessel name, HF name, change) -> {target name: build from source tensors}; a change
-    is None, "t" (transposed) or the config attribute of the head count whose rows are
-    permuted (each change is its own inverse in the other direction). The vocabulary's
+    is None, "t" (transposed), or the head count whose rows are permuted (an int, or the
+    config attribute that holds it); each change is its own inverse in the other direction. The vocabulary's
     padding rows are added on the way in and dropped on the way out."""
     out: dict[str, Callable[[Read], torch.Tensor]] = {}
     for t, h, change in names:
@@ -221,7 +230,8 @@ def _one_to_one(names: list[tuple[str, str, Any]], m: ModelConfig, to_tessel: bo
         elif change == "t":
             out[dst] = _transposed(src)
         else:
-            out[dst] = _permuted(src, getattr(m, change), to_tessel)
+            heads = change if isinstance(change, int) else getattr(m, change)
+            out[dst] = _permuted(src, heads, to_tessel)
         if t in VOCAB_ROWS:
             rows = m.padded_vocab_size if to_tessel else m.vocab_size
             out[dst] = lambda read, build=out[dst], rows=rows: fit_vocab_rows(
@@ -247,34 +257,40 @@ def _to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class Llama(Architecture):
+    """LlamaForCausalLM; also the attention, norms and embeddings of the MoE architectures
+    built on it (`tessel.checkpoint.hf_moe`), which override the MLP's fields and names."""
+
     model_type = "llama"
     hf_class = "LlamaForCausalLM"
 
     def model_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
-        _require(hf, "hidden_act", ("silu",), where, "silu")
-        attn_bias = hf.get("attention_bias", False)
-        mlp_bias = hf.get("mlp_bias", False)
-        if attn_bias or mlp_bias:
-            raise HFError(f"{where}: attention_bias/mlp_bias=true is not supported (tessel's "
-                          "Llama shape has no biases)")
-        d, heads = _get(hf, "hidden_size", where), _get(hf, "num_attention_heads", where)
-        head_dim = hf.get("head_dim") or d // heads
-        if head_dim * heads != d:
-            raise HFError(f"{where}: head_dim={head_dim} x num_attention_heads={heads} != "
-                          f"hidden_size={d}; tessel needs head_dim = hidden_size / heads")
+        if hf.get("mlp_bias", False):
+            raise HFError(f"{where}: mlp_bias=true is not supported (tessel's Llama shape has "
+                          "no biases)")
+        return {**self.decoder_fields(hf, where),
+                "ffn_hidden": get_field(hf, "intermediate_size", where)}
+
+    def decoder_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        """The fields every Llama-like decoder has: all but the MLP's."""
+        require_value(hf, "hidden_act", ("silu",), where, "silu")
+        if hf.get("attention_bias", False):
+            raise HFError(f"{where}: attention_bias=true is not supported (tessel's Llama "
+                          "shape has no biases)")
+        d, heads = get_field(hf, "hidden_size", where), get_field(hf, "num_attention_heads", where)
         rope = dict(hf.get("rope_parameters") or {})  # transformers 5
         legacy = hf.get("rope_scaling") or {}  # transformers 4
         rope.update({k: v for k, v in legacy.items() if k not in rope})
         theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         kind = rope.get("rope_type", rope.get("type", "default"))
         fields: dict[str, Any] = {
-            "n_layers": _get(hf, "num_hidden_layers", where), "d_model": d, "n_heads": heads,
-            "n_kv_heads": _get(hf, "num_key_value_heads", where, heads),
-            "ffn_hidden": _get(hf, "intermediate_size", where),
-            "vocab_size": _get(hf, "vocab_size", where),
-            "max_seq_len": _get(hf, "max_position_embeddings", where), "position": "rope",
+            "n_layers": get_field(hf, "num_hidden_layers", where), "d_model": d, "n_heads": heads,
+            "n_kv_heads": get_field(hf, "num_key_value_heads", where, heads),
+            # null in config.json (Mixtral writes it) means hidden_size / heads, as in HF.
+            "head_dim": hf.get("head_dim") or None,
+            "vocab_size": get_field(hf, "vocab_size", where),
+            "max_seq_len": get_field(hf, "max_position_embeddings", where), "position": "rope",
             "rope_theta": theta, "norm": "rmsnorm",
-            "norm_eps": float(_get(hf, "rms_norm_eps", where, 1e-6)), "mlp": "swiglu",
+            "norm_eps": float(get_field(hf, "rms_norm_eps", where, 1e-6)), "mlp": "swiglu",
             "bias": False, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_scaling_factor": 1.0,
         }
@@ -285,11 +301,11 @@ class Llama(Architecture):
                           "import, and model.dropout when fine-tuning")
         if kind == "llama3":
             fields.update({
-                "rope_scaling_factor": float(_get(rope, "factor", f"{where} rope scaling")),
-                "rope_low_freq_factor": float(_get(rope, "low_freq_factor", where)),
-                "rope_high_freq_factor": float(_get(rope, "high_freq_factor", where)),
-                "rope_original_max_seq_len": int(_get(rope, "original_max_position_embeddings",
-                                                      where)),
+                "rope_scaling_factor": float(get_field(rope, "factor", f"{where} rope scaling")),
+                "rope_low_freq_factor": float(get_field(rope, "low_freq_factor", where)),
+                "rope_high_freq_factor": float(get_field(rope, "high_freq_factor", where)),
+                "rope_original_max_seq_len": int(get_field(
+                    rope, "original_max_position_embeddings", where)),
             })
         elif kind != "default":
             raise HFError(f"{where}: rope scaling {kind!r} is not supported (tessel supports "
@@ -297,20 +313,26 @@ class Llama(Architecture):
         return fields
 
     def hf_config(self, m: ModelConfig) -> dict[str, Any]:
+        if m.moe_experts or m.qk_norm:
+            raise HFError("model: only dense models without QK-norm export as LlamaForCausalLM")
+        return {**self.decoder_config(m), "intermediate_size": m.ffn_hidden,
+                "attention_bias": False, "mlp_bias": False}
+
+    def decoder_config(self, m: ModelConfig) -> dict[str, Any]:
+        """The config.json keys of `decoder_fields`, for `m`."""
         if not (m.position == "rope" and m.norm == "rmsnorm" and m.mlp == "swiglu" and not m.bias):
-            raise HFError("model: only the Llama shape (RoPE, RMSNorm, SwiGLU, no biases) "
-                          "exports as LlamaForCausalLM")
+            raise HFError(f"model: only the Llama shape (RoPE, RMSNorm, SwiGLU, no biases) "
+                          f"exports as {self.hf_class}")
         out = {
             "architectures": [self.hf_class], "model_type": self.model_type,
             "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
             "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
-            "head_dim": m.head_dim, "intermediate_size": m.ffn_hidden,
-            "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len,
-            "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "hidden_act": "silu",
+            "head_dim": m.head_dim, "vocab_size": m.vocab_size,
+            "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta, "hidden_act": "silu",
             # Not m.dropout: Llama drops attention weights only; tessel_to_hf says so.
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
-            "use_cache": True, "rope_scaling": None,
+            "attention_dropout": 0.0, "tie_word_embeddings": m.tie_embeddings,
+            "initializer_range": m.init_std, "use_cache": True, "rope_scaling": None,
         }
         if m.rope_scaling_factor != 1.0:
             # Written the transformers-4 way (rope_theta + rope_scaling), which 5 also reads.
@@ -323,52 +345,44 @@ class Llama(Architecture):
         return out
 
     # (tessel name in block, HF name in layer, the rows' head count for q/k, else None)
-    _BLOCK = (
+    ATTENTION = (
         ("attention_norm.weight", "input_layernorm.weight", None),
         ("attention.wq.weight", "self_attn.q_proj.weight", "n_heads"),
         ("attention.wk.weight", "self_attn.k_proj.weight", "n_kv_heads"),
         ("attention.wv.weight", "self_attn.v_proj.weight", None),
         ("attention.wo.weight", "self_attn.o_proj.weight", None),
         ("ffn_norm.weight", "post_attention_layernorm.weight", None),
+    )
+    # QK-norm's weights (Qwen3): one head's width, permuted like each head of q and k.
+    QK_NORM = (
+        ("attention.q_norm.weight", "self_attn.q_norm.weight", 1),
+        ("attention.k_norm.weight", "self_attn.k_norm.weight", 1),
+    )
+    DENSE_MLP = (
         ("feed_forward.w1.weight", "mlp.gate_proj.weight", None),
         ("feed_forward.w3.weight", "mlp.up_proj.weight", None),
         ("feed_forward.w2.weight", "mlp.down_proj.weight", None),
     )
 
+    def layer_names(self, m: ModelConfig, i: int) -> list[tuple[str, str, Any]]:
+        """(tessel name, HF name, change) of layer `i`'s one-to-one tensors."""
+        block = self.ATTENTION + (self.QK_NORM if m.qk_norm else ())
+        if not m.is_moe_layer(i):
+            block += self.DENSE_MLP
+        return [(f"layers.{i}.{t}", f"model.layers.{i}.{h}", c) for t, h, c in block]
+
     def _names(self, m: ModelConfig) -> list[tuple[str, str, Any]]:
         names = [("tok_embeddings.weight", "model.embed_tokens.weight", None)]
         for i in range(m.n_layers):
-            names += [(f"layers.{i}.{t}", f"model.layers.{i}.{h}", heads)
-                      for t, h, heads in self._BLOCK]
+            names += self.layer_names(m, i)
         names.append(("norm.weight", "model.norm.weight", None))
         if not m.tie_embeddings:
             names.append(("output.weight", "lm_head.weight", None))
         return names
 
-    def tessel_from_hf(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
-        return _one_to_one(self._names(m), m, to_tessel=True)
+    def tessel_from_hf(self, m: ModelConfig, names: Collection[str] = ()
+                       ) -> dict[str, Callable[[Read], torch.Tensor]]:
+        return one_to_one(self._names(m), m, to_tessel=True)
 
     def hf_from_tessel(self, m: ModelConfig) -> dict[str, Callable[[Read], torch.Tensor]]:
-        return _one_to_one(self._names(m), m, to_tessel=False)
-
-
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (GPT2(), Llama())}
-
-
-def for_hf_config(hf: dict[str, Any], where: str) -> Architecture:
-    kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        archs = hf.get("architectures") or []
-        raise HFError(
-            f"{where}: unsupported architecture {kind or archs!r}; tessel converts "
-            f"{', '.join(a.hf_class for a in ARCHITECTURES.values())}"
-        )
-    return ARCHITECTURES[kind]
-
-
-def for_model(m: ModelConfig) -> Architecture:
-    """GPT-2 for the learned-position GELU shape, Llama for the RoPE SwiGLU one."""
-    if m.moe_experts:
-        raise HFError("model: Mixture-of-Experts models have no Hugging Face export yet "
-                      "(MixtralForCausalLM/Qwen3MoeForCausalLM: issue 18)")
-    return ARCHITECTURES["llama" if m.position == "rope" else "gpt2"]
+        return one_to_one(self._names(m), m, to_tessel=False)

@@ -24,10 +24,12 @@ import torch
 from safetensors.torch import save_file
 
 from tessel.checkpoint.eod import hf_eod
-from tessel.checkpoint.hf_arch import HFError, for_hf_config, for_model
+from tessel.checkpoint.hf_arch import HFError
 from tessel.checkpoint.hf_io import DEFAULT_SHARD_BYTES, HFReader, read_json, write_hf
+from tessel.checkpoint.hf_models import for_hf_config, for_model
 from tessel.checkpoint.init_from import WeightSource
-from tessel.config import Config, ModelConfig
+from tessel.config import Config, ConfigError, ModelConfig
+from tessel.config.load import validate
 from tessel.fileio import fsync_dir
 
 FINE_TUNE_SEQ_LEN = 1024  # the generated config's sequence length (the model's, if shorter)
@@ -60,7 +62,10 @@ def hf_to_tessel(src: Path, out: Path, eod_token: str = "auto") -> str:
     where = str(src / "config.json")
     hf = read_json(src / "config.json")
     arch = for_hf_config(hf, where)  # the architecture first, then the weights
-    m = ModelConfig(preset=None, **arch.model_fields(hf, where))
+    try:
+        m = validate(ModelConfig, {"preset": None, **arch.model_fields(hf, where)})
+    except ConfigError as exc:  # e.g. num_experts_per_tok > num_experts
+        raise HFError(f"{where}: {exc}") from None
     reader = HFReader(src)
     eod, eod_note = _import_eod(src, m, where, eod_token)
     out = out.resolve()
@@ -69,7 +74,13 @@ def hf_to_tessel(src: Path, out: Path, eod_token: str = "auto") -> str:
     tmp.mkdir(parents=True)
     try:
         read = lambda name: reader.get(name, *arch.alternatives(name))  # noqa: E731
-        tensors = {name: t.contiguous() for name, t in arch.to_tessel(read, m)}
+        shapes = _shapes(m)
+        tensors = {}
+        for name, t in arch.to_tessel(read, m, reader.names()):
+            if tuple(t.shape) != shapes[name]:  # never a file that loads into another shape
+                raise HFError(f"{where}: tensor {name!r} comes out as {tuple(t.shape)}, the "
+                              f"model's is {shapes[name]}; config.json and the weights differ")
+            tensors[name] = t.contiguous()
         info = {"format": "tessel", "source": f"{arch.hf_class} {src}",
                 "model_config": json.dumps(m.model_dump())}
         save_file(tensors, str(tmp / "model.safetensors"), metadata=info)
@@ -134,9 +145,12 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
     read = lambda name: source.get(name, shapes[name])  # noqa: E731
     count, size = write_hf(out, config, arch.to_hf(read, m), files, max_shard_bytes, dtype)
     note = ""
-    if m.dropout and arch.model_type == "llama":
-        note = (f"; model.dropout={m.dropout} is not written (LlamaConfig has attention dropout "
-                "only; tessel's also drops the residual stream)")
+    if m.dropout and arch.model_type != "gpt2":
+        note = (f"; model.dropout={m.dropout} is not written ({arch.hf_class} has attention "
+                "dropout only; tessel's also drops the residual stream)")
+    if m.moe_experts and m.moe_bias_update_rate:
+        note += ("; the balancing bias (model.moe_bias_update_rate) has no Hugging Face "
+                 "counterpart and is not written: transformers routes without it")
     return (f"wrote {out}: {arch.hf_class}, {count} tensors, {size / 2**20:.1f} MiB "
             f"({'one file' if size <= max_shard_bytes else 'sharded'}); load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained{note}")

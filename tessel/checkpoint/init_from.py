@@ -1,8 +1,8 @@
 """Starting weights from elsewhere (`model.init_from`): their model shape, their tokenizer,
 and each tensor by tessel's name, one at a time, from
 
-- a Hugging Face model directory (config.json + safetensors; GPT-2 or Llama), converted on
-  the fly (`hf_arch`);
+- a Hugging Face model directory (config.json + safetensors; GPT-2, Llama, Mixtral or
+  Qwen3-MoE), converted on the fly (`hf_models`);
 - a single safetensors file of tessel's names (`tessel checkpoint consolidate`), or a
   directory holding one as model.safetensors (`tessel convert hf-to-tessel`);
 - a tessel run directory (its latest checkpoint) or checkpoint directory, any layout (DCP).
@@ -26,8 +26,9 @@ import torch
 from safetensors import safe_open
 
 from tessel.checkpoint.eod import hf_eod, run_eod
-from tessel.checkpoint.hf_arch import VOCAB_ROWS, HFError, fit_vocab_rows, for_hf_config
+from tessel.checkpoint.hf_arch import VOCAB_ROWS, HFError, fit_vocab_rows
 from tessel.checkpoint.hf_io import HFReader, read_json
+from tessel.checkpoint.hf_models import for_hf_config
 from tessel.config import Config
 from tessel.config.load import read_merged
 
@@ -42,7 +43,8 @@ else:  # pragma: no cover
 # The shape, plus what a model was trained with that an import or export must carry
 # (dropout: stock GPT-2's 0.1); explicit settings override the non-shape ones.
 _MODEL_FIELDS = (
-    "dropout", "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "ffn_hidden",
+    "dropout", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "vocab_size",
+    "max_seq_len", "ffn_hidden",
     "position", "rope_theta", "norm", "norm_eps", "mlp", "tie_embeddings", "bias",
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
     "rope_original_max_seq_len",
@@ -131,7 +133,7 @@ class WeightSource:
         if (path / "config.json").is_file():
             arch = for_hf_config(read_json(path / "config.json"), str(path / "config.json"))
             reader = HFReader(path)
-            table = arch.tessel_from_hf(m)
+            table = arch.tessel_from_hf(m, reader.names())
             read = lambda name: reader.get(name, *arch.alternatives(name))  # noqa: E731
             self._get = lambda name: table[name](read)
             self.kind = f"Hugging Face {arch.hf_class}"

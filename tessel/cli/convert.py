@@ -7,14 +7,16 @@ from tessel.cli.args import Parser
 
 def build_parser() -> Parser:
     p = Parser(prog="tessel convert", description="Convert models between tessel and the "
-               "Hugging Face format\n(GPT2LMHeadModel, LlamaForCausalLM).")
+               "Hugging Face format\n(GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, "
+               "Qwen3MoeForCausalLM).")
     sub = p.add_subparsers(dest="direction", required=True, metavar="{hf-to-tessel,tessel-to-hf}")
     a = sub.add_parser(
         "hf-to-tessel", help="an HF model directory -> tessel weights, config and tokenizer",
         description="Convert a Hugging Face model directory (config.json, safetensors, "
                     "tokenizer.json)\ninto OUT_DIR: model.safetensors in tessel's names, a "
                     "config.toml that fine-tunes\nfrom it (model.init_from), tokenizer.json.")
-    a.add_argument("source", metavar="HF_DIR", help="a GPT-2 or Llama model directory of Hugging Face")
+    a.add_argument("source", metavar="HF_DIR",
+                   help="a GPT-2, Llama, Mixtral or Qwen3-MoE model directory of Hugging Face")
     a.add_argument("output", metavar="OUT_DIR", help="directory to write")
     a.add_argument("--eod-token", default="auto", metavar="TOKEN",
                    help="the token that ends documents (data.eod_token) when the tokenizer "

@@ -35,11 +35,11 @@ def cmd_presets(argv: list[str]) -> int:
     print("active: the parameters one token uses (MoE: the router, top_k routed experts and the "
           "shared experts of each MoE layer); experts: routed x hidden, top-k, +shared")
     print("GFLOP/token: training FLOPs per token at the preset's full context "
-          "(6 x active matmul params + 12 x layers x d_model x seq_len)")
+          "(6 x active matmul params + 12 x layers x n_heads x head_dim x seq_len)")
     print("params and GFLOP/token count the embedding and head padded to a multiple of "
           "model.vocab_pad_to (128) rows: 50257 -> 50304")
-    print("qwen3-30b-a3b and deepseek-v3 differ from the published models in attention "
-          "(tessel has no head_dim override, QK-norm or MLA; see tessel/models/presets.py)")
+    print("deepseek-v3 differs from the published model in attention (tessel has no MLA; "
+          "see tessel/models/presets.py)")
     return 0
 
 

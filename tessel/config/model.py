@@ -27,10 +27,18 @@ class ModelConfig(Section):
     d_model: int = Field(192, gt=0)
     """Hidden size."""
     n_heads: int = Field(6, gt=0)
-    """Attention (query) heads; `d_model` must be divisible by it."""
+    """Attention (query) heads; `d_model` must be divisible by it unless `head_dim` is set."""
     n_kv_heads: int | None = Field(None, gt=0)
     """Key/value heads: equal to `n_heads` for multi-head attention, fewer for grouped-query
     attention (must divide `n_heads`). Defaults to `n_heads`."""
+    head_dim: int | None = Field(None, gt=0)
+    """Width of each attention head. Defaults to d_model / n_heads; another value makes the
+    query projection d_model -> n_heads x head_dim and the output projection n_heads x
+    head_dim -> d_model (Qwen3: 32 heads of 128 on d_model 2048). Must be even with RoPE."""
+    qk_norm: bool = False
+    """RMSNorm (epsilon norm_eps, a learned weight of head_dim) over each head of the queries
+    and of the keys, before the rotary embedding (Qwen3's QK-norm). Keeps attention logits
+    from growing; one weight shared by all heads."""
     vocab_size: int = Field(2048, gt=0)
     """Token ids the model predicts over; must hold every token id of the tokenizer."""
     vocab_pad_to: int = Field(128, gt=0)
@@ -114,9 +122,10 @@ class ModelConfig(Section):
     metrics (moe_dropped_frac)."""
     init_from: str | None = None
     """Start from these weights instead of a random initialisation (a new run only): a
-    Hugging Face model directory (config.json + safetensors; GPT-2 or Llama), a directory
-    written by `tessel convert hf-to-tessel` or `tessel checkpoint consolidate`, or a tessel
-    run or checkpoint directory. Its shape fills the model fields; explicit ones must agree."""
+    Hugging Face model directory (config.json + safetensors; GPT-2, Llama, Mixtral or
+    Qwen3-MoE), a directory written by `tessel convert hf-to-tessel` or `tessel checkpoint
+    consolidate`, or a tessel run or checkpoint directory. Its shape fills the model fields;
+    explicit ones must agree."""
 
     @model_validator(mode="before")
     @classmethod
@@ -165,21 +174,23 @@ class ModelConfig(Section):
             else:
                 hidden = 256 * math.ceil(int(2 * 4 * self.d_model / 3) / 256)
             object.__setattr__(self, "ffn_hidden", hidden)
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                "change model.n_heads or model.d_model"
-            )
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "change model.n_heads or model.d_model, or set model.head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 "model.n_kv_heads must divide model.n_heads"
             )
         self._check_moe()
-        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+        if self.position == "rope" and self.head_dim % 2:
             raise ValueError(
-                f"rotary embeddings need an even head dim, got {self.d_model // self.n_heads}; "
-                "change model.n_heads or use model.position='learned'"
+                f"rotary embeddings need an even head dim, got {self.head_dim}; "
+                "change model.n_heads or model.head_dim, or use model.position='learned'"
             )
         return self
 
@@ -220,8 +231,10 @@ class ModelConfig(Section):
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): n_heads x head_dim."""
+        assert self.head_dim is not None
+        return self.n_heads * self.head_dim
 
     @property
     def padded_vocab_size(self) -> int:
@@ -231,8 +244,9 @@ class ModelConfig(Section):
 
 # What weights fix (other model fields, e.g. dropout, may differ from the source's).
 SHAPE_FIELDS = {
-    "n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "position",
-    "norm", "mlp", "tie_embeddings", "bias", "rope_theta", "rope_scaling_factor",
+    "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "vocab_size",
+    "ffn_hidden", "position", "norm", "mlp", "tie_embeddings", "bias", "rope_theta",
+    "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
     "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers", "moe_every",
 }

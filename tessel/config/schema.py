@@ -307,11 +307,14 @@ class Config(BaseModel):
                 f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                 f"lower train.seq_len or raise model.max_seq_len"
             )
-        if m.moe_experts and self.checkpoint.hf_export_interval:
-            raise ValueError(
-                "checkpoint.hf_export_interval: MoE models have no Hugging Face export yet "
-                "(Mixtral/Qwen3-MoE: issue 18); set it to 0"
-            )
+        if self.checkpoint.hf_export_interval:
+            # Refused now rather than failing in every export of the run.
+            from tessel.checkpoint.hf_models import HFError, for_model
+
+            try:
+                for_model(m).hf_config(m)
+            except HFError as exc:
+                raise ValueError(f"checkpoint.hf_export_interval: {exc}; set it to 0") from None
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(

@@ -77,12 +77,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "n_kv_heads": 8, "ffn_hidden": 14336, "vocab_size": 32000,
                      "max_seq_len": 32768, "rope_theta": 1e6, "moe_experts": 8,
                      "moe_top_k": 2, "moe_ffn_hidden": 14336, "moe_aux_loss_coef": 0.02},
-    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top-8, no shared expert. Its attention has
-    # head_dim 128 with 32 query heads on d_model 2048 (q_proj 2048 -> 4096) and QK-norm;
-    # tessel's head_dim is d_model / n_heads (64) and it has no QK-norm, so attention here is
-    # narrower (about 0.45B fewer parameters than the published 30.5B).
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top-8, no shared expert; attention of 32 query
+    # heads of 128 on d_model 2048 (q_proj 2048 -> 4096) with QK-norm: the published shape.
     "qwen3-30b-a3b": {**_LLAMA3, "n_layers": 48, "d_model": 2048, "n_heads": 32,
-                      "n_kv_heads": 4, "ffn_hidden": 6144, "vocab_size": 151936,
+                      "n_kv_heads": 4, "head_dim": 128, "qk_norm": True,
+                      "ffn_hidden": 6144, "vocab_size": 151936,
                       "max_seq_len": 40960, "rope_theta": 1e6, "norm_eps": 1e-6,
                       "moe_experts": 128, "moe_top_k": 8, "moe_ffn_hidden": 768,
                       "moe_aux_loss_coef": 0.001},

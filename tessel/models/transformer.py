@@ -1,7 +1,8 @@
 """One decoder-only transformer covering GPT-2/GPT-3 and Llama shapes.
 
 Variants (all from `ModelConfig`): learned or rotary positions, LayerNorm or RMSNorm, GELU MLP
-or SwiGLU, multi-head or grouped-query attention, tied or untied embeddings, biases on or off.
+or SwiGLU, multi-head or grouped-query attention, a head width of its own and QK-norm (Qwen3),
+tied or untied embeddings, biases on or off.
 Nothing here knows about parallelism. Blocks live in a ModuleDict keyed "0".."L-1" so that a
 pipeline stage can drop blocks and keep the checkpoint names of the rest.
 
@@ -69,12 +70,18 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        assert cfg.head_dim is not None and cfg.n_kv_heads is not None
         self.head_dim = cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        # q_dim = d_model unless model.head_dim says otherwise (Qwen3: 32 x 128 on 2048).
+        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
+        # QK-norm (Qwen3): one RMSNorm over head_dim for all query heads, one for all key
+        # heads; None without it, so other models keep their parameters and state dict.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
 
     def forward(
@@ -86,6 +93,11 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before RoPE
+            # In the weight's dtype (fp32 under autocast, as transformers normalises): a
+            # bf16 input with an fp32 weight has no fused kernel and warns.
+            dtype = self.q_norm.weight.dtype
+            q, k = self.q_norm(q.to(dtype)).type_as(q), self.k_norm(k.to(dtype)).type_as(k)
         if freqs is not None:  # the whole table: slice it to this (gathered) sequence length
             q, k = apply_rope(q, freqs[:T]), apply_rope(k, freqs[:T])
         if k.shape[2] != q.shape[2]:
@@ -339,9 +351,10 @@ def _moe_params(cfg: ModelConfig) -> tuple[int, int, int]:
 def _block_params(cfg: ModelConfig, index: int) -> tuple[int, int, int]:
     """(active matmul weights per token, all matmul weights, all parameters) of block
     `index`; active = all for a dense block."""
-    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-    attn_mm = 2 * d * d + 2 * d * kv
-    attn = 2 * _linear(d, d, cfg.bias) + 2 * _linear(d, kv, cfg.bias) + 2 * _norm_params(cfg)
+    d, q, kv = cfg.d_model, cfg.q_dim, cfg.n_kv_heads * cfg.head_dim
+    attn_mm = 2 * d * q + 2 * d * kv
+    attn = (_linear(d, q, cfg.bias) + _linear(q, d, cfg.bias) + 2 * _linear(d, kv, cfg.bias)
+            + 2 * _norm_params(cfg) + (2 * cfg.head_dim if cfg.qk_norm else 0))
     if cfg.is_moe_layer(index):
         active, mm, total = _moe_params(cfg)
     else:
@@ -377,13 +390,15 @@ def active_param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> in
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward = 3x forward), attention included.
 
-    6 * (matmul weights a token uses, output projection included) + 12 * n_layers * d_model
+    6 * (matmul weights a token uses, output projection included) + 12 * n_layers * q_dim
     * seq_len: the PaLM-paper formula (Chowdhery et al. 2022, appendix B) used by nanoGPT's
-    MFU. It counts the full attention score matrix (no causal halving) and ignores norms,
-    activations and the softmax. In MoE layers a token uses the router, its top_k routed
-    experts and the shared experts (active parameters, as DeepSeek-V3 and Megatron count);
-    the permutation and the weighted combine are not counted.
+    MFU, with the queries' width (n_heads x head_dim, d_model unless model.head_dim says
+    otherwise) where the paper has d_model. It counts the full attention score matrix (no
+    causal halving) and ignores norms, activations and the softmax. In MoE layers a token
+    uses the router, its top_k routed experts and the shared experts (active parameters, as
+    DeepSeek-V3 and Megatron count); the permutation and the weighted combine are not
+    counted.
     """
     active = sum(_block_params(cfg, i)[0] for i in range(cfg.n_layers))
     n_matmul = active + cfg.padded_vocab_size * cfg.d_model  # padding: real work
-    return 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * seq_len
+    return 6 * n_matmul + 12 * cfg.n_layers * cfg.q_dim * seq_len

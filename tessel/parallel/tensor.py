@@ -2,7 +2,8 @@
 
 Per block: wq/wk/wv and w1/w3 are split by output columns (each rank holds n_heads/tp query
 heads, n_kv_heads/tp key/value heads, ffn_hidden/tp hidden units); wo and w2 by input rows,
-so each block needs one all-reduce in forward and one in backward per sub-layer. The
+so each block needs one all-reduce in forward and one in backward per sub-layer. QK-norm
+weights (model.qk_norm) are replicated, their gradients summed over tp. The
 embedding is split by vocabulary rows (vocab-parallel), the output projection by vocabulary
 columns (tp divides model.padded_vocab_size; the -inf mask of the padding ids is sharded the
 same way), and the loss is computed on vocabulary-sharded logits (`loss_parallel`) without
@@ -70,14 +71,14 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoE):
             replicate_moe(block.feed_forward, tp_mesh, replicate_experts)
-            block_plan = _attention_plan(sp)
+            block_plan = _attention_plan(block, sp)
             # The MoE layer takes this rank's part of the sequence as a plain tensor.
             block_plan["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                 use_local_output=True)
             parallelize_module(block, tp_mesh, block_plan)
             continue
-        block_plan = _attention_plan(sp)
+        block_plan = _attention_plan(block, sp)
         block_plan.update({
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
@@ -93,7 +94,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     model.tie_weights()
 
 
-def _attention_plan(sp: bool) -> dict:
+def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:
     """A block's attention and norms (the MLP's plan is the caller's)."""
     seq = Shard(1) if sp else Replicate()
     plan: dict = {
@@ -102,6 +103,12 @@ def _attention_plan(sp: bool) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
     }
+    if block.attention.q_norm is not None:
+        # QK-norm runs on each rank's own heads (B, T, H/tp, hd): its weight is replicated
+        # and its gradient, partial per rank, summed over tp. SequenceParallel does both
+        # for a module whose input is sharded along `sequence_dim` (here the heads).
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sp:
         plan.update({
             "attention_norm": SequenceParallel(),

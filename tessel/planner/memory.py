@@ -109,14 +109,15 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
     the embeddings if `first`, the final norm and head if `last`. Column-parallel weights
     and biases and row-parallel weights are split by tp; row-parallel biases and norms are
     replicated; the embedding and the head (padded_vocab_size rows) are split over the
-    vocabulary."""
-    d, f, kv = m.d_model, m.ffn_hidden, m.n_kv_heads * m.head_dim
+    vocabulary. QK-norm weights (head_dim each) are replicated."""
+    d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1  # w1 (and w3)
-    matmul = (d * d + 2 * d * kv + n_in * d * f) // tp + (d * d + f * d) // tp
-    col_bias = (d + 2 * kv + n_in * f) // tp if m.bias else 0
+    matmul = (d * q + 2 * d * kv + n_in * d * f) // tp + (q * d + f * d) // tp
+    col_bias = (q + 2 * kv + n_in * f) // tp if m.bias else 0
     row_bias = 2 * d if m.bias else 0
     norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
-    block = matmul + col_bias + row_bias + 2 * norm
+    qk_norm = 2 * m.head_dim if m.qk_norm else 0
+    block = matmul + col_bias + row_bias + 2 * norm + qk_norm
     root = 0
     head_matmul = 0
     if first:

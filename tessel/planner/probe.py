@@ -15,9 +15,11 @@ saved:
   row-parallel matmuls and the vocabulary-sharded logits: / tp.
 
 Probe widths are chosen pairwise distinct (d_model 60, key/value width 20, ffn 104, vocab
-88, 6 heads, 8 positions), so a tensor's width per token says what it scales with: d_model,
-key/value width, ffn_hidden, vocabulary, heads, positions (masks), heads x positions
-(attention probabilities of the math kernel). A saved tensor of any other width stops the
+88, 6 heads, 2 key/value heads, 8 positions; with model.head_dim of its own, query width 84
+and key/value width 28), so a tensor's width per token says what it scales with: d_model,
+query or key/value width, ffn_hidden, vocabulary, heads, key/value heads (QK-norm's
+statistics), positions (masks), heads x positions (attention probabilities of the math
+kernel). A saved tensor of any other width stops the
 planner with an error rather than a guess.
 
 Selective activation checkpointing keeps the outputs of the operators in
@@ -45,13 +47,14 @@ from tessel.parallel.apply import SAVE_OPS
 _B, _T = 2, 8
 _D, _HEADS, _FFN, _VOCAB = 60, 6, 104, 88
 _HD = _D // _HEADS
+_OWN_HD = 14  # a model with its own head width (model.head_dim): queries 84, key/values 28
 
 # Where a tensor was saved -> how tensor parallelism splits it.
 _COLUMN_INPUTS = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
                   "feed_forward.w3", "output")
 _ROW_LINEARS = ("attention.wo", "feed_forward.w2")
 _SEQUENCE_MODULES = ("attention_norm", "ffn_norm", "norm", "block", "resid_dropout", "emb_dropout")
-_SHARDED_MODULES = ("attention", "feed_forward", "loss")
+_SHARDED_MODULES = ("attention", "attention.q_norm", "attention.k_norm", "feed_forward", "loss")
 
 # Regimes: how the trainer runs a precision. FSDP (zero >= 1) gathers bf16 parameters, so
 # its residual stream is bf16; DDP and one process keep fp32 parameters under autocast.
@@ -162,8 +165,10 @@ class _OutputRecorder(TorchDispatchMode):
 
 def _probe_config(m: ModelConfig, dropout: float) -> ModelConfig:
     kv = _HEADS if m.n_kv_heads == m.n_heads else 2
+    head_dim = _HD if m.q_dim == m.d_model else _OWN_HD
     return m.model_copy(update={
         "preset": None, "d_model": _D, "n_heads": _HEADS, "n_kv_heads": kv, "ffn_hidden": _FFN,
+        "head_dim": head_dim,
         "n_layers": 1, "vocab_size": _VOCAB, "vocab_pad_to": 1, "max_seq_len": _T,
         "dropout": dropout,
     })  # unpadded: the vocabulary width is _VOCAB, scaled to the real padded_vocab_size
@@ -248,15 +253,19 @@ def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig) -> tuple[str, float]
     if n % (_B * _T) and (not rec.shape or rec.shape[0] != _B):
         return "const", 0.0
     width = n // (_B * _T) if n % (_B * _T) == 0 else None
-    kv_probe = probe.n_kv_heads * _HD
+    kv_probe = probe.n_kv_heads * probe.head_dim
     kv_real = m.n_kv_heads * m.head_dim
     widths = {
         _D: ("d", m.d_model / _D), _FFN: ("f", m.ffn_hidden / _FFN),
         _VOCAB: ("v", m.padded_vocab_size / _VOCAB), _HEADS: ("h", m.n_heads / _HEADS),
         1: ("1", 1.0), _T: ("t", None), _HEADS * _T: ("ht", None),
     }
-    if kv_probe != _D:
+    if probe.q_dim != _D:  # queries and attention output of a model with its own head width
+        widths[probe.q_dim] = ("q", m.q_dim / probe.q_dim)
+    if kv_probe != probe.q_dim:
         widths[kv_probe] = ("kv", kv_real / kv_probe)
+    if probe.n_kv_heads != _HEADS:  # QK-norm's statistics per key head
+        widths[probe.n_kv_heads] = ("kvh", m.n_kv_heads / probe.n_kv_heads)
     if width not in widths:
         raise RuntimeError(
             f"activation probe: a tensor of shape {rec.shape} saved in {rec.where!r} has a "

@@ -83,10 +83,10 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
     `layers` blocks, of which attention) without recomputation."""
     tokens = layout.micro_batch * seq_len / layout.cp
     tp = layout.tp
-    d, f, kv = m.d_model, m.ffn_hidden, m.n_kv_heads * m.head_dim
+    d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1
     # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
-    shapes = [(d, d / tp), (d, kv / tp), (d, kv / tp), (d / tp, d)]
+    shapes = [(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)]
     shapes += [(d, f / tp)] * n_in + [(f / tp, d)]
     rate = peak * hw.matmul_efficiency
     block = sum(6 * tokens * k * n / (rate * _size_efficiency(min(tokens, k, n))) for k, n in shapes)

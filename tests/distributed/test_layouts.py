@@ -131,6 +131,13 @@ LAYOUTS_2.update({
     "tied_pp2_zero_bubble": {**TIED, "parallel.pp": 2, "parallel.pp_schedule": "zero-bubble",
                              "parallel.pp_virtual_stages": 2},
 })
+# Qwen3's attention (heads of their own width, QK-norm) under tensor parallelism: the QK-norm
+# weights replicated, their gradients summed over tp.
+QK = {"model.head_dim": 24, "model.qk_norm": True}
+LAYOUTS_2.update({
+    "qk_tp2_sp": {**QK, "parallel.tp": 2},
+    "qk_tp2_nosp": {**QK, "parallel.tp": 2, "parallel.sequence_parallel": False},
+})
 LAYOUTS_4.update({
     "tied_tp2_pp2_zero1": {**TIED, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 1},
     "tied_dp2_pp2_replicated": {**TIED, "parallel.pp": 2, "parallel.zero": 0},
@@ -140,15 +147,16 @@ LAYOUTS_4.update({
 })
 
 
-# Mixture-of-Experts (tiny-moe: 8 routed experts top-2, a shared expert, a dense first
-# layer) with the balance loss, the router z-loss and the auxiliary-loss-free bias all on;
+# Mixture-of-Experts (tiny-moe with Qwen3-MoE's attention: 8 routed experts top-2, a shared
+# expert, a dense first layer, head_dim 24 with QK-norm) with the balance loss, the router z-loss and the auxiliary-loss-free bias all on;
 # dropless. Expert parallelism borrows its ranks from dp_shard x tp: ep2 on 2 ranks holds 4
 # experts per rank (the experts' own shard group is 1); on 4 ranks ep2 x efsdp2 under
 # ZeRO-3, ep4 with 2 experts per rank, ep2 within tp2 x dp2, ep2 beside pp2, and HSDP
 # (2 replicas of ep2). Under tp the MoE layers run on each rank's part of the sequence:
 # tp2 alone replicates the experts (their gradients summed over the tp ranks without FSDP).
 MOE = {"model.preset": "tiny-moe", "model.n_layers": 4, "model.moe_bias_update_rate": 0.01,
-       "model.moe_z_loss_coef": 1e-3}
+       "model.moe_z_loss_coef": 1e-3,
+       "model.head_dim": 24, "model.qk_norm": True}  # Qwen3-MoE's attention
 LAYOUTS_2.update({
     "moe_ep2": {**MOE, "parallel.ep": 2},
     "moe_tp2": {**MOE, "parallel.tp": 2},
@@ -164,7 +172,7 @@ LAYOUTS_4.update({
 
 
 def ref_for(name: str) -> str:
-    return next((ref for ref in ("gpt", "tied", "moe") if name.startswith(ref)), "llama")
+    return next((ref for ref in ("gpt", "tied", "moe", "qk") if name.startswith(ref)), "llama")
 
 
 def job_output(proc: subprocess.CompletedProcess) -> str:
@@ -232,14 +240,14 @@ def assert_same_run(run: Path, ref: Path, first_step: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Single-process reference runs: Llama-shaped and GPT-shaped."""
+    """Single-process reference runs: Llama-shaped, GPT-shaped, tied, with QK-norm."""
     from conftest import write_corpus
 
     root = tmp_path_factory.mktemp("ref")
     os.environ.setdefault("TESSEL_CACHE", str(root / "cache"))
     corpus = write_corpus(root / "corpus")
     out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
-    for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED), ("moe", MOE),
+    for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED), ("moe", MOE), ("qk", QK),
                         ("llama_hf", {"model.init_from": str(out["hf"])})):
         Trainer(load_config(None, base(root / name, corpus, **extra)), console=False).train()
         out[name] = root / name

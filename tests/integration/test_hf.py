@@ -73,11 +73,13 @@ def tessel_model(path: Path, m: ModelConfig | None = None) -> Transformer:
 
 
 MODELS = {"gpt2": hf_gpt2, "llama": hf_llama}
+# Heads wider than hidden_size / heads (q_proj 64 -> 96: model.head_dim).
+WIDE_HEADS = {"llama_head_dim": lambda: hf_llama(head_dim=24)}
 
 
-@pytest.mark.parametrize("arch", MODELS)
+@pytest.mark.parametrize("arch", [*MODELS, *WIDE_HEADS])
 def test_hf_to_tessel_matches_transformers_and_round_trips_bit_for_bit(arch, tmp_path: Path, capsys):
-    hf = MODELS[arch]().eval()
+    hf = {**MODELS, **WIDE_HEADS}[arch]().eval()
     src = save_hf(hf, tmp_path / "hf")
     assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "tessel")]) == 0
     assert "wrote" in capsys.readouterr().out

@@ -41,6 +41,46 @@ def test_variant_shapes_and_param_count(variant):
     assert isinstance(model.norm, norm_cls)
 
 
+@pytest.mark.parametrize("variant", [
+    dict(position="rope", norm="rmsnorm", mlp="swiglu", n_kv_heads=2, bias=False),
+    dict(position="learned", norm="layernorm", mlp="gelu", n_kv_heads=4, bias=True),
+], ids=["llama", "gpt"])
+def test_own_head_width_and_qk_norm(variant):
+    """model.head_dim (heads wider than d_model / n_heads) and model.qk_norm (Qwen3): the
+    shapes, the exact counts, and defaults that leave every other model as it was."""
+    cfg = small(**variant, head_dim=12, qk_norm=True)
+    assert (cfg.head_dim, cfg.q_dim) == (12, 48)
+    model = build_model(cfg, "cpu", seed=0)
+    attn = model.layers["0"].attention
+    assert attn.wq.weight.shape == (48, 32) and attn.wo.weight.shape == (32, 48)
+    assert attn.wk.weight.shape == (cfg.n_kv_heads * 12, 32)
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (12,)
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
+    assert torch.isfinite(model(torch.randint(0, 97, (2, 9)))[..., :97]).all()
+    # FLOPs per layer: 6 x the wider q/o and k/v weights, and attention over 48-wide queries
+    # (12 x q_dim x seq_len) instead of 32.
+    base = small(**variant)
+    kv = cfg.n_kv_heads * 12 - base.n_kv_heads * 8
+    assert flops_per_token(cfg, 16) - flops_per_token(base, 16) == 2 * (
+        6 * (2 * 32 * 16 + 2 * 32 * kv) + 12 * 16 * 16)
+    # QK-norm normalises each head: scaling the query weights changes nothing (up to the
+    # epsilon, made negligible here).
+    model = build_model(cfg.model_copy(update={"norm_eps": 1e-12}), "cpu", seed=0)
+    x = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        before = model(x)
+        model.layers["0"].attention.wq.weight.mul_(3.0)
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6)
+    # Defaults: the head width d_model / n_heads, no QK-norm parameters.
+    plain = build_model(base, "cpu", seed=0)
+    assert base.head_dim == 8 and plain.layers["0"].attention.q_norm is None
+    assert not any("q_norm" in n for n, _ in plain.named_parameters())
+    # Without divisibility the head width must be given.
+    with pytest.raises(ValueError, match="or set model.head_dim"):
+        small(d_model=30)
+    assert small(d_model=30, head_dim=8).q_dim == 32
+
+
 @pytest.mark.parametrize("variant", VARIANTS[::7])
 def test_causal_future_tokens_do_not_change_past_logits(variant):
     model = build_model(small(**variant), "cpu", seed=1).eval()

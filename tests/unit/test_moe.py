@@ -221,6 +221,11 @@ def test_moe_presets():
     # Mixtral-8x7B's published 46.7B total / 12.9B active: tessel's shape is exact.
     assert param_count(mixtral) == 46_702_792_704
     assert active_param_count(mixtral) == 12_879_925_248
+    # Qwen3-30B-A3B's 30.5B / 3.3B (heads of 128 on d_model 2048, QK-norm): the count of
+    # transformers' Qwen3MoeForCausalLM of the published config.json, exactly.
+    qwen = ModelConfig(preset="qwen3-30b-a3b")
+    assert param_count(qwen) == 30_532_122_624
+    assert active_param_count(qwen) == 3_353_032_704
     tiny = ModelConfig(preset="tiny-moe")
     assert [tiny.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert "tiny-moe" in PRESETS

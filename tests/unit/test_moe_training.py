@@ -69,14 +69,23 @@ def test_pp_and_zero_with_moe_pass_the_layout_check():
     ParallelDims.from_config(cfg.parallel, 4).validate(cfg)
 
 
-def test_hf_export_of_moe_is_refused_in_one_line():
-    from tessel.checkpoint.hf_arch import HFError, for_model
+def test_hf_export_of_an_moe_shape_hf_cannot_hold_is_refused_in_one_line():
+    """tiny-moe has a shared expert, which neither Mixtral nor Qwen3-MoE has; without it, it
+    exports as Mixtral (tests/integration/test_hf_moe.py)."""
+    from tessel.checkpoint.hf_models import HFError, for_model
     from tessel.config import ConfigError
 
-    with pytest.raises(ConfigError, match="MoE models have no Hugging Face export yet"):
+    with pytest.raises(ConfigError, match="checkpoint.hf_export_interval: model: "
+                                          "MixtralForCausalLM has softmax routing"):
         Config.load(None, {"model.preset": "tiny-moe", "checkpoint.hf_export_interval": 10})
-    with pytest.raises(HFError, match="Mixture-of-Experts models have no Hugging Face export"):
-        for_model(ModelConfig(preset="tiny-moe"))
+    m = ModelConfig(preset="tiny-moe")
+    with pytest.raises(HFError, match="no shared experts; this model"):
+        for_model(m).hf_config(m)
+    m = ModelConfig(preset="tiny-moe", moe_shared_experts=0)
+    with pytest.raises(HFError, match="MixtralForCausalLM has every layer MoE"):
+        for_model(m).hf_config(m)
+    Config.load(None, {"model.preset": "tiny-moe", "model.moe_shared_experts": 0,
+                       "model.qk_norm": True, "checkpoint.hf_export_interval": 10})
 
 
 def test_a_pipeline_metadata_forward_is_left_out_of_the_statistics():

@@ -82,6 +82,18 @@ def test_stage_parameters_under_tensor_parallelism_by_hand():
     assert p.matmul == (4 * d * d + 2 * d * f) // 2 + v * d // 2
 
 
+def test_stage_parameters_with_own_head_width_and_qk_norm():
+    """Qwen3's attention: q_proj 64 -> 4 x 24 = 96, o_proj back, QK-norm weights of 24."""
+    m = ModelConfig(preset="tiny-llama", n_layers=2, head_dim=24, qk_norm=True)
+    with torch.device("meta"):
+        real = sum(t.numel() for t in Transformer(m).parameters())
+    assert stage_parameters(m, 2, True, True, 1).total == real
+    d, q, kv, f, v = 64, 96, 2 * 24, 192, 512
+    # tp 2: every matmul halves; the RMSNorms, QK-norm's included, are replicated.
+    block = (d * q + 2 * d * kv + 2 * d * f + q * d + f * d) // 2 + 2 * d + 2 * 24
+    assert stage_parameters(m, 2, True, True, 2).total == 2 * block + v * d // 2 + d + v * d // 2
+
+
 # ---- memory ---------------------------------------------------------------------------------
 
 

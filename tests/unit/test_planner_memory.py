@@ -22,6 +22,10 @@ from tessel.planner.memory import estimate_memory
 LLAMA = dict(preset="tiny-llama", n_layers=3, d_model=128, n_heads=8, n_kv_heads=2,
              ffn_hidden=352, vocab_size=1000)
 GPT = dict(preset="tiny", n_layers=4, d_model=96, n_heads=6, vocab_size=700, max_seq_len=256)
+# Qwen3's attention: heads of their own width (8 x 24 = 192 on d_model 128) and QK-norm; and
+# the same on the multi-head GPT shape.
+QWEN = dict(LLAMA, head_dim=24, qk_norm=True)
+GPT_QK = dict(GPT, head_dim=20, qk_norm=True)
 CASES = [
     (LLAMA, "fp32", "none", False, 0.0),
     (LLAMA, "bf16", "none", False, 0.0),
@@ -33,6 +37,10 @@ CASES = [
     (GPT, "fp32", "none", True, 0.1),
     (GPT, "bf16", "full", False, 0.0),
     (GPT, "fp32", "selective", False, 0.1),
+    (QWEN, "fp32", "none", False, 0.0),
+    (QWEN, "bf16", "selective", True, 0.0),
+    (QWEN, "bf16", "full", False, 0.0),
+    (GPT_QK, "fp32", "none", True, 0.1),
 ]
 
 
