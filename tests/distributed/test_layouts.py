@@ -148,7 +148,8 @@ LAYOUTS_4.update({
 
 
 # Mixture-of-Experts (tiny-moe with Qwen3-MoE's attention: 8 routed experts top-2, a shared
-# expert, a dense first layer, head_dim 24 with QK-norm) with the balance loss, the router z-loss and the auxiliary-loss-free bias all on;
+# expert, a dense first layer, head_dim 24 with QK-norm) with the balance loss, the router
+# z-loss and the auxiliary-loss-free bias all on;
 # dropless. Expert parallelism borrows its ranks from dp_shard x tp: ep2 on 2 ranks holds 4
 # experts per rank (the experts' own shard group is 1); on 4 ranks ep2 x efsdp2 under
 # ZeRO-3, ep4 with 2 experts per rank, ep2 within tp2 x dp2, ep2 beside pp2, and HSDP
