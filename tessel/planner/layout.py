@@ -1,12 +1,13 @@
 """A candidate parallel layout: exactly the `parallel.*` settings (and micro-batch) a run
-takes, so a plan can be launched as it is."""
+takes, so a plan can be launched as it is; and the planner's check of the expert-parallel
+degree (`expert_parallel_error`), which the trainer does not run yet."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tessel.config import Config
+from tessel.config import Config, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class Layout:
     pp_layers_first: int = 0
     pp_layers_last: int = 0
     sequence_parallel: bool = True
+    ep: int = 1
+    """Expert-parallel degree: ranks borrowed from dp_shard x tp (adds no processes)."""
 
     @property
     def dp(self) -> int:
@@ -33,6 +36,15 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_dp_shard(self) -> int:
+        """The routed experts' own FSDP shard group (efsdp) under ZeRO >= 1: with ep > 1 the
+        dp_shard x tp ranks that ep does not split the experts over; with ep = 1 the dense
+        weights' group (dp_shard x cp). Replicated over dp_replicate like the dense weights."""
+        if self.ep == 1:
+            return self.dp_shard * self.cp
+        return max(self.dp_shard * self.tp // self.ep, 1)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -44,6 +56,7 @@ class Layout:
             dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, resolve_zero(p),
             cfg.train.micro_batch_size, p.activation_checkpointing, p.offload, p.pp_schedule,
             p.pp_virtual_stages, p.pp_layers_first, p.pp_layers_last, p.sequence_parallel,
+            p.ep,
         )
 
     def overrides(self) -> dict[str, Any]:
@@ -53,11 +66,12 @@ class Layout:
         return out
 
     def short(self) -> str:
-        """One line, e.g. `dp=8 (hsdp 4x2) tp=4 pp=8 interleaved-1f1b/v2 zero=3 mbs=1 ac=full`."""
+        """One line, e.g. `dp=8 (hsdp 4x2) tp=4 pp=8 interleaved-1f1b/v2 zero=3 mbs=1 ac=full`
+        (`ep=N` after pp when experts are split)."""
         dp = f"dp={self.dp}"
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" (hsdp {self.dp_replicate}x{self.dp_shard})"
-        parts = [dp, f"tp={self.tp}", f"pp={self.pp}"]
+        parts = [dp, f"tp={self.tp}", f"pp={self.pp}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         if self.pp > 1:
             virtual = f"/v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
             parts.append(self.pp_schedule + virtual)
@@ -73,3 +87,32 @@ class Layout:
         if self.tp > 1 and not self.sequence_parallel:
             parts.append("no-sp")
         return " ".join(parts)
+
+
+def expert_parallel_error(m: ModelConfig, layout: Layout) -> str | None:
+    """Why `layout`'s expert-parallel degree cannot run `m` (one line with the fix), or None.
+
+    The rules of parallel.ep as the trainer defines them (torchtitan's): ep splits a
+    Mixture-of-Experts model's routed experts, so it needs one and divides its expert
+    count; it borrows ranks from dp_shard x tp, so it divides their product; the experts
+    are sharded with FSDP2 over the remaining ranks, so ZeRO >= 1. Kept here, not in
+    tessel/parallel, until the trainer's own ep checks land there (then the planner calls
+    those through `check_layout` and this goes)."""
+    ep = layout.ep
+    if ep == 1:
+        return None
+    if not m.moe_experts:
+        return (f"parallel.ep={ep} splits routed experts, and this model has none "
+                "(model.moe_experts = 0); set parallel.ep=1")
+    if m.moe_experts % ep:
+        fits = [d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]
+        return (f"parallel.ep={ep} does not divide model.moe_experts={m.moe_experts}; choose "
+                f"one of {', '.join(map(str, fits))}")
+    if layout.zero == 0:
+        return ("parallel.ep > 1 shards the experts with FSDP, which parallel.zero=0 turns "
+                "off; set parallel.zero >= 1 (or auto)")
+    if (layout.dp_shard * layout.tp) % ep:
+        return (f"parallel.ep={ep} borrows its ranks from dp_shard x tp = "
+                f"{layout.dp_shard}x{layout.tp}, which it does not divide; choose an ep that "
+                "divides dp_shard x tp, or raise parallel.dp_shard")
+    return None

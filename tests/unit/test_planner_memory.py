@@ -22,6 +22,11 @@ from tessel.planner.memory import estimate_memory
 LLAMA = dict(preset="tiny-llama", n_layers=3, d_model=128, n_heads=8, n_kv_heads=2,
              ffn_hidden=352, vocab_size=1000)
 GPT = dict(preset="tiny", n_layers=4, d_model=96, n_heads=6, vocab_size=700, max_seq_len=256)
+# Mixture-of-Experts: tiny-moe (1 dense + 3 MoE layers, 8 experts top-2, 1 shared expert);
+# and a GELU variant with softmax top-1 (Switch), a capacity factor and no shared expert.
+MOE = dict(preset="tiny-moe")
+SWITCH = dict(preset="tiny-moe", mlp="gelu", moe_top_k=1, moe_shared_experts=0,
+              moe_capacity_factor=1.25, moe_z_loss_coef=0.001, moe_every=2)
 CASES = [
     (LLAMA, "fp32", "none", False, 0.0),
     (LLAMA, "bf16", "none", False, 0.0),
@@ -33,6 +38,12 @@ CASES = [
     (GPT, "fp32", "none", True, 0.1),
     (GPT, "bf16", "full", False, 0.0),
     (GPT, "fp32", "selective", False, 0.1),
+    (MOE, "fp32", "none", False, 0.0),
+    (MOE, "bf16", "none", False, 0.0),
+    (MOE, "fp32", "selective", False, 0.0),
+    (MOE, "bf16", "full", True, 0.0),
+    (SWITCH, "fp32", "none", False, 0.1),
+    (SWITCH, "bf16", "selective", False, 0.0),
 ]
 
 
