@@ -99,8 +99,7 @@ def run_bench(cfg: Config, warmup: int = 5, steps: int = 20, matmul: bool = True
         memory = memory_stats(device)
         result = _figures(cfg, trainer, times, memory)
         result["warmup_steps"], result["timed_steps"] = warmup, steps
-        # The planner does not model MoE layers yet: no prediction to set beside the run.
-        result["planner"] = None if cfg.model.moe_experts else _planner_memory(cfg, device)
+        result["planner"] = _planner_memory(cfg, device)
         if matmul:
             peak = measure_matmul_peak(device)
             result["matmul_peak_tflops"] = peak["flops"] / 1e12

@@ -82,6 +82,8 @@ BUILTIN: dict[str, GpuProfile] = {
                    device_names=("H100 80GB HBM3", "H100 SXM")),
         GpuProfile("h100-pcie", 756e12, 1513e12, 80.0, 64.0, 25.0, 8, hbm_gbps=2000,
                    device_names=("H100 PCIe",)),
+        GpuProfile("h800", 989e12, 1979e12, 80.0, 200.0, 50.0, 8, hbm_gbps=3350, host_memory_gib=2048,
+                   device_names=("H800",)),
         GpuProfile("h200", 989e12, 1979e12, 141.0, 450.0, 50.0, 8, hbm_gbps=4800,
                    host_memory_gib=2048, device_names=("H200",)),
         GpuProfile("b200", 2250e12, 4500e12, 180.0, 900.0, 50.0, 8, hbm_gbps=7700,
@@ -100,6 +102,10 @@ SOURCES = {
                 "NVLink4 900 GB/s bidirectional (450 per direction); 400 Gb/s NDR per GPU",
     "h100-pcie": "NVIDIA H100 whitepaper: 756 dense BF16, 1513 dense FP8 TFLOP/s, 80 GB; "
                  "PCIe Gen5 128 GB/s bidirectional (64 per direction), no NVLink assumed",
+    "h800": "H100 SXM's figures (989 dense BF16, 1979 dense FP8 TFLOP/s, 80 GB, 3.35 TB/s) "
+            "with NVLink cut to 400 GB/s bidirectional (200 per direction), NVIDIA's export "
+            "variant; DeepSeek-V3 technical report (arXiv 2412.19437) section 3.1: 8 GPUs a "
+            "node, 400 Gb/s InfiniBand (50 GB/s) per GPU; host memory as H100 assumed",
     "h200": "NVIDIA H200 product page: 989 dense BF16, 1979 dense FP8 TFLOP/s, 141 GB; NVLink4 "
             "900 GB/s bidirectional; 400 Gb/s CX-7 per GPU",
     "b200": "NVIDIA HGX B200: 2250 dense BF16, 4500 dense FP8 TFLOP/s, 180 GB HBM3e; NVLink5 "

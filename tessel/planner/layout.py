@@ -25,6 +25,8 @@ class Layout:
     pp_layers_first: int = 0
     pp_layers_last: int = 0
     sequence_parallel: bool = True
+    ep: int = 1
+    """Expert-parallel degree: ranks borrowed from dp_shard x tp (adds no processes)."""
 
     @property
     def dp(self) -> int:
@@ -33,6 +35,15 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_dp_shard(self) -> int:
+        """The routed experts' own FSDP shard group (efsdp) under ZeRO >= 1: with ep > 1 the
+        dp_shard x tp ranks that ep does not split the experts over; with ep = 1 the dense
+        weights' group (dp_shard x cp). Replicated over dp_replicate like the dense weights."""
+        if self.ep == 1:
+            return self.dp_shard * self.cp
+        return max(self.dp_shard * self.tp // self.ep, 1)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -44,6 +55,7 @@ class Layout:
             dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, resolve_zero(p),
             cfg.train.micro_batch_size, p.activation_checkpointing, p.offload, p.pp_schedule,
             p.pp_virtual_stages, p.pp_layers_first, p.pp_layers_last, p.sequence_parallel,
+            p.ep,
         )
 
     def overrides(self) -> dict[str, Any]:
@@ -53,11 +65,12 @@ class Layout:
         return out
 
     def short(self) -> str:
-        """One line, e.g. `dp=8 (hsdp 4x2) tp=4 pp=8 interleaved-1f1b/v2 zero=3 mbs=1 ac=full`."""
+        """One line, e.g. `dp=8 (hsdp 4x2) tp=4 pp=8 interleaved-1f1b/v2 zero=3 mbs=1 ac=full`
+        (`ep=N` after pp when experts are split)."""
         dp = f"dp={self.dp}"
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" (hsdp {self.dp_replicate}x{self.dp_shard})"
-        parts = [dp, f"tp={self.tp}", f"pp={self.pp}"]
+        parts = [dp, f"tp={self.tp}", f"pp={self.pp}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         if self.pp > 1:
             virtual = f"/v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
             parts.append(self.pp_schedule + virtual)

@@ -37,9 +37,10 @@ ZERO_BUBBLE_MEMORY = 1.75  # in-flight chunks over the warm-up count (see in_fli
 
 ASSUMPTIONS = (
     "parameters and gradients fp32, AdamW state 8 bytes per parameter, all sharded over "
-    "dp_shard x cp under ZeRO >= 1; compute copies: FSDP gathers bf16 parameters (ZeRO-1/2: "
-    "all, kept from forward to backward; ZeRO-3: the root module and two blocks), DDP's "
-    "autocast keeps one bf16 copy of the matmul weights",
+    "dp_shard x cp under ZeRO >= 1 (routed experts: moe_experts / ep per rank, sharded over "
+    "the experts' own group of dp_shard x tp / ep ranks); compute copies: FSDP gathers bf16 "
+    "parameters (ZeRO-1/2: all, kept from forward to backward; ZeRO-3: the root module and "
+    "two blocks), DDP's autocast keeps one bf16 copy of the matmul weights",
     "activations: the tensors tessel's model saves for backward, measured on a probe of the "
     "real code (flash-style attention: no seq x seq matrix without a document mask), times "
     "the micro-batches in flight: gpipe all, 1f1b pp - rank, interleaved 1F1B the peak of "
@@ -48,6 +49,10 @@ ASSUMPTIONS = (
     "proposed by the search)",
     "activation checkpointing: full keeps each block's input and recomputes one block at a "
     "time; selective keeps matmul and attention outputs",
+    "MoE layers: what an MoE layer saves is measured on a probe MoE block (permuted token "
+    "copies, expert hidden units, fp32 router logits, ...) assuming balanced routing (every "
+    "rank's experts get tokens x top_k slots); expert parallelism adds the dispatch and "
+    "combine buffers of one layer (2 x tokens x top_k x d_model in the compute dtype)",
     f"outside the allocator: {CUDA_CONTEXT_BYTES / GIB:.2f} GiB CUDA context + "
     f"{NCCL_BYTES / GIB:.2f} GiB communicators; fragmentation {FRAGMENTATION:.0%} of allocated",
 )
@@ -102,22 +107,52 @@ class StageParams:
     layers: int
     head_matmul: int = 0
     """The head's matmul weights (0 off the last stage)."""
+    experts: int = 0
+    """Of `total`, the routed experts' weights on one expert-parallel rank (moe_experts / ep
+    of each MoE layer's experts): sharded over the experts' own group, not dp_shard."""
+    moe_layers: int = 0
+    """Of `layers`, the Mixture-of-Experts layers."""
 
 
-def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: int) -> StageParams:
-    """Parameters held by one tensor-parallel rank of a pipeline rank with `layers` blocks,
-    the embeddings if `first`, the final norm and head if `last`. Column-parallel weights
-    and biases and row-parallel weights are split by tp; row-parallel biases and norms are
-    replicated; the embedding and the head (padded_vocab_size rows) are split over the
-    vocabulary. QK-norm weights (head_dim each) are replicated."""
+def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: int,
+                     moe_layers: int = 0, ep: int = 1) -> StageParams:
+    """Parameters held by one tensor-parallel (and expert-parallel) rank of a pipeline rank
+    with `layers` blocks, `moe_layers` of them Mixture-of-Experts layers, the embeddings if
+    `first`, the final norm and head if `last`. Column-parallel weights and biases and
+    row-parallel weights are split by tp; row-parallel biases, norms and QK-norm weights
+    (head_dim each) are replicated; the embedding and the head (padded_vocab_size rows) are
+    split over the vocabulary. An MoE layer has the fp32 router (moe_experts x d_model),
+    moe_experts / ep routed experts (no biases) and its shared experts, a dense MLP of
+    moe_shared_experts x moe_ffn_hidden; none of it is split by tp (the trainer runs MoE
+    layers on each tp rank's part of the sequence; the planner plans MoE models at tp 1)."""
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1  # w1 (and w3)
-    matmul = (d * q + 2 * d * kv + n_in * d * f) // tp + (q * d + f * d) // tp
-    col_bias = (q + 2 * kv + n_in * f) // tp if m.bias else 0
-    row_bias = 2 * d if m.bias else 0
     norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
-    qk_norm = 2 * m.head_dim if m.qk_norm else 0
-    block = matmul + col_bias + row_bias + 2 * norm + qk_norm
+
+    def mlp(hidden: int, split: int) -> tuple[int, int]:
+        """(matmul weights, all parameters) of a dense MLP split over `split` ranks."""
+        mm = n_in * d * hidden // split + hidden * d // split
+        return mm, mm + ((n_in * hidden // split + d) if m.bias else 0)
+
+    attn_mm = (d * q + 2 * d * kv) // tp + q * d // tp
+    attn = (attn_mm + (((q + 2 * kv) // tp + d) if m.bias else 0) + 2 * norm
+            + (2 * m.head_dim if m.qk_norm else 0))
+    dense_mm, dense_all = mlp(f, tp)
+    expert_layer = moe_mm = moe_all = 0
+    if moe_layers:
+        assert m.moe_ffn_hidden is not None
+        h = m.moe_ffn_hidden
+        expert_layer = m.moe_experts // ep * (n_in + 1) * d * h
+        shared_mm, shared_all = (mlp(m.moe_shared_experts * h, 1) if m.moe_shared_experts
+                                 else (0, 0))
+        moe_mm = expert_layer + shared_mm  # the router runs in fp32: autocast casts no copy
+        moe_all = m.moe_experts * d + expert_layer + shared_all
+    dense = layers - moe_layers
+    # The largest block (FSDP's unit); a dense block's size when the stage has no MoE layer.
+    block = max(attn + dense_all if dense or not moe_layers else 0,
+                attn + moe_all if moe_layers else 0)
+    matmul = dense * (attn_mm + dense_mm) + moe_layers * (attn_mm + moe_mm)
+    blocks = dense * (attn + dense_all) + moe_layers * (attn + moe_all)
     root = 0
     head_matmul = 0
     if first:
@@ -127,8 +162,58 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
         head_matmul = m.padded_vocab_size * d // tp
         if not (m.tie_embeddings and first):
             root += head_matmul
-    return StageParams(layers * block + root, block, root, layers * matmul + head_matmul, layers,
-                       head_matmul)
+    return StageParams(blocks + root, block, root, matmul + head_matmul, layers, head_matmul,
+                       moe_layers * expert_layer, moe_layers)
+
+
+def stage_layers(m: ModelConfig, layout: Layout) -> list[range]:
+    """The layer indices of each pipeline stage, first to last (as tessel splits them:
+    consecutive layers, stage s on pipeline rank s mod pp)."""
+    return _stage_ranges(m.n_layers, layout.pp, layout.pp_virtual_stages,
+                         layout.pp_layers_first, layout.pp_layers_last)
+
+
+@functools.lru_cache(maxsize=4096)  # the search asks for the same splits thousands of times
+def _stage_ranges(n_layers: int, pp: int, virtual: int, first: int, last: int) -> list[range]:
+    n_stages = pp * virtual
+    counts = stage_layer_counts(n_layers, n_stages, first, last, virtual)
+    starts = [sum(counts[:s]) for s in range(n_stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(n_stages)]
+
+
+def moe_layer_count(m: ModelConfig, layers: range | list[int]) -> int:
+    """How many of `layers` (indices) are MoE layers."""
+    if not m.moe_experts:
+        return 0
+    return sum(m.is_moe_layer(i) for i in layers)
+
+
+def rank_stages(layout: Layout, rank: int) -> list[int]:
+    """The stage indices pipeline rank `rank` holds."""
+    return [rank + v * layout.pp for v in range(layout.pp_virtual_stages)]
+
+
+def rank_parameters(m: ModelConfig, layout: Layout, rank: int) -> StageParams:
+    """Parameters of one tensor- and expert-parallel rank of pipeline rank `rank`, before
+    data-parallel sharding."""
+    ranges = stage_layers(m, layout)
+    ids = rank_stages(layout, rank)
+    return stage_parameters(m, sum(len(ranges[s]) for s in ids), 0 in ids,
+                            len(ranges) - 1 in ids, layout.tp,
+                            sum(moe_layer_count(m, ranges[s]) for s in ids), layout.ep)
+
+
+def parameter_elements(m: ModelConfig, layout: Layout) -> int:
+    """Parameter elements held by all ranks together (= AdamW exp_avg elements), as the
+    real run's local shards add up (FSDP's padding left out): each pipeline rank's dense
+    weights once per tensor-parallel rank and data-parallel replica, its routed experts once
+    per expert-parallel rank and replica (sharded, not copied, over their own group)."""
+    copies = layout.dp_replicate if fsdp_active(layout) else layout.dp * layout.cp
+    total = 0
+    for rank in range(layout.pp):
+        p = rank_parameters(m, layout, rank)
+        total += ((p.total - p.experts) * layout.tp + p.experts * layout.ep) * copies
+    return total
 
 
 def in_flight(layout: Layout, rank: int, micro_batches: int) -> float:
@@ -182,17 +267,14 @@ def memory_by_rank(
     document_mask: bool = False,
 ) -> list[Memory]:
     """Memory of each pipeline rank (every data- and tensor-parallel rank of it alike)."""
-    n_stages = layout.pp * layout.pp_virtual_stages
-    counts = stage_layer_counts(m.n_layers, n_stages, layout.pp_layers_first,
-                                layout.pp_layers_last, layout.pp_virtual_stages)
+    ranges = stage_layers(m, layout)
     micro_batches = global_batch // (layout.micro_batch * layout.dp)
     acts = activation_profile(m, precision_regime(precision, layout), document_mask)
     out = []
     for rank in range(layout.pp):
-        ids = [rank + v * layout.pp for v in range(layout.pp_virtual_stages)]
-        first, last = 0 in ids, n_stages - 1 in ids
-        params = stage_parameters(m, sum(counts[s] for s in ids), first, last, layout.tp)
-        stages = {s: counts[s] for s in ids}
+        params = rank_parameters(m, layout, rank)
+        stages = {s: (len(ranges[s]), moe_layer_count(m, ranges[s]))
+                  for s in rank_stages(layout, rank)}
         mem = rank_memory(m, layout, seq_len, precision, params, stages, rank, acts,
                           micro_batches, document_mask)
         mem.stage = rank
@@ -254,10 +336,11 @@ def peak_in_flight(order: list[tuple[str, int]], chunk_bytes: dict[int, float]) 
 
 def rank_memory(
     m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
-    stages: dict[int, int], rank: int, acts: ActivationProfile, micro_batches: int,
+    stages: dict[int, tuple[int, int]], rank: int, acts: ActivationProfile, micro_batches: int,
     document_mask: bool = False,
 ) -> Memory:
-    """Memory of pipeline rank `rank`, which holds `stages` (stage index -> its layers)."""
+    """Memory of pipeline rank `rank`, which holds `stages` (stage index -> (its layers, of
+    which MoE layers))."""
     n_stages = layout.pp * layout.pp_virtual_stages
     last = n_stages - 1 in stages
     compute = 2 if precision in ("bf16", "fp16") else 4
@@ -269,7 +352,10 @@ def rank_memory(
     shard = layout.dp_shard * layout.cp if fsdp_active(layout) else 1
     offload_params = layout.offload == "params" and fsdp
     offload_optimizer = layout.offload == "optimizer"
-    local = -(-p.total // shard)  # FSDP pads the last shard up
+    # Routed experts are sharded over their own group (efsdp), the rest over dp_shard x cp;
+    # FSDP pads the last shard up.
+    expert_shard = layout.expert_dp_shard if fsdp_active(layout) else 1
+    local = -(-(p.total - p.experts) // shard) + -(-p.experts // expert_shard)
     host = 0.0
 
     # Parameters: fp32 masters (sharded under FSDP) plus the copies compute uses.
@@ -303,23 +389,31 @@ def rank_memory(
     tokens = layout.micro_batch * seq_len / layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
     per_position = acts.per_position * seq_len
+    moe_block = acts.moe_block or acts.block
+    moe_selective = acts.moe_block_selective or acts.block_selective
+    router_copy = 0.0  # per MoE layer and micro-batch, whatever its tokens
     if layout.activation_checkpointing == "full":
-        per_layer = acts.block_input.per_token(tp, sp)
+        per_layer = per_moe_layer = acts.block_input.per_token(tp, sp)
     elif layout.activation_checkpointing == "selective":
         per_layer = (acts.block_selective.per_token(tp, sp)
                      + acts.per_position_selective * seq_len)
+        per_moe_layer = (moe_selective.per_token(tp, sp)
+                         + acts.per_position_selective * seq_len)
     else:
         per_layer = acts.block.per_token(tp, sp) + per_position
+        per_moe_layer = moe_block.per_token(tp, sp) + per_position
+        router_copy = acts.moe_router_copy
     # Checkpointed blocks keep their inputs, the boolean document mask among them (one per
     # micro-batch, shared by the blocks): 1 byte per token per position.
     shared = seq_len if document_mask and layout.activation_checkpointing != "none" else 0.0
     layers = p.layers
     chunk = {}  # bytes one micro-batch saves in each stage of this rank
-    for s, n in stages.items():
-        chunk[s] = per_layer * n + (acts.embedding.per_token(tp, sp) if s == 0 else 0.0)
+    for s, (n, n_moe) in stages.items():
+        chunk[s] = per_layer * (n - n_moe) + per_moe_layer * n_moe
+        chunk[s] += acts.embedding.per_token(tp, sp) if s == 0 else 0.0
         chunk[s] += shared if n else 0.0
         chunk[s] += acts.head.per_token(tp, sp) if s == n_stages - 1 else 0.0
-        chunk[s] *= tokens
+        chunk[s] = chunk[s] * tokens + router_copy * n_moe
     order = pipeline_order(layout, rank, micro_batches)
     if order is not None and layout.pp_schedule != "zero-bubble":
         saved_bytes = peak_in_flight(order, chunk)
@@ -329,7 +423,10 @@ def rank_memory(
     transient = 0.0
     if layout.activation_checkpointing != "none" and layers:
         # The block being recomputed holds its full activations during its backward.
-        transient = (acts.block.per_token(tp, sp) + per_position) * tokens
+        largest = acts.block.per_token(tp, sp) if layers > p.moe_layers else 0.0
+        if p.moe_layers:
+            largest = max(largest, moe_block.per_token(tp, sp))
+        transient = (largest + per_position) * tokens
     if last:
         vocab = m.padded_vocab_size / tp
         transient = max(transient, (compute + 4 * HEAD_TRANSIENT_FP32_COPIES) * vocab * tokens)
@@ -347,6 +444,8 @@ def rank_memory(
         communication += 4 * tokens * m.d_model * compute
     if tp > 1:  # a gathered sub-layer input in flight
         communication += 2 * layout.micro_batch * seq_len * m.d_model * compute
+    if layout.ep > 1 and p.moe_layers:  # one MoE layer's dispatch (or combine) send + receive
+        communication += 2 * tokens * m.moe_top_k * m.d_model * compute
 
     allocated = parameters + gradients + optimizer + activations + communication
     margin = CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world > 1 else 0.0)

@@ -14,7 +14,7 @@ from tessel.errors import TesselError
 from tessel.planner.hardware import GpuProfile, load_profiles, profile_for_device
 from tessel.planner.layout import Layout
 from tessel.planner.memory import GIB
-from tessel.planner.search import MOE_NOT_PLANNED, Plan, check_fits, search
+from tessel.planner.search import Plan, check_fits, search, trainer_refusal
 
 # Stand-in rates for a device no profile describes: they only rank layouts against each
 # other (the memory check uses the device's real capacity).
@@ -43,8 +43,12 @@ def device_profile(device: torch.device, local_world: int) -> GpuProfile:
 
 def choose_layout(cfg: Config, world: int, hw: GpuProfile, device_type: str = "cuda"
                   ) -> tuple[Config, Plan]:
-    """The fastest layout predicted to fit on `world` devices; the config with it applied."""
-    result = search(cfg, world, hw, keep=1, device_type=device_type)
+    """The fastest layout predicted to fit on `world` devices that the trainer runs today;
+    the config with it applied."""
+    result = search(cfg, world, hw, keep=10**9, device_type=device_type)
+    # The search also plans what the trainer does not run yet (expert parallelism).
+    runnable = (p for p in result.plans if trainer_refusal(cfg, p.layout, device_type) is None)
+    result.plans = [p for p in (next(runnable, None),) if p is not None]
     if not result.plans:
         closest = result.too_big[0] if result.too_big else None
         need = (f"; the closest, {closest.layout.short()}, needs {closest.memory.total / GIB:.1f} "
@@ -112,10 +116,6 @@ def refuse_if_too_big(cfg: Config, device: torch.device, world: int, force: bool
         _refuse_beyond_host_memory(cfg, world)
         return
     if cfg.parallel.auto:  # auto chose a layout that fits
-        return
-    if cfg.model.moe_experts:
-        say("tessel: note: no memory check before launch: "
-            + MOE_NOT_PLANNED.split(": choose")[0])
         return
     hw = device_profile(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     _, refusal = check_memory(cfg, world, hw)

@@ -25,6 +25,15 @@ planner with an error rather than a guess.
 Selective activation checkpointing keeps the outputs of the operators in
 `tessel.parallel.apply.SAVE_OPS` (recorded by a dispatch mode during the same probe); full
 checkpointing keeps each block's input.
+
+Mixture-of-Experts layers are probed the same way, by a second 1-block model whose block is
+an MoE layer, with widths of its own that are pairwise distinct (d_model 64, 7 experts, top 3,
+expert hidden 24, one shared expert of 24; per token: 64, 7 router logits, 3 chosen slots,
+3 x 64 permuted copies, 3 x 24 expert hidden units, 24 shared hidden units, 1). Its MLP's
+saved tensors replace the dense MLP's in an MoE block. d_model 64 (not 60) because the
+grouped matmul needs 16-byte rows in bf16, and the per-expert loop it would fall back to
+saves per-expert slices that do not scale per token. Under tessel's refusal of tp > 1 with
+MoE layers, everything an MoE layer saves counts as replicated.
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ _B, _T = 2, 8
 _D, _HEADS, _FFN, _VOCAB = 60, 6, 104, 88
 _HD = _D // _HEADS
 _OWN_HD = 14  # a model with its own head width (model.head_dim): queries 84, key/values 28
+
+# The MoE probe's widths per token: see the module docstring.
+_MOE_D, _MOE_HEADS, _MOE_E, _MOE_K, _MOE_H = 64, 8, 7, 3, 24
+_FFN_MODULE = "feed_forward"  # a block's MLP, dense or MoE (and its shared experts)
 
 # Where a tensor was saved -> how tensor parallelism splits it.
 _COLUMN_INPUTS = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
@@ -78,6 +91,10 @@ class SavedBytes:
         return SavedBytes(self.replicated + other.replicated, self.sequence + other.sequence,
                           self.sharded + other.sharded)
 
+    def __sub__(self, other: SavedBytes) -> SavedBytes:
+        return SavedBytes(self.replicated - other.replicated, self.sequence - other.sequence,
+                          self.sharded - other.sharded)
+
     @property
     def total(self) -> float:
         return self.replicated + self.sequence + self.sharded
@@ -106,6 +123,13 @@ class ActivationProfile:
     weight_casts_per_param: float
     """Autocast's low-precision copies of the matmul weights, bytes per weight element,
     saved anew by every micro-batch's forward (0 without autocast over fp32 weights)."""
+    moe_block: SavedBytes | None = None
+    """One Mixture-of-Experts block without recomputation (None for a dense model)."""
+    moe_block_selective: SavedBytes | None = None
+    """One MoE block under selective checkpointing."""
+    moe_router_copy: float = 0.0
+    """Bytes an MoE layer saves per micro-batch whatever its tokens: the router's fp32 copy
+    of its weight when the parameters are bf16 (FSDP), which the fp32 router matmul keeps."""
 
 
 class _ModuleStack:
@@ -164,14 +188,26 @@ class _OutputRecorder(TorchDispatchMode):
 
 
 def _probe_config(m: ModelConfig, dropout: float) -> ModelConfig:
+    """A dense 1-block model (an MoE model's dense layers and everything outside its MLPs)."""
     kv = _HEADS if m.n_kv_heads == m.n_heads else 2
     head_dim = _HD if m.q_dim == m.d_model else _OWN_HD
     return m.model_copy(update={
         "preset": None, "d_model": _D, "n_heads": _HEADS, "n_kv_heads": kv, "ffn_hidden": _FFN,
         "head_dim": head_dim,
         "n_layers": 1, "vocab_size": _VOCAB, "vocab_pad_to": 1, "max_seq_len": _T,
-        "dropout": dropout,
+        "dropout": dropout, "moe_experts": 0, "moe_shared_experts": 0,
     })  # unpadded: the vocabulary width is _VOCAB, scaled to the real padded_vocab_size
+
+
+def _moe_probe_config(m: ModelConfig, dropout: float) -> ModelConfig:
+    """A 1-block model whose block is an MoE layer like `m`'s, at the MoE probe widths."""
+    return m.model_copy(update={
+        "preset": None, "d_model": _MOE_D, "n_heads": _MOE_HEADS, "n_kv_heads": _MOE_HEADS,
+        "ffn_hidden": _FFN, "n_layers": 1, "vocab_size": _VOCAB, "vocab_pad_to": 1,
+        "max_seq_len": _T, "dropout": dropout, "moe_experts": _MOE_E, "moe_top_k": _MOE_K,
+        "moe_shared_experts": 1 if m.moe_shared_experts else 0, "moe_ffn_hidden": _MOE_H,
+        "moe_first_dense_layers": 0, "moe_every": 1,
+    })
 
 
 @contextlib.contextmanager
@@ -215,8 +251,10 @@ def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
             return t
         rec = _Saved(_where(modules.current), tuple(t.shape), storage.nbytes())
         shape = tuple(t.shape)
-        if t.dim() == 2 and t.shape[0] != _B * _T and (shape in param_shapes or shape[::-1] in param_shapes):
-            casts.setdefault(ptr, rec)  # a weight's low-precision copy (autocast)
+        if ((t.dim() == 2 and t.shape[0] != _B * _T
+             and (shape in param_shapes or shape[::-1] in param_shapes))
+                or (t.dim() == 3 and shape in param_shapes)):  # 3-D: grouped expert weights
+            casts.setdefault(ptr, rec)  # a weight's low-precision (or fp32 router) copy
         elif ptr not in records or rec.nbytes > records[ptr].nbytes:
             records[ptr] = rec
         return t
@@ -333,9 +371,65 @@ def _profile(model_json: str, regime: str, document_mask: bool) -> ActivationPro
                                            m, probe, selective=True)
     cast_elements = sum(c.shape[0] * c.shape[1] for c in casts)
     cast_bytes = sum(c.nbytes for c in casts)
+    moe = {}
+    if m.moe_experts:
+        moe = _moe_profile(m, regime, document_mask, block, sel_block + block_input,
+                           [r for r in saved if _in_mlp(r)],
+                           [r for r in selective_outputs if _in_mlp(r)], probe)
     return ActivationProfile(
         block=block, block_selective=sel_block + block_input, block_input=block_input,
         per_position=per_position, per_position_selective=sel_position, embedding=embedding,
         head=head,
         weight_casts_per_param=cast_bytes / cast_elements if cast_elements else 0.0,
+        **moe,
     )
+
+
+def _in_mlp(rec: _Saved) -> bool:
+    return rec.where == _FFN_MODULE or rec.where.startswith(_FFN_MODULE + ".")
+
+
+def _moe_profile(m: ModelConfig, regime: str, document_mask: bool, block: SavedBytes,
+                 block_selective: SavedBytes, dense_mlp: list[_Saved],
+                 dense_mlp_selective: list[_Saved], probe: ModelConfig) -> dict[str, object]:
+    """An MoE block: the dense block with its MLP's saved tensors replaced by an MoE layer's
+    (measured on the MoE probe), under no and selective checkpointing; and the router's
+    per-micro-batch weight copy."""
+    saved, selective, casts = _run_probe(_moe_probe_config(m, m.dropout), regime, document_mask)
+    mlp = _moe_bytes([r for r in saved if _in_mlp(r)], m)
+    mlp_selective = _moe_bytes([r for r in selective if _in_mlp(r)], m)
+    router = ((_MOE_E, _MOE_D), (_MOE_D, _MOE_E))  # saved transposed by the matmul
+    router_copy = sum(c.nbytes for c in casts if c.shape in router and c.where == _FFN_MODULE)
+    return {
+        "moe_block": block - _split(dense_mlp, m, probe)[0] + mlp,
+        "moe_block_selective": (block_selective
+                                - _split(dense_mlp_selective, m, probe, selective=True)[0]
+                                + mlp_selective),
+        "moe_router_copy": router_copy * m.moe_experts * m.d_model / (_MOE_E * _MOE_D),
+    }
+
+
+def _moe_bytes(records: list[_Saved], m: ModelConfig) -> SavedBytes:
+    """Bytes per token of the real model's MoE layer from the MoE probe's saved tensors,
+    each scaled by what its width per token is (see the module docstring)."""
+    assert m.moe_ffn_hidden is not None
+    k, h = m.moe_top_k, m.moe_ffn_hidden
+    widths = {_MOE_D: m.d_model / _MOE_D, _MOE_E: m.moe_experts / _MOE_E, _MOE_K: k / _MOE_K,
+              _MOE_K * _MOE_D: k * m.d_model / (_MOE_K * _MOE_D), _MOE_H: m.moe_shared_experts * h / _MOE_H,
+              _MOE_K * _MOE_H: k * h / (_MOE_K * _MOE_H), 1: 1.0}
+    total = 0.0
+    for rec in records:
+        n = 1
+        for s in rec.shape:
+            n *= s
+        if n % (_B * _T):
+            continue  # per-expert counts and offsets: no token dimension
+        width = n // (_B * _T)
+        if width not in widths:
+            raise RuntimeError(
+                f"activation probe: a tensor of shape {rec.shape} saved in the MoE layer "
+                f"({rec.where!r}) has a width the planner does not know; update "
+                "tessel/planner/probe.py"
+            )
+        total += rec.nbytes / (_B * _T) * widths[width]
+    return SavedBytes(replicated=total)

@@ -27,11 +27,13 @@ def duration(seconds: float) -> str:
 
 def header(cfg: Config, gpus: int, hw: GpuProfile) -> str:
     t = cfg.train
-    from tessel.models import param_count
+    from tessel.models import active_param_count, param_count
 
+    m = cfg.model
+    active = f", {active_param_count(m) / 1e9:.2f}B active" if m.moe_experts else ""
     return (
-        f"tessel plan: {cfg.model.preset or 'custom'} model ({param_count(cfg.model) / 1e9:.2f}B "
-        f"parameters), {gpus} x {hw.name} ({hw.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"tessel plan: {m.preset or 'custom'} model ({param_count(m) / 1e9:.2f}B "
+        f"parameters{active}), {gpus} x {hw.name} ({hw.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
         f"{hw.memory_gib:.1f} GiB, {hw.gpus_per_node} per node), seq {t.seq_len}, global batch "
         f"{t.global_batch_size} ({t.global_batch_size * t.seq_len:,} tokens/step), "
         f"{precision_for(cfg)}, {t.steps:,} steps"
@@ -54,7 +56,8 @@ def breakdown(p: Plan, hw: GpuProfile) -> str:
     verdict = "fits" if p.fits else f"does NOT fit: {p.shortfall_gib:.1f} GiB short"
     s = p.step
     times = [("compute", s.compute_s), ("tp", s.tp_comm_s), ("dp exposed", s.dp_comm_s),
-             ("pp", s.pp_comm_s), ("cp exposed", s.cp_comm_s), ("bubble", s.bubble_s),
+             ("pp", s.pp_comm_s), ("cp exposed", s.cp_comm_s), ("ep all-to-all", s.ep_comm_s),
+             ("bubble", s.bubble_s),
              ("optimizer", s.optimizer_s), ("offload", s.offload_s)]
     host = f"; host {g['host']:.2f} GiB" if "host" in g else ""
     return (f"      memory GiB/GPU (pipeline rank {p.memory.stage}): {parts}; total "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from tessel.config import Config
+from tessel.config import Config, ModelConfig
 from tessel.errors import TesselError
 from tessel.models.transformer import flops_per_token
 from tessel.parallel.dims import ParallelDims
@@ -44,7 +44,7 @@ class Plan:
         lay = self.layout
         return {
             "dp": lay.dp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero": lay.zero,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
             "micro_batch": lay.micro_batch, "activation_checkpointing": lay.activation_checkpointing,
             "offload": lay.offload, "pp_schedule": lay.pp_schedule,
             "pp_virtual_stages": lay.pp_virtual_stages, "pp_layers_first": lay.pp_layers_first,
@@ -77,22 +77,17 @@ def precision_for(cfg: Config, device_type: str = "cuda") -> str:
     return cfg.train.precision
 
 
-MOE_NOT_PLANNED = ("the planner does not model Mixture-of-Experts layers yet (model.moe_experts > "
-                   "0; issue 18): choose the layout by hand")
-
-
 def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cuda",
              dp_overlap: float | None = None) -> Plan:
     t, m = cfg.train, cfg.model
-    if m.moe_experts:  # its memory and speed models know dense MLPs only
-        raise TesselError(MOE_NOT_PLANNED)
     precision = precision_for(cfg, device_type)
     mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
                           cfg.data.document_mask)
     step = estimate_step(m, layout, hw, t.seq_len, t.global_batch_size, precision, dp_overlap)
     tokens = t.global_batch_size * t.seq_len
     tps = tokens / step.total
-    mfu = flops_per_token(m, t.seq_len) * tps / (layout.world * hw.bf16_flops)
+    # MoE: FLOPs of the active parameters (the top_k experts a token is sent to).
+    mfu = _flops_per_token(m, t.seq_len) * tps / (layout.world * hw.bf16_flops)
     shortfall = mem.total / GIB - hw.memory_gib
     # Offloaded state shares the node's host memory (80% of it usable, the rest for the OS,
     # the data loader and pinned staging).
@@ -101,6 +96,20 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cu
     fits = shortfall <= 0 and host_short <= 0
     return Plan(layout, mem, step, tps, mfu, fits, t.steps * tokens / tps,
                 max(shortfall, host_short / per_node, 0.0))
+
+
+_FLOPS: dict[int, tuple[ModelConfig, int, int]] = {}
+
+
+def _flops_per_token(m: ModelConfig, seq_len: int) -> int:
+    """flops_per_token, remembered per model object and sequence length: a search evaluates
+    thousands of layouts of one model, and DeepSeek-V3's 61 layers cost ~1 ms a count."""
+    hit = _FLOPS.get(id(m))
+    if hit is None or hit[0] is not m or hit[1] != seq_len:
+        if len(_FLOPS) > 64:
+            _FLOPS.clear()
+        hit = _FLOPS[id(m)] = (m, seq_len, flops_per_token(m, seq_len))
+    return hit[2]
 
 
 def _light_config(cfg: Config, layout: Layout) -> Any:
@@ -112,7 +121,7 @@ def _light_config(cfg: Config, layout: Layout) -> Any:
         "activation_checkpointing": layout.activation_checkpointing,
         "pp_schedule": layout.pp_schedule, "pp_virtual_stages": layout.pp_virtual_stages,
         "pp_layers_first": layout.pp_layers_first, "pp_layers_last": layout.pp_layers_last,
-        "sequence_parallel": layout.sequence_parallel, "auto": False,
+        "sequence_parallel": layout.sequence_parallel, "ep": layout.ep, "auto": False,
     })
     train = cfg.train.model_copy(update={"micro_batch_size": layout.micro_batch})
     return SimpleNamespace(model=cfg.model, data=cfg.data, train=train, parallel=parallel)
@@ -120,10 +129,30 @@ def _light_config(cfg: Config, layout: Layout) -> Any:
 
 def check_layout(cfg: Config, layout: Layout, full: bool = False, device_type: str = "cuda"
                  ) -> str | None:
-    """None if tessel can run `layout` for `cfg` on `device_type` devices, else why not (one
-    line). `full` also re-validates the whole config (what a launch does)."""
+    """None if tessel can run `layout` for `cfg` on `device_type` devices and the planner
+    models it, else why not (one line). `full` also re-validates the whole config (what a
+    launch does). The trainer's rules (ParallelDims.validate, expert parallelism's
+    included), plus: MoE layers under tensor parallelism, which the trainer runs, are not in
+    the planner's model yet."""
     from tessel.parallel.check import check_layout as check_parallel_layout
 
+    reason = _check_trainer_layout(cfg, layout, full, device_type, check_parallel_layout)
+    if reason is None and cfg.model.moe_experts and layout.tp > 1:
+        reason = ("the planner does not model MoE layers under tensor parallelism yet (they "
+                  "run on each rank's part of the sequence); plan with parallel.tp=1")
+    return reason
+
+
+def trainer_refusal(cfg: Config, layout: Layout, device_type: str = "cuda") -> str | None:
+    """What the trainer itself says of `layout` (without the planner's own limits)."""
+    from tessel.parallel.check import check_layout as check_parallel_layout
+
+    return _check_trainer_layout(cfg, layout, False, device_type, check_parallel_layout)
+
+
+def _check_trainer_layout(cfg: Config, layout: Layout, full: bool, device_type: str,
+                          check_parallel_layout: Any) -> str | None:
+    """The trainer's own checks (config combinations, ParallelDims, device) of `layout`."""
     try:
         c = cfg.with_overrides(layout.overrides()) if full else _light_config(cfg, layout)
         if not full:  # the config's own combination rules, which model_copy skips
@@ -189,17 +218,26 @@ def candidates(cfg: Config, gpus: int, hw: GpuProfile, device_type: str = "cuda"
                             if zero == 0:
                                 replicas = [dp]  # nothing sharded: every rank a replica
                             for rep in replicas:
-                                for mbs in _divisors(per_rank):
-                                    if mbs > MAX_MICRO_BATCH:
-                                        break
-                                    if pp > 1 and per_rank // mbs < pp:
-                                        continue
-                                    for ac in ("none", "selective", "full"):
-                                        for offload in offloads:
-                                            out.append(Layout(
-                                                rep, dp // rep, tp, pp, cp, zero, mbs, ac,
-                                                offload, schedule, v, first, last))
+                                for ep in _expert_degrees(m, (dp // rep) * tp, zero):
+                                    for mbs in _divisors(per_rank):
+                                        if mbs > MAX_MICRO_BATCH:
+                                            break
+                                        if pp > 1 and per_rank // mbs < pp:
+                                            continue
+                                        for ac in ("none", "selective", "full"):
+                                            for offload in offloads:
+                                                out.append(Layout(
+                                                    rep, dp // rep, tp, pp, cp, zero, mbs, ac,
+                                                    offload, schedule, v, first, last, ep=ep))
     return out
+
+
+def _expert_degrees(m: ModelConfig, borrowable: int, zero: int) -> list[int]:
+    """Expert-parallel degrees worth trying: 1 for a dense model; for an MoE model every
+    divisor of moe_experts that divides the dp_shard x tp ranks ep borrows (ZeRO >= 1)."""
+    if not m.moe_experts or zero == 0:
+        return [1]
+    return [e for e in _divisors(m.moe_experts) if borrowable % e == 0]
 
 
 def _reason_kind(reason: str) -> str:
@@ -215,17 +253,18 @@ def search(cfg: Config, gpus: int, hw: GpuProfile, keep: int = 10, device_type: 
     big: list[Plan] = []
     invalid: dict[str, tuple[int, str]] = {}
     checked: dict[tuple, str | None] = {}
+    kinds: dict[str, str] = {}
     n = 0
     for layout in candidates(cfg, gpus, hw, device_type):
         # Validity depends on the degrees, schedule, split, micro-batch and offload only.
         key = (layout.dp_replicate, layout.tp, layout.pp, layout.cp, layout.zero,
                layout.pp_schedule, layout.pp_virtual_stages, layout.pp_layers_first,
-               layout.micro_batch, layout.offload)
+               layout.micro_batch, layout.offload, layout.ep)
         if key not in checked:
             checked[key] = check_layout(cfg, layout, device_type=device_type)
         reason = checked[key]
         if reason is not None:
-            kind = _reason_kind(reason)
+            kind = kinds.get(reason) or kinds.setdefault(reason, _reason_kind(reason))
             count, example = invalid.get(kind, (0, reason))
             invalid[kind] = (count + 1, example)
             continue
@@ -247,7 +286,7 @@ def _rank_key(p: Plan) -> tuple[int, float, float]:
 def _changes(a: Layout, b: Layout) -> int:
     return sum(getattr(a, f) != getattr(b, f) for f in (
         "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero", "micro_batch",
-        "activation_checkpointing", "offload", "pp_schedule", "pp_virtual_stages"))
+        "activation_checkpointing", "offload", "pp_schedule", "pp_virtual_stages", "ep"))
 
 
 def nearest_fitting(cfg: Config, current: Layout, hw: GpuProfile, limit: int = 3) -> list[Plan]:

@@ -14,10 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessel.config import ModelConfig
-from tessel.parallel.dims import stage_layer_counts
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
-from tessel.planner.memory import fsdp_active, stage_parameters
+from tessel.planner.memory import (
+    fsdp_active,
+    moe_layer_count,
+    rank_parameters,
+    rank_stages,
+    stage_layers,
+)
 
 MATMUL_HALF_SIZE = 128  # a matmul whose smallest dimension is k runs at k/(k+128) of the rate
 DDP_OVERLAP = 0.8  # fraction of the backward pass DDP's all-reduce hides behind
@@ -30,6 +35,12 @@ OPTIMIZER_BYTES_PER_PARAM = 36  # AdamW reads and writes param, grad, two moment
 HOST_LINK_BYTES_PER_S = 25e9  # device <-> host, PCIe 5 x16 achievable per GPU
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # AdamW on the host, parameters per second per rank
 ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
+# Routed experts' grouped matmuls (torch._grouped_mm) run at this fraction of what dense
+# matmuls of the same size reach. Not fitted: one published measurement, VeOmni PR #460
+# (ByteDance-Seed/VeOmni, H100, torch._grouped_mm MoE forward, Qwen3-30B-A3B's expert shape:
+# 32,768 tokens, 128 experts of 768, top-8): 242 TFLOP/s, 0.46 of the 530 TFLOP/s this model
+# gives dense matmuls of that size (0.625 x 768/896 of 989), rounded to 0.5.
+GROUPED_GEMM_EFFICIENCY = 0.5
 
 ASSUMPTIONS = (
     f"compute: each matmul's FLOPs (causal attention at half its full-matrix FLOPs) at peak x "
@@ -41,6 +52,14 @@ ASSUMPTIONS = (
     f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute (ZeRO-1, which gathers and "
     "reduce-scatters once per step, of one micro-batch's), context parallel behind "
     f"{CP_OVERLAP:.0%} of attention; tensor-parallel collectives and pipeline sends are exposed",
+    f"MoE layers: routed experts' FLOPs for each token's top_k experts (active parameters) at "
+    f"{GROUPED_GEMM_EFFICIENCY} x a dense matmul's rate (grouped GEMM), each expert's rows "
+    "tokens x top_k x ep / experts (balanced routing); the fp32 router at half the BF16 rate; "
+    "expert parallelism's all-to-all (dispatch + combine, forward and backward, and again "
+    "under full recomputation: tokens x top_k x d_model x (ep-1)/ep bytes each) over NVLink "
+    "when the ep group fits in a node, else the part to other nodes over the NIC; not "
+    "overlapped with compute (tessel's dispatch is synchronous); expert gradients reduced "
+    "over their own group (dp_shard x tp / ep ranks, spread across the dp_shard x tp ranks)",
     "pipeline bubble: (pp-1) x the busiest stage's micro-batch time, divided by v for "
     "interleaved 1F1B and by 2v for zero-bubble (PyTorch's interleaved zero-bubble splits each "
     "backward into input- and weight-gradient passes to fill it; credited half, not measured)",
@@ -59,11 +78,14 @@ class StepTime:
     offload_s: float
     raw_comm_s: float = 0.0
     """All communication before overlap: how much the prediction leans on hiding it."""
+    ep_comm_s: float = 0.0
+    """Expert parallelism's all-to-all (token dispatch and combine), not overlapped."""
 
     @property
     def total(self) -> float:
         return (self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
-                + self.cp_comm_s + self.bubble_s + self.optimizer_s + self.offload_s)
+                + self.cp_comm_s + self.ep_comm_s + self.bubble_s + self.optimizer_s
+                + self.offload_s)
 
 
 def _ring(nbytes: float, n: int, bandwidth: float, all_reduce: bool) -> float:
@@ -78,27 +100,64 @@ def _size_efficiency(k: float) -> float:
 
 
 def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
-                        layers: int, last: bool, peak: float) -> tuple[float, float]:
+                        layers: int, last: bool, peak: float, moe_layers: int = 0
+                        ) -> tuple[float, float]:
     """(seconds of one micro-batch's forward + backward on one GPU of a pipeline rank with
-    `layers` blocks, of which attention) without recomputation."""
+    `layers` blocks, `moe_layers` of them Mixture-of-Experts layers, of which attention)
+    without recomputation."""
     tokens = layout.micro_batch * seq_len / layout.cp
     tp = layout.tp
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1
-    # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
-    shapes = [(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)]
-    shapes += [(d, f / tp)] * n_in + [(f / tp, d)]
     rate = peak * hw.matmul_efficiency
-    block = sum(6 * tokens * k * n / (rate * _size_efficiency(min(tokens, k, n))) for k, n in shapes)
+
+    def matmuls(shapes: list[tuple[float, float]], rows: float, at: float) -> float:
+        """Seconds of forward + backward of (K, N) matmuls over `rows` rows at rate `at`."""
+        return sum(6 * rows * k * n / (at * _size_efficiency(min(rows, k, n))) for k, n in shapes)
+
+    def mlp(hidden: float) -> list[tuple[float, float]]:
+        return [(d, hidden / tp)] * n_in + [(hidden / tp, d)]
+
+    # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
+    attn_mm = matmuls([(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)], tokens, rate)
+    block = attn_mm + matmuls(mlp(f), tokens, rate)
     # Attention: QK^T and PV over the causal half of the (gathered) sequence, per head.
     heads = m.n_heads / tp
     attn_flops = 6 * 2 * tokens * seq_len * m.head_dim * heads / 2
     attention = attn_flops / (rate * _size_efficiency(m.head_dim))
-    total = layers * (block + attention)
+    total = (layers - moe_layers) * (block + attention)
+    if moe_layers:
+        assert m.moe_ffn_hidden is not None
+        h, k, E = m.moe_ffn_hidden, m.moe_top_k, m.moe_experts
+        # The fp32 router at half the BF16 rate, the shared experts as a dense MLP, the routed
+        # experts over tokens x top_k slots, each local expert's rows tokens x k x ep / E.
+        moe = attn_mm + attention + matmuls([(d, E)], tokens, rate / 2)
+        if m.moe_shared_experts:
+            moe += matmuls(mlp(m.moe_shared_experts * h), tokens, rate)
+        slots = tokens * k
+        rows = slots * layout.ep / E
+        moe += sum(6 * slots * a * b / (rate * GROUPED_GEMM_EFFICIENCY
+                                        * _size_efficiency(min(rows, a, b)))
+                   for a, b in [(d, h)] * n_in + [(h, d)])
+        total += moe_layers * moe
     if last:
         v = m.padded_vocab_size / tp
         total += 6 * tokens * d * v / (rate * _size_efficiency(min(tokens, d, v)))
     return total, layers * attention
+
+
+def all_to_all(nbytes: float, n: int, hw: GpuProfile) -> float:
+    """Seconds for each of `n` consecutive ranks to send `nbytes` spread evenly over the
+    group (1/n of it stays local): over NVLink when the group fits in a node, else the part
+    to ranks of the same node over NVLink and the rest over the NIC, at the same time."""
+    if n <= 1:
+        return 0.0
+    intra = hw.intra_node_gbps * 1e9 * hw.comm_efficiency
+    inter = hw.inter_node_gbps * 1e9 * hw.comm_efficiency
+    if n <= hw.gpus_per_node:
+        return nbytes * (n - 1) / n / intra
+    same = hw.gpus_per_node - 1
+    return max(nbytes * same / n / intra, nbytes * (n - 1 - same) / n / inter)
 
 
 def estimate_step(
@@ -114,15 +173,16 @@ def estimate_step(
     if precision == "fp32":
         peak = peak / 2  # TF32 tensor cores: half the BF16 rate
     n_stages = pp * v
-    counts = stage_layer_counts(m.n_layers, n_stages, layout.pp_layers_first,
-                                layout.pp_layers_last, v)
+    ranges = stage_layers(m, layout)
 
     # The busiest pipeline rank sets the pace.
     t_mb, attention, busiest = 0.0, 0.0, 0
     for rank in range(pp):
-        ids = [rank + i * pp for i in range(v)]
-        layers = sum(counts[s] for s in ids)
-        t, a = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak)
+        ids = rank_stages(layout, rank)
+        layers = sum(len(ranges[s]) for s in ids)
+        moe = sum(moe_layer_count(m, ranges[s]) for s in ids)
+        t, a = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak,
+                                   moe)
         if t > t_mb:
             t_mb, attention, busiest = t, a, rank
     recompute = RECOMPUTE[layout.activation_checkpointing]
@@ -133,8 +193,9 @@ def estimate_step(
     inter = hw.inter_node_gbps * 1e9 * hw.comm_efficiency
     act_bytes = 2 if precision in ("bf16", "fp16", "fp8") else 4
     tokens = layout.micro_batch * seq_len / cp
-    ids = [busiest + i * pp for i in range(v)]
-    layers = sum(counts[s] for s in ids)
+    ids = rank_stages(layout, busiest)
+    stage = rank_parameters(m, layout, busiest)
+    layers = stage.layers
 
     # Tensor parallel: per block, two all-reduces forward and two backward (or the equal-volume
     # all-gather + reduce-scatter pairs of sequence parallelism), not overlapped.
@@ -152,11 +213,26 @@ def estimate_step(
         ring = 3 * (cp - 1) * kv_bytes / cp_bw * layers
         cp_comm = micro_batches * max(0.0, ring - CP_OVERLAP * attention * (1 + recompute))
 
-    # Data parallel over dp x cp ranks (FSDP's shard group includes the cp ranks).
-    params = stage_parameters(m, layers, 0 in ids, n_stages - 1 in ids, tp).total
+    # Expert parallelism: each MoE layer sends every token's top_k copies to the experts'
+    # ranks and back (dispatch, combine) in the forward, the same again in the backward, and
+    # the forward's again when full checkpointing recomputes it; not overlapped.
+    ep_comm = 0.0
+    if layout.ep > 1 and stage.moe_layers:
+        passes = 2 + (1 if layout.activation_checkpointing == "full" else 0)
+        one_way = tokens * m.moe_top_k * m.d_model * act_bytes  # dispatch or combine
+        ep_comm = micro_batches * stage.moe_layers * passes * 2 * all_to_all(one_way, layout.ep, hw)
+
+    # Data parallel over dp x cp ranks (FSDP's shard group includes the cp ranks). Routed
+    # experts are sharded over their own group, whose ranks are ep apart across the
+    # dp_shard x tp ranks.
+    params = stage.total
+    experts = stage.experts
+    dense = params - experts
     shard_group = layout.dp_shard * cp
     span = layout.dp_shard * cp * tp  # consecutive ranks one shard group covers
     shard_bw = intra if span <= hw.gpus_per_node else inter
+    expert_group = layout.expert_dp_shard
+    expert_bw = intra if layout.dp_shard * cp * tp <= hw.gpus_per_node else inter
     grad_bytes = 4.0 * params
     raw = 0.0
     if layout.dp * cp == 1:
@@ -169,10 +245,13 @@ def estimate_step(
     else:
         gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
         scatters = 1 if layout.zero == 1 else micro_batches
-        raw = (gathers * _ring(act_bytes * params, shard_group, shard_bw, all_reduce=False)
-               + scatters * _ring(grad_bytes, shard_group, shard_bw, all_reduce=False))
+        raw = (gathers * (_ring(act_bytes * dense, shard_group, shard_bw, all_reduce=False)
+                          + _ring(act_bytes * experts, expert_group, expert_bw, all_reduce=False))
+               + scatters * (_ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)
+                             + _ring(4.0 * experts, expert_group, expert_bw, all_reduce=False)))
         if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
-            raw += _ring(grad_bytes / shard_group, layout.dp_replicate, inter, all_reduce=True)
+            raw += _ring(4.0 * (dense / shard_group + experts / expert_group),
+                         layout.dp_replicate, inter, all_reduce=True)
         hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
         # ZeRO-1 gathers parameters once (behind the first micro-batch's forward) and
         # reduce-scatters gradients once (behind the last one's backward): one micro-batch
@@ -191,14 +270,15 @@ def estimate_step(
             # embedding's fp32 gradient (their shard of it) once per step, across nodes.
             emb_shard = m.padded_vocab_size * m.d_model / tp / (shard_group if fsdp_active(layout) else 1)
             pp_comm += _ring(4.0 * emb_shard, 2, inter, all_reduce=True)
-        per_mb = t_mb + tp_comm / micro_batches
+        per_mb = t_mb + (tp_comm + ep_comm) / micro_batches
         bubble = (pp - 1) * per_mb / v
         if layout.pp_schedule == "zero-bubble":
             bubble *= ZERO_BUBBLE_FACTOR
         elif layout.pp_schedule in ("gpipe", "1f1b"):
             bubble = (pp - 1) * per_mb
 
-    local_params = params / (shard_group if fsdp_active(layout) else 1)
+    local_params = (dense / shard_group + experts / expert_group if fsdp_active(layout)
+                    else params)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local_params / (hw.hbm_gbps * 1e9)
     offload = 0.0
     if layout.offload != "none":
@@ -211,6 +291,6 @@ def estimate_step(
         gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
         scatters = 1 if layout.zero == 1 else micro_batches
         offload += 4.0 * local_params * (gathers + scatters) / HOST_LINK_BYTES_PER_S
-    raw_comm = tp_comm + raw + pp_comm + micro_batches * ring
+    raw_comm = tp_comm + raw + pp_comm + micro_batches * ring + ep_comm
     return StepTime(compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer, offload,
-                    raw_comm)
+                    raw_comm, ep_comm)

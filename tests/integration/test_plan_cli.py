@@ -69,6 +69,12 @@ def test_bad_plan_input_is_one_line():
                                  "--model.preset=tiny-llama"), "context parallelism shards with FSDP")
     assert_one_line_error(tessel("plan", "--gpus", "8", "--hardware", "/nonexistent.toml"),
                           "does not exist")
+    # Expert parallelism: a degree that does not divide the experts; a dense model.
+    assert_one_line_error(tessel("plan", "--gpus", "6", "--parallel.ep=3", "--parallel.dp_shard=6",
+                                 "--model.preset=tiny-moe", "--train.global_batch_size=96"),
+                          "parallel.ep=3 does not divide model.moe_experts=8")
+    assert_one_line_error(tessel("plan", "--gpus", "2", "--parallel.ep=2", "--parallel.dp_shard=2",
+                                 "--model.preset=tiny"), "this model has none")
 
 
 def test_calibrating_from_a_measured_run(tmp_path: Path, corpus: Path):

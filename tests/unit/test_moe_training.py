@@ -98,22 +98,26 @@ def test_a_pipeline_metadata_forward_is_left_out_of_the_statistics():
     assert model.layers["1"].feed_forward.tokens_per_expert.sum().item() == 2 * 16 * 2
 
 
-def test_the_planner_refuses_moe_in_one_line_and_the_launch_check_steps_aside():
+def test_the_planner_plans_moe_models_and_checks_them_before_launch():
     import subprocess
     import sys
 
-    from tessel.planner.prelaunch import refuse_if_too_big
+    from tessel.planner.hardware import BUILTIN
+    from tessel.planner.prelaunch import check_memory, choose_layout
+    from tessel.planner.search import trainer_refusal
 
     proc = subprocess.run([sys.executable, "-m", "tessel", "plan", "--model.preset=tiny-moe",
-                           "--gpus", "8", "--gpu", "h100-sxm"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "does not model Mixture-of-Experts layers yet" in lines[0]
-    said: list[str] = []
+                           "--gpus", "8", "--gpu", "h100-sxm", "--parallel.ep=4",
+                           "--parallel.dp_shard=8", "--train.micro_batch_size=4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ep=4" in proc.stdout and "fits" in proc.stdout
     cfg = Config.load(None, {"model.preset": "tiny-moe"})
-    refuse_if_too_big(cfg, torch.device("cuda"), 8, False, said.append)  # no GPU touched
-    assert said and "no memory check before launch" in said[0]
+    plan, refusal = check_memory(cfg, 8, BUILTIN["h100-sxm"])  # what tessel train asks first
+    assert refusal is None and plan.fits
+    # parallel.auto picks a layout the trainer runs.
+    chosen, best = choose_layout(cfg, 8, BUILTIN["h100-sxm"])
+    assert trainer_refusal(chosen, best.layout) is None and chosen.parallel.auto
 
 
 def test_a_step_the_fp16_scaler_skips_leaves_the_bias_and_resets_the_counts():

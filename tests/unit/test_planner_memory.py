@@ -26,6 +26,11 @@ GPT = dict(preset="tiny", n_layers=4, d_model=96, n_heads=6, vocab_size=700, max
 # the same on the multi-head GPT shape.
 QWEN = dict(LLAMA, head_dim=24, qk_norm=True)
 GPT_QK = dict(GPT, head_dim=20, qk_norm=True)
+# Mixture-of-Experts: tiny-moe (1 dense + 3 MoE layers, 8 experts top-2, 1 shared expert);
+# and a GELU variant with softmax top-1 (Switch), a capacity factor and no shared expert.
+MOE = dict(preset="tiny-moe")
+SWITCH = dict(preset="tiny-moe", mlp="gelu", moe_top_k=1, moe_shared_experts=0,
+              moe_capacity_factor=1.25, moe_z_loss_coef=0.001, moe_every=2)
 CASES = [
     (LLAMA, "fp32", "none", False, 0.0),
     (LLAMA, "bf16", "none", False, 0.0),
@@ -41,6 +46,12 @@ CASES = [
     (QWEN, "bf16", "selective", True, 0.0),
     (QWEN, "bf16", "full", False, 0.0),
     (GPT_QK, "fp32", "none", True, 0.1),
+    (MOE, "fp32", "none", False, 0.0),
+    (MOE, "bf16", "none", False, 0.0),
+    (MOE, "fp32", "selective", False, 0.0),
+    (MOE, "bf16", "full", True, 0.0),
+    (SWITCH, "fp32", "none", False, 0.1),
+    (SWITCH, "bf16", "selective", False, 0.0),
 ]
 
 
