@@ -279,9 +279,8 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
     """The planner against what the ranks measured on their second step: the bytes autograd
     saved for backward (peak, micro-batches in flight included) within 10% on every rank,
     and parameter and AdamW-state elements exactly (summed over the ranks)."""
-    from tessel.parallel.dims import stage_layer_counts
     from tessel.planner.layout import Layout
-    from tessel.planner.memory import fsdp_active, memory_by_rank, stage_parameters
+    from tessel.planner.memory import memory_by_rank, parameter_elements
 
     cfg = Config.load(run / "config.toml")
     records = [json.loads(f.read_text()) for f in sorted(run.glob("memory-rank*.json"))]
@@ -294,16 +293,7 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
         assert abs(rec["saved_peak"] / want - 1) < 0.10, (
             f"{run.name}: pipeline rank {rec['pp_rank']} saved {rec['saved_peak']:,} bytes, "
             f"planner {want:,.0f}")
-    n_stages = layout.pp * layout.pp_virtual_stages
-    counts = stage_layer_counts(m.n_layers, n_stages, layout.pp_layers_first,
-                                layout.pp_layers_last, layout.pp_virtual_stages)
-    per_pp_rank = 0
-    for r in range(layout.pp):
-        ids = [r + v * layout.pp for v in range(layout.pp_virtual_stages)]
-        per_pp_rank += stage_parameters(m, sum(counts[i] for i in ids), 0 in ids,
-                                        n_stages - 1 in ids, layout.tp).total
-    copies = layout.dp_replicate if fsdp_active(layout) else layout.dp * layout.cp
-    expected = per_pp_rank * layout.tp * copies
+    expected = parameter_elements(m, layout)  # the routed experts sharded, not copied, by ep
     assert sum(rec["params"] for rec in records) == expected, run.name
     assert sum(rec["exp_avg"] for rec in records) == expected, run.name
 
@@ -324,7 +314,7 @@ def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
             chosen = Config.load(tmp_path / name / "config.toml").parallel
             assert chosen.auto and chosen.dp_replicate * chosen.dp_shard * chosen.tp * chosen.pp == 2
         if "zero_bubble" not in name:  # predicted only as a rough bound (planner/memory.py)
-            if not name.startswith("moe"):
+            if not (name.startswith("moe") and "tp2" in name):  # not in the planner's model
                 assert_planner_memory_matches(tmp_path / name, 2)
     want, _ = train_metrics(refs["llama"])
     for name, (exact_until, rel) in {"ddp_fp16_hook": (1, 1e-3), "ddp_powersgd_hook": (3, 0.05)}.items():
@@ -403,7 +393,7 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     assert proc.returncode == 0, job_output(proc)
     for name in LAYOUTS_4:
         assert_same_run(tmp_path / name, refs[ref_for(name)])
-        if not name.startswith("moe"):
+        if not (name.startswith("moe") and "tp2" in name):  # not in the planner's model
             assert_planner_memory_matches(tmp_path / name, 4)
     assert_same_run(tmp_path / "reshard_dp4", refs["llama"], first_step=3)
     assert_same_run(tmp_path / "moe_reshard_ep4", refs["moe"], first_step=3)
