@@ -1,5 +1,5 @@
 """What `tessel plan` picks for Mixture-of-Experts models with expert parallelism, and what
-DeepSeek-V3's published layout gets in the same model. CPU only, under a minute:
+DeepSeek-V3's published layout gets in the same model. CPU only, about two minutes:
 
     .venv/bin/python benchmarks/moe_layouts.py               # docs/planning.md's MoE table
 

@@ -123,8 +123,8 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
     (head_dim each) are replicated; the embedding and the head (padded_vocab_size rows) are
     split over the vocabulary. An MoE layer has the fp32 router (moe_experts x d_model),
     moe_experts / ep routed experts (no biases) and its shared experts, a dense MLP of
-    moe_shared_experts x moe_ffn_hidden; none of it is split by tp (the trainer runs MoE
-    layers on each tp rank's part of the sequence; the planner plans MoE models at tp 1)."""
+    moe_shared_experts x moe_ffn_hidden; none of it is split by tp (MoE layers run on each tp
+    rank's part of the sequence)."""
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1  # w1 (and w3)
     norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
@@ -212,7 +212,10 @@ def parameter_elements(m: ModelConfig, layout: Layout) -> int:
     total = 0
     for rank in range(layout.pp):
         p = rank_parameters(m, layout, rank)
-        total += ((p.total - p.experts) * layout.tp + p.experts * layout.ep) * copies
+        # With ep = 1 the routed experts are whole on every tp rank; ep > 1 splits them over
+        # ep ranks borrowed from dp_shard x tp, and shards, not copies, them over the rest.
+        expert_copies = layout.ep if layout.ep > 1 else layout.tp
+        total += ((p.total - p.experts) * layout.tp + p.experts * expert_copies) * copies
     return total
 
 

@@ -129,18 +129,12 @@ def _light_config(cfg: Config, layout: Layout) -> Any:
 
 def check_layout(cfg: Config, layout: Layout, full: bool = False, device_type: str = "cuda"
                  ) -> str | None:
-    """None if tessel can run `layout` for `cfg` on `device_type` devices and the planner
-    models it, else why not (one line). `full` also re-validates the whole config (what a
-    launch does). The trainer's rules (ParallelDims.validate, expert parallelism's
-    included), plus: MoE layers under tensor parallelism, which the trainer runs, are not in
-    the planner's model yet."""
+    """None if tessel can run `layout` for `cfg` on `device_type` devices, else why not (one
+    line): the trainer's own rules (ParallelDims.validate, expert parallelism's included).
+    `full` also re-validates the whole config (what a launch does)."""
     from tessel.parallel.check import check_layout as check_parallel_layout
 
-    reason = _check_trainer_layout(cfg, layout, full, device_type, check_parallel_layout)
-    if reason is None and cfg.model.moe_experts and layout.tp > 1:
-        reason = ("the planner does not model MoE layers under tensor parallelism yet (they "
-                  "run on each rank's part of the sequence); plan with parallel.tp=1")
-    return reason
+    return _check_trainer_layout(cfg, layout, full, device_type, check_parallel_layout)
 
 
 def trainer_refusal(cfg: Config, layout: Layout, device_type: str = "cuda") -> str | None:

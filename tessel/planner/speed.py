@@ -131,10 +131,14 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
         h, k, E = m.moe_ffn_hidden, m.moe_top_k, m.moe_experts
         # The fp32 router at half the BF16 rate, the shared experts as a dense MLP, the routed
         # experts over tokens x top_k slots, each local expert's rows tokens x k x ep / E.
-        moe = attn_mm + attention + matmuls([(d, E)], tokens, rate / 2)
+        # Under tensor parallelism MoE layers are not split: each rank runs its 1/tp of the
+        # sequence through whole weights.
+        moe_tokens = tokens / tp
+        moe = attn_mm + attention + matmuls([(d, E)], moe_tokens, rate / 2)
         if m.moe_shared_experts:
-            moe += matmuls(mlp(m.moe_shared_experts * h), tokens, rate)
-        slots = tokens * k
+            shared = m.moe_shared_experts * h
+            moe += matmuls([(d, shared)] * n_in + [(shared, d)], moe_tokens, rate)
+        slots = moe_tokens * k
         rows = slots * layout.ep / E
         moe += sum(6 * slots * a * b / (rate * GROUPED_GEMM_EFFICIENCY
                                         * _size_efficiency(min(rows, a, b)))
@@ -202,7 +206,9 @@ def estimate_step(
     tp_bw = intra if tp <= hw.gpus_per_node else inter
     per_collective = _ring(layout.micro_batch * seq_len / cp * m.d_model * act_bytes, tp, tp_bw,
                            all_reduce=True)
-    tp_comm = micro_batches * layers * 4 * per_collective * (1 + recompute)
+    # MoE layers have attention's two only (their MLP is not split).
+    collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
+    tp_comm = micro_batches * collectives * per_collective * (1 + recompute)
 
     # Context parallel: the ring passes each rank's keys and values around (backward: and
     # their gradients), hidden behind the attention it feeds.
@@ -219,7 +225,8 @@ def estimate_step(
     ep_comm = 0.0
     if layout.ep > 1 and stage.moe_layers:
         passes = 2 + (1 if layout.activation_checkpointing == "full" else 0)
-        one_way = tokens * m.moe_top_k * m.d_model * act_bytes  # dispatch or combine
+        # dispatch or combine of this rank's part of the sequence
+        one_way = tokens / tp * m.moe_top_k * m.d_model * act_bytes
         ep_comm = micro_batches * stage.moe_layers * passes * 2 * all_to_all(one_way, layout.ep, hw)
 
     # Data parallel over dp x cp ranks (FSDP's shard group includes the cp ranks). Routed
