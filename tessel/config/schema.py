@@ -63,7 +63,8 @@ class DataConfig(Section):
     vocabulary); `sampled` checks the ids of 64 spread chunks only; `auto` is `full` for
     token files up to 2 GiB and `sampled` above (said in one line)."""
     document_mask: bool = False
-    """Attention does not cross document boundaries inside a packed sample."""
+    """Attention does not cross document boundaries inside a packed sample, and positions
+    restart at each document (FlexAttention's block mask on CUDA, a dense mask on CPU)."""
     cache_dir: str = ""
     """Where tokenized corpora and sample indices are cached; empty means $TESSEL_CACHE or
     ~/.cache/tessel."""

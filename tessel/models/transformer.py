@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
 from tessel.models.moe import MoE
 
 if TYPE_CHECKING:  # the config imports the presets from this package
@@ -59,9 +61,10 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: flo
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, hd) by freqs: (T, hd/2, 2)."""
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, hd) by freqs: (T, hd/2, 2), the same
+    positions for every sequence, or (B, T, hd/2, 2), each sequence's own (documents)."""
     xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, hd/2, 2)
-    cos, sin = freqs[:, None, :, 0], freqs[:, None, :, 1]  # (T, 1, hd/2)
+    cos, sin = freqs[..., None, :, 0], freqs[..., None, :, 1]  # ([B,] T, 1, hd/2)
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
@@ -85,7 +88,7 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(
-        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: AttentionMask | None = None
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the shapes (-1), not the config: under tensor parallelism
@@ -98,8 +101,10 @@ class Attention(nn.Module):
             # bf16 input with an fp32 weight has no fused kernel and warns.
             dtype = self.q_norm.weight.dtype
             q, k = self.q_norm(q.to(dtype)).type_as(q), self.k_norm(k.to(dtype)).type_as(k)
-        if freqs is not None:  # the whole table: slice it to this (gathered) sequence length
-            q, k = apply_rope(q, freqs[:T]), apply_rope(k, freqs[:T])
+        if freqs is not None:
+            if freqs.dim() == 3:  # the whole table: slice it to this (gathered) length
+                freqs = freqs[:T]
+            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         if k.shape[2] != q.shape[2]:
             # Repeat K/V per query group explicitly: every SDPA backend (flash included)
             # accepts equal head counts.
@@ -107,6 +112,9 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        if isinstance(mask, BlockMask):  # documents on CUDA: FlexAttention's fused kernel
+            y = _flex_attention()(q, k, v, block_mask=mask)
+            return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
         # Without a mask SDPA may pick the flash kernel; a document mask (B, 1, T, T) already
         # contains the causal part.
         y = F.scaled_dot_product_attention(
@@ -144,7 +152,7 @@ class Block(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: AttentionMask | None = None
     ) -> torch.Tensor:
         x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs, mask))
         return x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
@@ -271,21 +279,31 @@ class Transformer(nn.Module):
         at the padding ids.
 
         doc_ids: optional (B, T) document index of each position; attention then stays
-        inside each document of a packed sequence.
+        inside each document of a packed sequence, and positions (learned or RoPE) restart
+        at 0 where each document starts, so a packed document is computed exactly as if it
+        were alone in its sequence.
         """
         T = tokens.shape[1]
+        positions = document_positions(doc_ids) if doc_ids is not None else None  # (B, T)
         # A pipeline stage lacks the parts other stages hold (see tessel.parallel.pipeline):
         # without embeddings its input is the previous stage's hidden state (B, T, C); without
         # the head it returns its hidden state.
         if self.embeds:
             h = self.tok_embeddings(tokens)  # (B, T, C)
-            if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))
+            if self.pos_embeddings is not None:  # (T, C), or (B, T, C) per document
+                where = (positions if positions is not None
+                         else torch.arange(T, device=tokens.device))
+                h = h + self.pos_embeddings(where)
             h = self.emb_dropout(h)
         else:
             h = tokens
         freqs = self.rope_freqs  # sliced in attention, where the full sequence length is known
-        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
+        if freqs is not None and positions is not None:
+            freqs = freqs[positions]  # (B, T, hd/2, 2): each document from position 0
+        mask = None
+        if doc_ids is not None:
+            flex = doc_ids.is_cuda and not (self.training and self.cfg.dropout > 0)
+            mask = document_block_mask(doc_ids) if flex else document_causal_mask(doc_ids)
         for block in self.layers.values():
             h = block(h, freqs, mask)
         if self.norm is not None:
@@ -300,6 +318,52 @@ class Transformer(nn.Module):
 
 VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
 """Parameters with one row per vocabulary id (padded_vocab_size rows)."""
+
+
+AttentionMask = torch.Tensor | BlockMask
+"""A document mask: a dense (B, 1, T, T) boolean one for SDPA (CPU, or with attention
+dropout, which FlexAttention lacks), or FlexAttention's block mask (CUDA)."""
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, T) int64 position of each token inside its document (0 at
+    each document's first token, and at the sequence's first, as Megatron's
+    reset_position_ids)."""
+    T = doc_ids.shape[1]
+    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """(B, T) document ids -> FlexAttention block mask, causal and within each document: no
+    (T, T) tensor, and the kernel skips the blocks that are wholly masked."""
+    B, T = doc_ids.shape
+
+    def same_document(b, h, q, kv):  # noqa: ANN001, ARG001 (FlexAttention's mask_mod signature)
+        return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    return _create_block_mask()(same_document, B, None, T, T, device=doc_ids.device)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _flex_attention():  # noqa: ANN202
+    """flex_attention compiled once: uncompiled it materialises the full score matrix (a
+    compiled model inlines it into its own graph)."""
+    if "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(flex_attention)
+    return _COMPILED["flex"]
+
+
+def _create_block_mask():  # noqa: ANN202
+    """create_block_mask compiled once: eagerly it evaluates the mask over all T x T pairs."""
+    if "mask" not in _COMPILED:
+        _COMPILED["mask"] = torch.compile(create_block_mask)
+    return _COMPILED["mask"]
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

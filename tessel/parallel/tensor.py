@@ -50,10 +50,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         if model.pos_embeddings is not None and sp:
-            # Position embeddings (T, C) are small and stay replicated; under SP each rank
-            # keeps the rows of its own part of the sequence (a local slice, no communication).
+            # Position embeddings (T, C), or (B, T, C) when positions restart at each
+            # document, are small and stay replicated; under SP each rank keeps the rows of
+            # its own part of the sequence (dim -2: a local slice, no communication).
             plan["pos_embeddings"] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=True
+                output_layouts=Replicate(), desired_output_layouts=Shard(-2),
+                use_local_output=True,
             )
     if model.output is not None:
         if sp:

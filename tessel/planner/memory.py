@@ -406,9 +406,13 @@ def rank_memory(
         per_layer = acts.block.per_token(tp, sp) + per_position
         per_moe_layer = moe_block.per_token(tp, sp) + per_position
         router_copy = acts.moe_router_copy
-    # Checkpointed blocks keep their inputs, the boolean document mask among them (one per
-    # micro-batch, shared by the blocks): 1 byte per token per position.
-    shared = seq_len if document_mask and layout.activation_checkpointing != "none" else 0.0
+    # With documents every block is handed the same boolean mask (1 byte per token per
+    # position: the dense mask of the CPU path; FlexAttention's block mask on CUDA is
+    # smaller, so this overestimates there) and, with RoPE, each token's rotation (head_dim
+    # float32s): one per micro-batch, kept until its backward whatever the checkpointing.
+    shared = 0.0
+    if document_mask:
+        shared = seq_len + (4.0 * m.head_dim if m.position == "rope" else 0.0)
     layers = p.layers
     chunk = {}  # bytes one micro-batch saves in each stage of this rank
     for s, (n, n_moe) in stages.items():

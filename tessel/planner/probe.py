@@ -32,8 +32,9 @@ expert hidden 24, one shared expert of 24; per token: 64, 7 router logits, 3 cho
 3 x 64 permuted copies, 3 x 24 expert hidden units, 24 shared hidden units, 1). Its MLP's
 saved tensors replace the dense MLP's in an MoE block. d_model 64 (not 60) because the
 grouped matmul needs 16-byte rows in bf16, and the per-expert loop it would fall back to
-saves per-expert slices that do not scale per token. Under tessel's refusal of tp > 1 with
-MoE layers, everything an MoE layer saves counts as replicated.
+saves per-expert slices that do not scale per token. MoE layers under tensor parallelism run
+with sequence parallelism, each rank on its own part of the sequence, so everything an MoE
+layer saves counts as `sequence` (divided by tp).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessel.config import ModelConfig
 from tessel.models.loss import token_loss_sum
-from tessel.models.transformer import Transformer, document_causal_mask
+from tessel.models.transformer import Transformer
 from tessel.parallel.apply import SAVE_OPS
 
 # Probe shape. Widths per token, all distinct: see the module docstring.
@@ -263,6 +264,16 @@ def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
     targets = torch.randint(0, probe.vocab_size, (_B, _T))
     docs = torch.tensor([[0] * (_T // 2) + [1] * (_T - _T // 2)] * _B) if document_mask else None
     recorder = _OutputRecorder(modules)
+    # What the model hands every block besides the hidden state (the document mask and the
+    # per-document RoPE table): built once per forward and shared by all blocks, so not a
+    # block's own activation (planner/memory.py counts it once per micro-batch).
+    shared: set[int] = set()
+
+    def block_inputs(_module: torch.nn.Module, args: tuple) -> None:
+        shared.update(a.untyped_storage().data_ptr() for a in args[1:]
+                      if isinstance(a, torch.Tensor) and a is not model.rope_freqs)
+
+    hooks = [b.register_forward_pre_hook(block_inputs) for b in model.layers.values()]
     try:
         with _autocast(regime), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with recorder:
@@ -270,11 +281,10 @@ def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
             loss = token_loss_sum(logits, targets)
     finally:
         modules.close()
+        for hook in hooks:
+            hook.remove()
     del loss
-    mask_ptr = None
-    if docs is not None:  # the boolean mask itself: built once per forward, shared by blocks
-        mask_ptr = document_causal_mask(docs).untyped_storage().data_ptr()
-    saved = [r for p, r in records.items() if p != mask_ptr]
+    saved = [r for p, r in records.items() if p not in shared]
     selective: dict[int, _Saved] = {}
     for where, t in recorder.outputs:
         ptr = t.untyped_storage().data_ptr()
@@ -432,4 +442,4 @@ def _moe_bytes(records: list[_Saved], m: ModelConfig) -> SavedBytes:
                 "tessel/planner/probe.py"
             )
         total += rec.nbytes / (_B * _T) * widths[width]
-    return SavedBytes(replicated=total)
+    return SavedBytes(sequence=total)  # each tp rank routes its own part of the sequence

@@ -162,3 +162,101 @@ def test_document_mask_keeps_attention_inside_documents(variant):
     assert not torch.allclose(a[0, :5], b[0, :5])
     torch.testing.assert_close(a[1], plain[1], rtol=1e-5, atol=1e-6)  # one document == causal
     assert not torch.allclose(a[0, 5:], plain[0, 5:])
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_a_packed_step_equals_the_sum_of_its_documents_run_alone(position):
+    """What shows the document mask and the position restart are right: the summed loss and
+    every gradient of one packed sequence equal those of its documents run separately
+    (float64 but for RoPE's rotation, which is float32: compared to float32's precision)."""
+    import torch.nn.functional as F
+
+    model = build_model(small(position=position, mlp="swiglu", n_kv_heads=2), "cpu",
+                        seed=3).double()
+    lengths = [5, 7, 4]  # three documents packed into one sequence of 16
+    tokens = torch.randint(0, 97, (1, 16))
+    targets = torch.randint(0, 97, (1, 16))
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+
+    def loss_and_grads(x, y, d):
+        model.zero_grad()
+        loss = F.cross_entropy(model(x, d)[0], y[0], reduction="sum")
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    packed, packed_grads = loss_and_grads(tokens, targets, docs)
+    alone, alone_grads = torch.zeros((), dtype=torch.float64), None
+    start = 0
+    for n in lengths:
+        loss, grads = loss_and_grads(tokens[:, start:start + n], targets[:, start:start + n], None)
+        alone += loss
+        alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
+        start += n
+    torch.testing.assert_close(packed, alone, rtol=1e-7, atol=1e-7)
+    for (name, _), a, b in zip(model.named_parameters(), packed_grads, alone_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=name)
+    if position == "rope":  # relative: a shift inside a document changes no score
+        return
+    # Learned positions without the restart (running on across documents) differ.
+    from tessel.models import transformer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformer, "document_positions",
+                   lambda d: torch.arange(d.shape[1]).expand_as(d))
+        running_on, _ = loss_and_grads(tokens, targets, docs)
+    assert not torch.allclose(running_on, alone, rtol=1e-7, atol=1e-7)
+
+
+def test_document_positions_restart_at_each_document():
+    from tessel.models.transformer import document_positions
+
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2], [3, 3, 3, 3, 3, 3]])
+    assert document_positions(docs).tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]]
+
+
+def test_flex_attention_block_mask_equals_the_dense_document_mask():
+    """The CUDA path (FlexAttention with a block mask) against the CPU path (SDPA with the
+    dense mask), forward on CPU: FlexAttention has no CPU backward in torch 2.13, so the
+    training step on CPU always takes the dense mask."""
+    import warnings
+
+    from tessel.models.transformer import document_block_mask, document_causal_mask
+
+    model = build_model(small(position="rope", n_kv_heads=2), "cpu", seed=4).eval()
+    x = torch.randint(0, 97, (2, 16))
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
+    freqs = model.rope_freqs[torch.zeros(2, 16, dtype=torch.long)]
+    h = model.tok_embeddings(x)
+    block = model.layers["0"]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        dense = block(h, freqs, document_causal_mask(docs))
+        flex = block(h, freqs, document_block_mask(docs))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_with_a_flex_document_mask_compiles_without_graph_breaks():
+    """The CUDA document path traced by torch.compile on CPU (no backward: see above): the
+    block mask is built and used inside one graph. backend="eager" keeps the check to
+    Dynamo's tracing, which is where graph breaks happen."""
+    from tessel.models import transformer
+
+    model = build_model(small(position="rope"), "cpu", seed=5).eval()
+    x = torch.randint(0, 97, (2, 16))
+    docs = torch.tensor([[0] * 9 + [1] * 7, [0] * 16])
+
+    def forward(tokens, doc_ids):
+        mask = transformer.document_block_mask(doc_ids)
+        freqs = model.rope_freqs[transformer.document_positions(doc_ids)]
+        h = model.tok_embeddings(tokens)
+        for block in model.layers.values():
+            h = block(h, freqs, mask)
+        return model.output(model.norm(h))
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(forward)(x, docs)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        want = model(x, docs)  # the dense CPU path
+        got = torch.compile(forward, backend="eager", fullgraph=True)(x, docs)
+    torch.testing.assert_close(got[..., :97], want[..., :97], rtol=1e-5, atol=1e-5)
