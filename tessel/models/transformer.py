@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from tessel.models.moe import MoE
