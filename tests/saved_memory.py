@@ -33,8 +33,14 @@ class _Held:
 
 
 class SavedTensorMeter:
-    def __init__(self, owned: set[int] | None = None):
+    def __init__(self, owned: set[int] | None = None,
+                 modules: list[torch.nn.Module] | None = None):
         self.owned = owned or set()  # storages of buffers and anything else not to count
+        # Whose parameters' *current* storages are weights too: FSDP2 swaps in unsharded
+        # parameters for forward, and a DTensor weight's `to_local()` (expert parallelism,
+        # replicated MoE weights under tp) is a non-leaf view of that storage, not an
+        # activation.
+        self.modules = modules or []
         self.live: dict[int, list[int]] = {}  # storage -> [holders, bytes]
         self.current = 0
         self.peak = 0
@@ -46,7 +52,16 @@ class SavedTensorMeter:
             for t in [*m.parameters(), *m.buffers()]:
                 local = t.to_local() if isinstance(t, DTensor) else t
                 owned.add(local.untyped_storage().data_ptr())
-        return cls(owned)
+        return cls(owned, modules)
+
+    def _weight_storages(self) -> set[int]:
+        out = set()
+        for m in self.modules:
+            for p in m.parameters():
+                local = p._local_tensor if isinstance(p, DTensor) else p
+                if local.device.type != "meta":
+                    out.add(local.untyped_storage().data_ptr())
+        return out
 
     def _pack(self, t: torch.Tensor) -> object:
         base = t._base if t._base is not None else t
@@ -66,6 +81,8 @@ class SavedTensorMeter:
         storage = local.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if ptr in self.owned or nbytes == 0:
+            return None
+        if not local.is_leaf and ptr not in self.live and ptr in self._weight_storages():
             return None
         entry = self.live.setdefault(ptr, [0, nbytes])
         if entry[0] == 0:

@@ -280,10 +280,9 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
     saved for backward (peak, micro-batches in flight included) within 10% on every rank,
     and parameter and AdamW-state elements exactly (summed over the ranks).
 
-    Under expert parallelism the saved bytes are not compared: the planner under-counts them
-    (moe_ep2 measured +34% and +16% on its two ranks): each rank saves what its experts
-    received, which the planner takes as balanced (tokens x top-k / ep) and a tiny untrained
-    router is not, and the dispatch's own saved tensors are not in its model."""
+    Under expert parallelism each rank saves what its experts received, which the planner
+    takes as balanced (tokens x top-k / ep) and a tiny untrained router is not (ranks of
+    moe_ep4 measured +18% and -11%): there the sum over the ranks is compared."""
     from tessel.planner.layout import Layout
     from tessel.planner.memory import memory_by_rank, parameter_elements
 
@@ -293,10 +292,12 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
     layout, t, m = Layout.from_config(cfg, world), cfg.train, cfg.model
     predicted = memory_by_rank(m, layout, t.seq_len, t.global_batch_size, "fp32",
                                cfg.data.document_mask)
-    for rec in records if layout.ep == 1 else []:
-        want = predicted[rec["pp_rank"]].saved
-        assert abs(rec["saved_peak"] / want - 1) < 0.10, (
-            f"{run.name}: pipeline rank {rec['pp_rank']} saved {rec['saved_peak']:,} bytes, "
+    pairs = [(rec["saved_peak"], predicted[rec["pp_rank"]].saved) for rec in records]
+    if layout.ep > 1:
+        pairs = [(sum(got for got, _ in pairs), sum(want for _, want in pairs))]
+    for (got, want), rec in zip(pairs, records):
+        assert abs(got / want - 1) < 0.10, (
+            f"{run.name}: pipeline rank {rec['pp_rank']} saved {got:,} bytes, "
             f"planner {want:,.0f}")
     expected = parameter_elements(m, layout)  # the routed experts sharded, not copied, by ep
     assert sum(rec["params"] for rec in records) == expected, run.name
