@@ -66,7 +66,8 @@ class DataConfig(Section):
     vocabulary); `sampled` checks the ids of 64 spread chunks only; `auto` is `full` for
     token files up to 2 GiB and `sampled` above (said in one line)."""
     document_mask: bool = False
-    """Attention does not cross document boundaries inside a packed sample."""
+    """Attention does not cross document boundaries inside a packed sample (always on for
+    `data.source = "sft"`)."""
     cache_dir: str = ""
     """Where tokenized corpora and sample indices are cached; empty means $TESSEL_CACHE or
     ~/.cache/tessel."""
@@ -95,6 +96,12 @@ class DataConfig(Section):
                 '"indexed" (tessel preprocess output) or "sft" (fine-tuning JSONL), or drop '
                 'data.paths'
             )
+        if self.source == "sft":
+            if "document_mask" in self.model_fields_set and not self.document_mask:
+                raise ValueError('data.document_mask = false does not apply to data.source = '
+                                 '"sft": packed examples must not attend to each other')
+            if not self.document_mask:  # (plain assignment would validate again, recursively)
+                object.__setattr__(self, "document_mask", True)
         if not self.chat_template.strip():
             raise ValueError('data.chat_template is empty; set "auto", "chatml", "plain" or a '
                              '.jinja file path')

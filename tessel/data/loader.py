@@ -30,9 +30,7 @@ import torch
 
 from tessel.data.dataset import TokenDataset
 from tessel.errors import DataError
-
-IGNORE_INDEX = -100
-"""Target of a position the loss skips (PyTorch cross-entropy's default ignore_index)."""
+from tessel.models.loss import IGNORE_INDEX
 
 
 class Batch(NamedTuple):
