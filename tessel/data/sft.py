@@ -13,11 +13,13 @@ Each conversation is rendered with the chat template (`tessel.data.chat_template
 tokenized as transformers tokenizes `apply_chat_template`'s text (special tokens in the
 template are parsed; nothing is added around it: templates write their own BOS). Only the
 assistant turns are learned: each one's characters are found by rendering prefixes
-(messages[:i] with the generation prompt, then messages[:i+1]; the difference is exactly what
+(messages[:i], then messages[:i+1]; the difference is exactly what
 the model must produce for turn i, its end-of-turn token included, trailing whitespace not),
-which works for any template that renders a conversation prefix by prefix; a token counts when
-its first character lies in such a span. The first token of an example is never learned: it
-is predicted from the previous example of the packed sample.
+less the turn's header (what the turn renders to with empty content: the content starts where
+the two renderings part). This works for any template that renders a conversation prefix by
+prefix, with or without a generation prompt; a token counts when it overlaps such a span. The
+first token of an example is never learned: it is predicted from the previous example of the
+packed sample.
 
 Examples are packed first-fit, in order, into samples of seq_len + 1 tokens; each example is
 its own document (the document mask keeps attention inside it) and the padding after the last
@@ -26,6 +28,7 @@ one is one more document whose targets are all masked.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,24 +106,29 @@ def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]],
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = None
-        for gen_prompt in (True, False):
-            try:
-                head = template.render(messages[:i], add_generation_prompt=gen_prompt)
-            except DataError:
-                if i:
-                    raise
-                head = ""  # templates that index messages[0] cannot render no messages
-            if full.startswith(head):
-                start = len(head)
-                break
+        try:
+            before = template.render(messages[:i])
+        except DataError:
+            if i:
+                raise
+            before = ""  # templates that index messages[0] cannot render no messages
         after = template.render(messages[: i + 1])
-        if start is None or not full.startswith(after) or len(after) < start:
+        if not (full.startswith(after) and after.startswith(before)):
             raise DataError(
                 f"{where}{': ' if where else ''}the chat template ({template.origin}) does not "
                 f"render this conversation prefix by prefix (message {i}), so its assistant "
                 "turns cannot be found; use another data.chat_template")
-        end = start + len(full[start:len(after)].rstrip())
+        # The turn's header ("<|im_start|>assistant\n") is what the same turn renders to
+        # with no content: the content starts where the two renderings part. (The
+        # generation prompt would say the same, but some templates have none.)
+        try:
+            empty = template.render([*messages[:i], {**m, "content": ""}])
+            start = len(os.path.commonprefix([empty, after]))
+        except DataError:
+            head = template.render(messages[:i], add_generation_prompt=True)
+            start = len(head) if after.startswith(head) else len(before)
+        start = max(start, len(before))
+        end = start + len(after[start:].rstrip())
         spans.append((start, end))
     return full, spans
 
@@ -133,15 +141,29 @@ class Example:
     learned: np.ndarray  # (n,) bool
 
 
+def chat_encoder(tokenizer: Any) -> Any:
+    """A copy of a tessel `Tokenizer`'s Hugging Face tokenizer that encodes rendered chats as
+    transformers does: the special tokens a template writes are parsed as such (tessel's
+    own `encode` keeps them text, for pretraining documents); use it with
+    add_special_tokens=False (templates write their own BOS)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_str(tokenizer.hf.to_str())
+    hf.encode_special_tokens = False
+    return hf
+
+
 def encode_example(text: str, spans: list[tuple[int, int]], hf_tokenizer: Any) -> Example:
     """Token ids of `text` (special tokens parsed, nothing added) and the learned flag of
-    each: its first character lies inside one of `spans`."""
+    each: it overlaps one of `spans` (a token that straddles a turn's start, " 4" after
+    "A:", carries the reply's first character, so it is learned)."""
     enc = hf_tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, dtype=np.int64)
-    starts = np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
     learned = np.zeros(len(ids), dtype=bool)
     for s, e in spans:
-        learned |= (starts >= s) & (starts < e)
+        learned |= (starts < e) & (ends > s)
     if len(learned):
         learned[0] = False  # predicted from the previous example: never learned
     return Example(ids, learned)

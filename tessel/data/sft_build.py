@@ -31,6 +31,7 @@ from tessel.data.sft import (
     PackStats,
     SFTDataset,
     assistant_spans,
+    chat_encoder,
     encode_example,
     fit,
     pack,
@@ -139,12 +140,7 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
     if tok is None:
         tok = train_bpe((text for text, _ in rendered), vocab_size,
                         special_tokens=template_tokens(template))
-    from tokenizers import Tokenizer as HFTokenizer
-
-    # As transformers tokenizes a rendered chat: the template's special tokens are parsed
-    # (tessel's own encode keeps them text, for pretraining documents) and nothing is added.
-    hf = HFTokenizer.from_str(tok.hf.to_str())
-    hf.encode_special_tokens = False
+    hf = chat_encoder(tok)
     examples = [encode_example(text, spans, hf) for text, spans in rendered]
     length = seq_len + 1
     ranges = split_ranges(len(examples), d.split_fractions())
