@@ -16,11 +16,13 @@ from tessel.observe.metrics import read_metrics
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
+@pytest.mark.slow
 def test_sft_tiny_trains_the_masked_loss_down_and_chats(tmp_path: Path):
     run = tmp_path / "run"
     cache = tmp_path / "cache"
     proc = tessel("train", "configs/sft-tiny.toml", f"--run.dir={run}", f"--data.cache_dir={cache}",
-                  "--train.steps=24", "--train.eval_interval=0", "--checkpoint.interval=0",
+                  "--train.steps=16", "--train.global_batch_size=8", "--train.eval_interval=0",
+                  "--checkpoint.interval=0",
                   "--metrics.log_interval=1", "--metrics.tensorboard=false",
                   "--run.sample_tokens=0", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -28,7 +30,8 @@ def test_sft_tiny_trains_the_masked_loss_down_and_chats(tmp_path: Path):
     assert "sft: 360 examples, 0 truncated, 0 dropped, packing efficiency" in proc.stdout
     recs = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     first, last = recs[0], recs[-1]
-    assert last["step"] == 24 and last["loss"] < 0.6 * first["loss"], (first["loss"], last["loss"])
+    # the loss over the learned (assistant) tokens only: 6.18 -> 4.05 on the project's CPUs
+    assert last["step"] == 16 and last["loss"] < 0.75 * first["loss"], (first["loss"], last["loss"])
     assert 0.8 < last["sft_packing_efficiency"] <= 1 and 0 < last["sft_learned_fraction"] < 0.5
     chat = tessel("generate", str(run), "--chat", "--prompt", "Spell moon.",
                   "--max-new-tokens", "8", "--temperature", "0")
