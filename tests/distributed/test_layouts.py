@@ -144,10 +144,12 @@ LAYOUTS_2.update({
 })
 # Supervised fine-tuning: packed examples, targets -100 outside the replies, so the ranks'
 # counted tokens differ; the step's loss is the mean over the counted tokens of all ranks, as
-# in one process (plain DDP, and the pipeline's loss function).
+# in one process (plain DDP, ZeRO-3, tensor parallel, and the pipeline's loss function).
 SFT = {"data.source": "sft", "data.chat_template": "plain"}
 LAYOUTS_2.update({
     "sft_ddp": {**SFT, "parallel.zero": 0},
+    "sft_zero3": {**SFT, "parallel.zero": 3},
+    "sft_tp2": {**SFT, "parallel.tp": 2},
     "sft_pp2": {**SFT, "parallel.pp": 2},
 })
 # Qwen3's attention (heads of their own width, QK-norm) under tensor parallelism: the QK-norm
