@@ -267,3 +267,47 @@ def test_loader_of_token_datasets_is_unmasked():
     ds = TokenDataset(np.arange(100), np.array([0, 50, 100]), 9)
     loader = Loader([ds], [1.0], 2, 0, False)
     assert not loader.masked and (loader.next_batch().targets >= 0).all()
+
+
+def test_a_packed_sample_learns_what_its_examples_learn_separately():
+    """The loss sum and gradients of one packed sample (two examples + padding, document mask,
+    -100 targets) equal the sums over the examples run alone: the mask keeps them apart.
+    RoPE scores depend on relative positions only, so a Llama-shaped model needs no position
+    restart for this to hold."""
+    import torch
+
+    from tessel.models import build_model
+    from tessel.models.loss import token_loss_sum
+
+    cfg = Config.load(None, {"model.preset": "tiny-llama", "model.dropout": 0.0})
+    model = build_model(cfg.model, "cpu", seed=0)
+    stats = PackStats()
+    examples = _examples([20, 15], learned_from=6)
+    packed = pack(examples, 49, pad_id=0, packed=True, stats=stats)
+    ds = SFTDataset(packed, 48, "t", "fp")
+    row = torch.from_numpy(ds.sample(0))
+    x, y = row[None, :-1], row[None, 1:].clone()
+    y[0, ~torch.from_numpy(ds.loss_mask(0))] = -100
+    docs = torch.from_numpy(ds.doc_ids(0))[None]
+
+    def loss_and_grads(fn) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad()
+        loss = fn()
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    packed_loss, packed_grads = loss_and_grads(lambda: token_loss_sum(model(x, docs), y))
+
+    def separate() -> torch.Tensor:
+        total = torch.zeros(())
+        for ex in examples:
+            ids = torch.from_numpy(ex.ids)[None]
+            target = ids[:, 1:].clone()
+            target[0, ~torch.from_numpy(ex.learned[1:])] = -100
+            total = total + token_loss_sum(model(ids[:, :-1]), target)
+        return total
+
+    alone_loss, alone_grads = loss_and_grads(separate)
+    assert packed_loss == pytest.approx(alone_loss, rel=1e-5)
+    for a, b in zip(packed_grads, alone_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
