@@ -302,7 +302,8 @@ class RunConfig(Section):
     sample_tokens: int = Field(200, ge=0)
     """Tokens to sample from the model after training (0: no sample)."""
     sample_prompt: str = "def "
-    """Prompt for the sample printed after training."""
+    """Prompt for the sample printed after training (with data.source = "sft": the user
+    message the model replies to, through the chat template)."""
 
 
 class Config(BaseModel):
