@@ -103,3 +103,23 @@ def test_bad_fine_tuning_input_is_one_line_exit_2_and_writes_nothing(tmp_path: P
     assert code == 2 and len(err) == 1 and err[0].startswith("tessel: error: "), err
     assert needle in err[0]
     _nothing_written(tmp_path)
+
+
+def test_hf_to_tessel_keeps_the_models_chat_template(tmp_path: Path, corpus: Path):
+    """`data.chat_template = "auto"` and `generate --chat` find an imported model's own
+    template: hf-to-tessel copies tokenizer_config.json beside tokenizer.json."""
+    from test_hf import hf_llama, save_hf
+
+    from tessel.cli import main
+    from tessel.data.tokenizer import load_tokenizer
+    from tessel.generate import chat_template_for
+
+    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "Q:{{ messages[0]['content'] }}{% if add_generation_prompt %}A:{% endif %}",
+        "eos_token": "<|endoftext|>"}))
+    out = tmp_path / "out"
+    assert main(["convert", "hf-to-tessel", str(src), str(out)]) == 0
+    template = chat_template_for(out, None, load_tokenizer(out / "tokenizer.json"))
+    assert "the model's own" in template.origin
+    assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == "Q:hiA:"
