@@ -290,7 +290,6 @@ class SFTDataset:
         self.name = name
         self.fingerprint = fingerprint
         self.n_samples = int(packed.tokens.shape[0])
-        self.tokens = packed.tokens  # for the unigram baseline
 
     def sample(self, i: int) -> np.ndarray:
         """Tokens of sample i: (seq_len + 1,) int64."""
