@@ -101,18 +101,25 @@ def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]],
                     where: str = "") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans of its assistant
     turns (see the module docstring)."""
-    full = template.render(messages)
+    rendered: dict[int, str] = {}  # prefix length -> text: each prefix rendered once
+
+    def prefix(k: int) -> str:
+        if k not in rendered:
+            rendered[k] = template.render(messages[:k])
+        return rendered[k]
+
+    full = prefix(len(messages))
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         try:
-            before = template.render(messages[:i])
+            before = prefix(i)
         except DataError:
             if i:
                 raise
             before = ""  # templates that index messages[0] cannot render no messages
-        after = template.render(messages[: i + 1])
+        after = prefix(i + 1)
         if not (full.startswith(after) and after.startswith(before)):
             raise DataError(
                 f"{where}{': ' if where else ''}the chat template ({template.origin}) does not "
@@ -155,11 +162,16 @@ def chat_encoder(tokenizer: Any) -> Any:
 
 def encode_example(text: str, spans: list[tuple[int, int]], hf_tokenizer: Any) -> Example:
     """Token ids of `text` (special tokens parsed, nothing added) and the learned flag of
-    each: it overlaps one of `spans` (a token that straddles a turn's start, " 4" after
-    "A:", carries the reply's first character, so it is learned)."""
-    enc = hf_tokenizer.encode(text, add_special_tokens=False)
-    ids = np.asarray(enc.ids, dtype=np.int64)
-    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    each (see `learned_example`)."""
+    return learned_example(hf_tokenizer.encode(text, add_special_tokens=False), spans)
+
+
+def learned_example(encoding: Any, spans: list[tuple[int, int]]) -> Example:
+    """An encoded conversation's ids and the learned flag of each token: it overlaps one of
+    `spans` (a token that straddles a turn's start, " 4" after "A:", carries the reply's
+    first character, so it is learned)."""
+    ids = np.asarray(encoding.ids, dtype=np.int64)
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
     learned = np.zeros(len(ids), dtype=bool)
     for s, e in spans:

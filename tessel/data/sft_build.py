@@ -32,8 +32,8 @@ from tessel.data.sft import (
     SFTDataset,
     assistant_spans,
     chat_encoder,
-    encode_example,
     fit,
+    learned_example,
     pack,
     to_messages,
 )
@@ -46,6 +46,7 @@ FORMAT = 1
 _MANIFEST = "manifest.json"
 _SPLITS = ("train", "val")
 _ARRAYS = ("tokens", "learned", "docs")
+_ENCODE_BATCH = 1024
 
 
 @dataclass
@@ -141,7 +142,11 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         tok = train_bpe((text for text, _ in rendered), vocab_size,
                         special_tokens=template_tokens(template))
     hf = chat_encoder(tok)
-    examples = [encode_example(text, spans, hf) for text, spans in rendered]
+    examples = []
+    for lo in range(0, len(rendered), _ENCODE_BATCH):  # the library encodes a batch in parallel
+        chunk = rendered[lo:lo + _ENCODE_BATCH]
+        encodings = hf.encode_batch([text for text, _ in chunk], add_special_tokens=False)
+        examples += [learned_example(enc, spans) for enc, (_, spans) in zip(encodings, chunk)]
     length = seq_len + 1
     ranges = split_ranges(len(examples), d.split_fractions())
     manifest: dict = {"format": FORMAT, "seq_len": seq_len, "files": {}, "stats": {}}
