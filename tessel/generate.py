@@ -8,6 +8,7 @@ import torch
 
 from tessel.checkpoint import CheckpointError, find_checkpoint, load_model, read_state
 from tessel.config import Config, ConfigError, read_saved
+from tessel.data.chat_template import ChatTemplate, resolve_template
 from tessel.data.tokenizer import Tokenizer, load_tokenizer
 from tessel.models import Transformer, build_model
 
@@ -88,3 +89,37 @@ def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
         model = Transformer(m)
     materialise(model, torch.device(device), 0, source.get, source.buffer)
     return model.eval(), load_tokenizer(source.tokenizer, source.eod_token)
+
+
+def chat_template_for(path: str | Path, spec: str | None, tok: Tokenizer) -> ChatTemplate:
+    """The chat template `tessel generate --chat` applies for the run, checkpoint or model
+    directory `path`: `spec` when given, else the run's `data.chat_template`; "auto" finds
+    the model's own beside its tokenizer files (the run's `data.tokenizer`, or the model
+    directory itself), else ChatML."""
+    path = Path(path)
+    run = path.parent.parent if (path / "state.json").is_file() else path
+    configured, directory = "auto", path if (path / "tokenizer.json").is_file() else None
+    if (run / "config.toml").is_file():
+        d = Config.from_dict(read_saved(run / "config.toml")).data
+        configured = d.chat_template
+        given = Path(d.tokenizer)
+        directory = given.parent if given.is_file() else None
+    return resolve_template(spec or configured, directory, str(tok.hf.id_to_token(tok.eod_id)))
+
+
+def chat_prompt(template: ChatTemplate, tok: Tokenizer, prompt: str) -> tuple[list[int], str, int]:
+    """(ids of the one-user-message conversation with the generation prompt, the text that
+    ends an assistant turn, the id to stop at): the id of that end text when it is one
+    token, else the end-of-document id (the caller then cuts the text at the end text)."""
+    from tessel.data.sft import assistant_spans, chat_encoder
+
+    encoder = chat_encoder(tok)
+    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = encoder.encode(text, add_special_tokens=False).ids
+    # What follows a reply: render one and look past its content.
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Y"}]
+    full, spans = assistant_spans(template, probe)
+    turn = full[spans[-1][0]:spans[-1][1]]
+    end = turn[turn.rfind("Y") + 1:]
+    end_ids = encoder.encode(end, add_special_tokens=False).ids if end else []
+    return ids, end, end_ids[0] if len(end_ids) == 1 else tok.eod_id

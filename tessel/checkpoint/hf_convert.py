@@ -1,7 +1,8 @@
 """Conversions between tessel and the Hugging Face format, tensor by tensor.
 
     hf_to_tessel(HF_DIR, OUT)       OUT/model.safetensors (tessel names), config.toml (the
-                                    model, init_from = OUT), tokenizer.json
+                                    model, init_from = OUT), tokenizer.json (and the chat
+                                    template's tokenizer_config.json, chat_template.jinja)
     tessel_to_hf(SOURCE, OUT)       an HF directory transformers loads: config.json,
                                     model.safetensors or shards + index, tokenizer files;
                                     SOURCE: a run, a checkpoint (any layout) or a tessel
@@ -92,6 +93,11 @@ def hf_to_tessel(src: Path, out: Path, eod_token: str = "auto") -> str:
         overrides["train.seq_len"] = min(m.max_seq_len, FINE_TUNE_SEQ_LEN)
         if (src / "tokenizer.json").is_file():
             shutil.copy(src / "tokenizer.json", tmp / "tokenizer.json")
+            # the chat template and special-token names (data.chat_template = "auto",
+            # tessel generate --chat find them beside data.tokenizer)
+            for name in ("tokenizer_config.json", "chat_template.jinja"):
+                if (src / name).is_file():
+                    shutil.copy(src / name, tmp / name)
             overrides["data.tokenizer"] = str(out / "tokenizer.json")
             overrides["data.eod_token"] = eod
         (tmp / "config.toml").write_text(Config.load(None, overrides).to_toml())

@@ -33,15 +33,18 @@ __all__ = [
 
 
 class DataConfig(Section):
-    source: Literal["stdlib", "files", "indexed", "synthetic"] = "stdlib"
+    source: Literal["stdlib", "files", "indexed", "synthetic", "sft"] = "stdlib"
     """Where training tokens come from: `stdlib` is the embedded demo corpus (this Python's
     own standard-library sources), `files` tokenizes the text/JSONL files or directories in
     `data.paths` (cached), `indexed` reads datasets made by `tessel preprocess`, `synthetic`
-    is a random-token stream (for benchmarks and smoke tests)."""
+    is a random-token stream (for benchmarks and smoke tests), `sft` is supervised
+    fine-tuning on the chat or prompt/completion JSONL files in `data.paths` (rendered with
+    `data.chat_template`, loss on the assistant turns only, packed and cached; the document
+    mask is always on)."""
     paths: list[str] = []
     """`files`: inputs to tokenize. `indexed`: dataset prefixes, optionally weighted Megatron
     style (["0.7 data/web", "0.3 data/books"]); without weights they mix in proportion to
-    their sizes."""
+    their sizes. `sft`: JSONL files or directories of fine-tuning records (.gz/.zst too)."""
     json_key: str = "text"
     """Field holding the text in JSONL/Parquet/Arrow inputs (`files` source)."""
     tokenizer: str = "auto"
@@ -64,22 +67,45 @@ class DataConfig(Section):
     token files up to 2 GiB and `sampled` above (said in one line)."""
     document_mask: bool = False
     """Attention does not cross document boundaries inside a packed sample, and positions
-    restart at each document (FlexAttention's block mask on CUDA, a dense mask on CPU)."""
+    restart at each document (FlexAttention's block mask on CUDA, a dense mask on CPU);
+    always on for `data.source = "sft"`."""
     cache_dir: str = ""
     """Where tokenized corpora and sample indices are cached; empty means $TESSEL_CACHE or
     ~/.cache/tessel."""
+    chat_template: str = "auto"
+    """`sft` (and `tessel generate --chat`): the chat template conversations are rendered
+    with. `auto` is the model's own (chat_template.jinja or tokenizer_config.json beside
+    data.tokenizer), else `chatml`; `chatml` and `plain` (prompt, then completion and the
+    end-of-sequence token) are built in; or a path to a .jinja file."""
+    sft_overlong: Literal["truncate", "drop"] = "truncate"
+    """`sft`: an example longer than train.seq_len + 1 tokens is cut to that length
+    (`truncate`, the default; dropped when no learned token is left) or left out (`drop`).
+    Both are counted in the start-up line."""
+    sft_pack: bool = True
+    """`sft`: pack several examples into each sample (first-fit, each its own document);
+    false puts one example per sample, padded."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         self.split_fractions()  # raises on a malformed split
-        if self.source in ("files", "indexed") and not self.paths:
+        if self.source in ("files", "indexed", "sft") and not self.paths:
             raise ValueError(f'data.source = "{self.source}" needs data.paths = ["...", ...]')
-        if self.paths and self.source not in ("files", "indexed"):
+        if self.paths and self.source not in ("files", "indexed", "sft"):
             raise ValueError(
                 f'data.paths is set but data.source = "{self.source}" does not read it; set '
-                'data.source = "files" (text/JSONL/Parquet/Arrow, compressed too) or '
-                '"indexed" (tessel preprocess output), or drop data.paths'
+                'data.source = "files" (text/JSONL/Parquet/Arrow, compressed too), '
+                '"indexed" (tessel preprocess output) or "sft" (fine-tuning JSONL), or drop '
+                'data.paths'
             )
+        if self.source == "sft":
+            if "document_mask" in self.model_fields_set and not self.document_mask:
+                raise ValueError('data.document_mask = false does not apply to data.source = '
+                                 '"sft": packed examples must not attend to each other')
+            if not self.document_mask:  # (plain assignment would validate again, recursively)
+                object.__setattr__(self, "document_mask", True)
+        if not self.chat_template.strip():
+            raise ValueError('data.chat_template is empty; set "auto", "chatml", "plain" or a '
+                             '.jinja file path')
         if self.source == "indexed":
             self.weighted_paths()  # raises on malformed weights
         return self
@@ -277,7 +303,8 @@ class RunConfig(Section):
     sample_tokens: int = Field(200, ge=0)
     """Tokens to sample from the model after training (0: no sample)."""
     sample_prompt: str = "def "
-    """Prompt for the sample printed after training."""
+    """Prompt for the sample printed after training (with data.source = "sft": the user
+    message the model replies to, through the chat template)."""
 
 
 class Config(BaseModel):

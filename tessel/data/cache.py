@@ -18,13 +18,13 @@ def default_cache_dir() -> Path:
 
 
 def build_once(target: Path | None, build: Callable[[Path], Path | None],
-               cache: Path | None = None) -> Path:
-    """`target`, a directory holding `data.idx` when complete; when absent, `build(tmp)` fills
+               cache: Path | None = None, marker: str = "data.idx") -> Path:
+    """`target`, a directory holding `marker` (`data.idx`) when complete; when absent, `build(tmp)` fills
     a private temporary directory that is then renamed to `target`. A failure leaves nothing
     behind; two processes building at once both succeed and one's result is kept. With
     `target=None` (named by what is built), `build` returns the target once it has built,
     and the temporary directory is made in `cache`."""
-    if target is not None and (target / "data.idx").is_file():
+    if target is not None and (target / marker).is_file():
         return target
     where = target.parent if target is not None else cache
     assert where is not None, "build_once needs a target or a cache directory"
@@ -38,7 +38,7 @@ def build_once(target: Path | None, build: Callable[[Path], Path | None],
         try:
             tmp.rename(target)
         except OSError:  # built concurrently (or earlier, for the same content): use that
-            if not (target / "data.idx").is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

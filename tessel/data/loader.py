@@ -30,11 +30,12 @@ import torch
 
 from tessel.data.dataset import TokenDataset
 from tessel.errors import DataError
+from tessel.models.loss import IGNORE_INDEX
 
 
 class Batch(NamedTuple):
     inputs: torch.Tensor  # (B, T) int64
-    targets: torch.Tensor  # (B, T) int64
+    targets: torch.Tensor  # (B, T) int64; IGNORE_INDEX (-100) where not learned (fine-tuning)
     doc_ids: torch.Tensor | None  # (B, T) int64 document index per position, when masking
 
 
@@ -173,6 +174,8 @@ class Loader:
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.document_mask = document_mask
         self.datasets = datasets
+        # Datasets with a loss mask (SFTDataset) mask their targets; token datasets have none.
+        self.masked = all(hasattr(ds, "loss_mask") for ds in datasets)
         self.schedule = BlendSchedule(datasets, weights, seed, shuffle, cache_dir)
         self.n_samples = sum(ds.n_samples for ds in datasets)
 
@@ -184,7 +187,11 @@ class Loader:
         doc_ids = None
         if self.document_mask:
             doc_ids = torch.from_numpy(np.stack([self.datasets[d].doc_ids(i) for d, i in mine]))
-        return Batch(batch[:, :-1], batch[:, 1:], doc_ids)
+        targets = batch[:, 1:]
+        if self.masked:  # fine-tuning: only the learned targets count in the loss
+            keep = np.stack([self.datasets[d].loss_mask(i) for d, i in mine])  # (B, T)
+            targets = targets.masked_fill(torch.from_numpy(~keep), IGNORE_INDEX)
+        return Batch(batch[:, :-1], targets, doc_ids)
 
     def state_dict(self) -> dict[str, Any]:
         return self.schedule.state_dict()

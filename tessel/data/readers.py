@@ -304,3 +304,42 @@ def _columnar_documents(path: Path, kind: str, json_key: str, stats: ReadStats) 
                 row += 1
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{path}: damaged after row {row} ({exc})") from None
+
+
+def iter_json_records(inputs: InputPath | Sequence[InputPath]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("file:line", object) for every JSON object line of the JSONL `inputs` (compressed
+    ones too, decided by their magic bytes as for `iter_documents`); blank lines are
+    skipped. A line that is not a JSON object, or an input that is not JSONL, is a
+    `DataError` naming it. The inputs are resolved and their formats checked before the
+    first record is read."""
+    files = resolve_inputs(inputs)
+    formats = {path: detect(path) for path in files}
+    for path, fmt in formats.items():
+        if fmt.kind != "jsonl":
+            raise DataError(f"{path}: not JSON lines ({fmt.kind}); fine-tuning data is JSONL "
+                            "(.jsonl, optionally .gz/.zst), one record per line")
+    return _json_records(files, formats)
+
+
+def _json_records(files: list[Path], formats: dict[Path, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for path in files:
+        compression = formats[path].compression
+        try:
+            with open_decompressed(path, compression) as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.isspace():
+                        continue
+                    try:
+                        obj: Any = json.loads(line.decode("utf-8", errors="replace"))
+                    except json.JSONDecodeError as exc:
+                        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column "
+                                        f"{exc.colno}); JSONL inputs need one JSON object per "
+                                        "line") from None
+                    if not isinstance(obj, dict):
+                        raise DataError(f"{path}:{lineno}: expected a JSON object, got "
+                                        f"{type(obj).__name__}")
+                    yield f"{path}:{lineno}", obj
+        except DECOMPRESS_ERRORS as exc:
+            if isinstance(exc, OSError) and not compression:
+                raise
+            raise bad_compressed(path, compression, exc) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,9 @@ class Data:
     """The tokenizer the data was made with (saved with the run)."""
     unigram_baseline: float
     """Validation cross-entropy of a context-free (unigram) model: the bar to beat."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """Static figures of the data for the metrics (fine-tuning: packing efficiency and
+    learned-token fraction), logged with every training record."""
 
 
 def stdlib_files() -> list[Path]:
@@ -52,6 +55,8 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
 
     d, t = cfg.data, cfg.train
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    if d.source == "sft":
+        return _sft_data(cfg, cache, dp_rank, dp_size, console)
     if d.source == "synthetic":
         tok = (byte_tokenizer() if d.tokenizer in ("auto", "bytes", "bpe")
                else load_tokenizer(d.tokenizer, d.eod_token))
@@ -125,6 +130,40 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
         )
     baseline = unigram_baseline(train_sets[0].tokens, val_sets[0].tokens, tok.vocab_size)
     return Data(train, val, tok, baseline)
+
+
+def _sft_data(cfg: Config, cache: Path, dp_rank: int, dp_size: int, console) -> Data:
+    """Fine-tuning loaders: packed conversations, loss on the assistant turns, the document
+    mask always on (packed examples must not see each other)."""
+    from tessel.data.sft_build import ensure_sft
+
+    d, t = cfg.data, cfg.train
+    corpus = ensure_sft(d, t.seq_len, cfg.model.vocab_size, cache, console)
+    console(corpus.summary)
+    tok = corpus.tokenizer
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is "
+            f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}"
+        )
+    group = t.micro_batch_size * dp_size
+    corpus.train.require(group, "one micro-batch on every data-parallel rank")
+    train = Loader([corpus.train], [1.0], t.micro_batch_size, t.seed, True, dp_rank, dp_size,
+                   True, cache / "indices")
+    val_set, val = corpus.val, None
+    if val_set is not None and val_set.n_samples >= group:
+        val = Loader([val_set], [1.0], t.micro_batch_size, t.seed, False, dp_rank, dp_size, True)
+    elif d.split_fractions()[1] > 0:
+        have = val_set.n_samples if val_set is not None else 0
+        raise DataError(
+            f"data.split={d.split!r} asks for a validation split, but it holds {have} packed "
+            f"sample(s) and one micro-batch per data-parallel rank needs {group}; add records, "
+            "raise the validation share of data.split, or set data.split = \"100,0\"")
+    val_ids = val_set.learned_targets() if val_set is not None else np.zeros(0, np.int64)
+    # the baseline over learned targets only: what the loss counts
+    baseline = unigram_baseline(corpus.train.learned_targets(), np.concatenate([[0], val_ids]),
+                                tok.vocab_size)
+    return Data(train, val, tok, baseline, corpus.stats)
 
 
 def _names(d: DataConfig, sets: list) -> list[str]:

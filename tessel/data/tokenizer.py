@@ -157,15 +157,17 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(tok, "bytes")
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 style) on an iterator of documents."""
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+              special_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style) on an iterator of documents; `special_tokens`
+    (a chat template's markers, say) are added after the end-of-document token."""
     if vocab_size < 257 + 1:
         raise TokenizerError(f"vocab size {vocab_size} is too small; a byte-level BPE needs > 257")
     tok = _byte_level(HFTokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=[EOD_TOKEN],
+        special_tokens=[EOD_TOKEN, *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

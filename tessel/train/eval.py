@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tessel.models.loss import token_loss_sum
+from tessel.models.loss import IGNORE_INDEX, token_loss_sum
 from tessel.parallel.context import context_parallel_step
 from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.tensor import local_value, loss_context
@@ -56,7 +56,9 @@ class Evaluator:
                       context_parallel_step(s.model.inner[0], s.cp_mesh, x, y)):
                     logits = model(x, docs)
                     total += local_value(token_loss_sum(logits, y)).double()
-                    count += y.numel()  # this rank's share under context parallelism
+                    # this rank's share under context parallelism; fine-tuning counts the
+                    # learned targets only (-100 is not counted, as in the loss)
+                    count += int((y != IGNORE_INDEX).sum()) if s.masked else y.numel()
         s.model.train(True)
         if not s.distributed:
             return total.item() / count

@@ -103,6 +103,16 @@ def _finish_message(tr: Trainer) -> None:
             f"(no sample under a parallel layout; `tessel generate {tr.run_dir}` samples "
             "from the checkpoint)"
         )
+    elif n and tr.cfg.data.source == "sft":  # a reply to the prompt as a user message
+        from tessel.generate import chat_prompt, chat_template_for
+
+        prompt = tr.cfg.run.sample_prompt
+        template = chat_template_for(tr.run_dir, None, tr.tokenizer)
+        ids, end, stop_id = chat_prompt(template, tr.tokenizer, prompt)
+        reply = tr.tokenizer.hf.decode(sample(tr.model.inner[0], ids, n, seed=tr.cfg.train.seed,
+                                              stop_id=stop_id), skip_special_tokens=False)
+        tr.display.print(f"sample (chat):\nuser: {prompt}\nassistant: "
+                         + (reply.split(end, 1)[0] if end else reply))
     elif n:
         prompt = tr.cfg.run.sample_prompt
         ids = sample(tr.model.inner[0], tr.tokenizer.encode(prompt), n, seed=tr.cfg.train.seed,

@@ -20,7 +20,7 @@ from tessel.train.run_dir import RunDir
 # (Mixture weights and cache locations may change; the loader checks the datasets themselves.)
 FROZEN_ON_RESUME = (
     "model", "data.source", "data.tokenizer", "data.split", "data.json_key", "train.seq_len",
-    "train.seed",
+    "train.seed", "data.chat_template", "data.sft_overlong", "data.sft_pack",
 )
 
 

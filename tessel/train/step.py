@@ -2,7 +2,10 @@
 pipelined case, on one rank of any layout. What `tessel bench` times.
 
 The loss of a step is a mean over every target token of the step, not a mean of
-micro-batch means, so the accumulation count never changes its value.
+micro-batch means, so the accumulation count never changes its value. With masked targets
+(fine-tuning: -100 where nothing is learned) it is the mean over the *counted* targets of the
+whole step on every data-parallel rank: the count is all-reduced once per step, before the
+backward passes, so N processes compute what one process computes on the same data.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import torch
 
 from tessel.data import Batch
-from tessel.models.loss import token_loss_sum
+from tessel.models.loss import IGNORE_INDEX, token_loss_sum
 from tessel.observe.timing import PhaseTimer
 from tessel.parallel.context import context_parallel_step
 from tessel.parallel.dims import ParallelDims
@@ -30,9 +33,13 @@ class TrainStep:
     def __init__(self, model: Any, optimizers: list[torch.optim.Optimizer], dims: ParallelDims,
                  mesh: Any, device: torch.device, precision: Precision, *, accum: int,
                  grad_clip: float, parallel_cfg: Any, distributed: bool,
-                 timer: PhaseTimer | None = None, phase: Callable[[str], None] | None = None):
+                 timer: PhaseTimer | None = None, phase: Callable[[str], None] | None = None,
+                 masked: bool = False):
         """`model`: the ParallelModel of this rank (its parts, stages and data-parallel
-        wrapper); `accum`: micro-batches per step; `phase`: the watchdog's phase marker."""
+        wrapper); `accum`: micro-batches per step; `phase`: the watchdog's phase marker;
+        `masked`: targets may be -100 (not counted), so the step's divisor is the global count
+        of counted targets (an all-reduce per step) rather than the local number of targets."""
+        self.masked = masked
         self.model = model
         self.optimizers = optimizers
         self.dims = dims
@@ -75,7 +82,8 @@ class TrainStep:
         this replica's on the rank that reports it, zero elsewhere."""
         self.phase("forward/backward (DDP/FSDP/TP/PP collectives inside)")
         self.timer.start("compute")
-        n_tokens = sum(b.targets.numel() for b in batches)
+        n_tokens = self.counted_tokens(batches) if self.masked else sum(
+            b.targets.numel() for b in batches)
         scaler = self.precision.scaler
         # fp16: the loss scale this step's gradients are multiplied by (GradScaler syncs
         # with the host in its step anyway, so reading it here costs nothing more).
@@ -172,9 +180,26 @@ class TrainStep:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for v in losses:
             total += local_value(v).double()
-        return total, y.numel()
+        # fine-tuning counts the learned targets only (no host sync for dense data)
+        return total, int((y != IGNORE_INDEX).sum()) if self.masked else y.numel()
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def counted_tokens(self, batches: list[Batch]) -> float:
+        """Counted (not -100) targets of the whole step on all data-parallel ranks, divided
+        by the data-parallel degree: the divisor that, once DDP/FSDP average the gradients
+        over dp, makes the step's gradient that of the mean over every counted target.
+
+        Every rank of a replica (its tp, pp and cp ranks) holds the same full micro-batches,
+        so a sum over all ranks counts each replica world / dp times."""
+        local = sum(int((b.targets != IGNORE_INDEX).sum()) for b in batches)
+        if not self.distributed:
+            return float(max(local, 1))
+        self.phase("collective: all-reduce of the counted targets")
+        count = all_reduce_sum(torch.tensor([local], dtype=torch.float64, device=self.device))
+        world = torch.distributed.get_world_size()
+        total = count.item() * self.dims.dp / world  # counted targets of the step, all replicas
+        return max(total, 1.0) / self.dims.dp
 
     def on_device(self, batch: Batch) -> tuple[Any, ...]:
         if self.device.type != "cuda":

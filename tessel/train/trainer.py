@@ -149,7 +149,8 @@ class Trainer:
             self.model, self.optimizers, dims, mesh, self.device, self.precision,
             accum=cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp),
             grad_clip=cfg.train.grad_clip, parallel_cfg=cfg.parallel,
-            distributed=proc.distributed, timer=self.timer, phase=self.watchdog.phase)
+            distributed=proc.distributed, timer=self.timer, phase=self.watchdog.phase,
+            masked=cfg.data.source == "sft")
         self.evaluator = (Evaluator(self.train_step, self.data.val, cfg.train.eval_iters,
                                     beat=lambda what: self.watchdog.beat(self.step, what))
                           if self.data.val is not None else None)
@@ -352,7 +353,8 @@ class Trainer:
             eta_s=elapsed / max(self.step - first_step, 1) * (t.steps - self.step),
             time_split=self.timer.window(),
             loss_scale=float(scaler.get_scale()) if scaler is not None else None,
-            extra=self.train_step.moe.metrics(self.cfg.model.moe_capacity_factor is not None))
+            extra={**self.train_step.moe.metrics(self.cfg.model.moe_capacity_factor is not None),
+                   **self.data.figures})
 
     def _evaluate(self, log: StepLogger, start: float) -> None:
         if self.evaluator is None:

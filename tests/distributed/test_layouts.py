@@ -56,8 +56,19 @@ def base(run_dir: Path, corpus: Path, **extra) -> dict:
         "run.dir": str(run_dir),
         "run.sample_tokens": 0,
     }
+    if extra.get("data.source") == "sft":  # the chats the refs fixture writes beside the corpus
+        cfg["data.paths"] = [str(corpus.parent / "sft.jsonl")]
     cfg.update(extra)
     return cfg
+
+
+def write_sft_chats(path: Path, n: int = 300) -> Path:
+    """Prompt/completion records whose replies differ in length, so the learned-token count
+    differs between data-parallel ranks and micro-batches (the masked loss's divisor)."""
+    lines = [json.dumps({"prompt": f"{i}+{i % 7}=", "completion": f"{i + i % 7}" + "!" * (i % 11)})
+             for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 GPT = {"model.preset": "tiny", "model.tie_embeddings": False}  # learned positions, LayerNorm, GELU
@@ -131,6 +142,16 @@ LAYOUTS_2.update({
     "tied_pp2_zero_bubble": {**TIED, "parallel.pp": 2, "parallel.pp_schedule": "zero-bubble",
                              "parallel.pp_virtual_stages": 2},
 })
+# Supervised fine-tuning: packed examples, targets -100 outside the replies, so the ranks'
+# counted tokens differ; the step's loss is the mean over the counted tokens of all ranks, as
+# in one process (plain DDP, ZeRO-3, tensor parallel, and the pipeline's loss function).
+SFT = {"data.source": "sft", "data.chat_template": "plain"}
+LAYOUTS_2.update({
+    "sft_ddp": {**SFT, "parallel.zero": 0},
+    "sft_zero3": {**SFT, "parallel.zero": 3},
+    "sft_tp2": {**SFT, "parallel.tp": 2},
+    "sft_pp2": {**SFT, "parallel.pp": 2},
+})
 # Qwen3's attention (heads of their own width, QK-norm) under tensor parallelism: the QK-norm
 # weights replicated, their gradients summed over tp.
 QK = {"model.head_dim": 24, "model.qk_norm": True}
@@ -173,7 +194,8 @@ LAYOUTS_4.update({
 
 
 def ref_for(name: str) -> str:
-    return next((ref for ref in ("gpt", "tied", "moe", "qk") if name.startswith(ref)), "llama")
+    return next((ref for ref in ("gpt", "tied", "moe", "qk", "sft") if name.startswith(ref)),
+                "llama")
 
 
 def job_output(proc: subprocess.CompletedProcess) -> str:
@@ -247,8 +269,10 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ref")
     os.environ.setdefault("TESSEL_CACHE", str(root / "cache"))
     corpus = write_corpus(root / "corpus")
+    write_sft_chats(root / "sft.jsonl")
     out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
     for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED), ("moe", MOE), ("qk", QK),
+                        ("sft", SFT),
                         ("llama_hf", {"model.init_from": str(out["hf"])})):
         Trainer(load_config(None, base(root / name, corpus, **extra)), console=False).train()
         out[name] = root / name

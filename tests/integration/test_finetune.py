@@ -1,0 +1,125 @@
+"""Supervised fine-tuning as a user runs it: `tessel train configs/sft-tiny.toml` (the masked
+loss falls), `tessel generate --chat`, and bad fine-tuning inputs refused in one line with
+exit code 2 and nothing written."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from test_cli import ROOT, assert_one_line_error, tessel
+
+from tessel.observe.metrics import read_metrics
+
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+@pytest.mark.slow
+def test_sft_tiny_trains_the_masked_loss_down_and_chats(tmp_path: Path):
+    run = tmp_path / "run"
+    cache = tmp_path / "cache"
+    proc = tessel("train", "configs/sft-tiny.toml", f"--run.dir={run}", f"--data.cache_dir={cache}",
+                  "--train.steps=16", "--train.global_batch_size=8", "--train.eval_interval=0",
+                  "--checkpoint.interval=0",
+                  "--metrics.log_interval=1", "--metrics.tensorboard=false",
+                  "--run.sample_tokens=0", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the one start-up line with the counts
+    assert "sft: 360 examples, 0 truncated, 0 dropped, packing efficiency" in proc.stdout
+    recs = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    first, last = recs[0], recs[-1]
+    # the loss over the learned (assistant) tokens only: 6.18 -> 4.05 on the project's CPUs
+    assert last["step"] == 16 and last["loss"] < 0.75 * first["loss"], (first["loss"], last["loss"])
+    assert 0.8 < last["sft_packing_efficiency"] <= 1 and 0 < last["sft_learned_fraction"] < 0.5
+    chat = tessel("generate", str(run), "--chat", "--prompt", "Spell moon.",
+                  "--max-new-tokens", "8", "--temperature", "0")
+    assert chat.returncode == 0, chat.stderr
+    assert "<|im_start|>" not in chat.stdout  # the reply alone, not the rendered prompt
+
+
+def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (extra overrides, the words the one error line must hold)."""
+    def jsonl(name: str, records: list, raw: str = "") -> str:
+        path = tmp / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in records) + raw)
+        return str(path)
+
+    good = {"messages": CHAT}
+    template = tmp / "strict.jinja"
+    template.write_text("{% if messages|length > 1 %}{{ raise_exception('only one message, "
+                        "please') }}{% endif %}{{ messages[0]['content'] }}")
+    gz = tmp / "broken.jsonl.gz"
+    gz.write_bytes(gzip.compress(b'{"messages": []}\n' * 20)[:-12])
+    return {
+        "no_assistant": ([f"--data.paths=['{jsonl('a.jsonl', [good, {'messages': CHAT[:1]}])}']"],
+                         "a.jsonl:2: the conversation has no assistant turn"),
+        "unknown_role": ([f"--data.paths=['{jsonl('b.jsonl', [{'messages': [{'role': 'bot', 'content': 'x'}]}])}']"],  # noqa: E501
+                         "b.jsonl:1: unknown role 'bot'"),
+        "malformed_json": ([f"--data.paths=['{jsonl('c.jsonl', [good], raw='{oops')}']"],
+                           "c.jsonl:2: not valid JSON"),
+        "template_raises": ([f"--data.paths=['{jsonl('d.jsonl', [good])}']",
+                             f"--data.chat_template={template}"],
+                            "failed to render: only one message, please"),
+        "empty_after_drop": ([f"--data.paths=['{jsonl('e.jsonl', [good])}']",
+                              "--data.sft_overlong=drop", "--train.seq_len=8"],
+                             "no fine-tuning example is left after dropping the 1 longer"),
+        "damaged_gzip": ([f"--data.paths=['{gz}']"], "not a valid gzip file"),
+    }
+
+
+CASES = ["no_assistant", "unknown_role", "malformed_json", "template_raises", "empty_after_drop",
+         "damaged_gzip"]
+
+
+def _args(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    extra, needle = _bad_inputs(tmp_path)[case]
+    return ["train", str(ROOT / "configs/sft-tiny.toml"), f"--run.dir={tmp_path / 'run'}",
+            f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=bytes", *extra], needle
+
+
+def _nothing_written(tmp_path: Path) -> None:
+    for d in (tmp_path / "run", tmp_path / "cache"):  # no run, no cache entry, no temporary
+        assert not d.exists() or not any(d.iterdir()), sorted(d.iterdir())
+
+
+def test_bad_fine_tuning_input_from_the_command_line(tmp_path: Path):
+    """One case as a user meets it: the real process, its exit code and its stderr."""
+    args, needle = _args(tmp_path, "no_assistant")
+    assert_one_line_error(tessel(*args), needle)
+    _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_fine_tuning_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, case: str,
+                                                                     capsys):
+    # in-process (`tessel.cli.main`, what the command runs): a process per case costs seconds
+    from tessel.cli import main
+
+    args, needle = _args(tmp_path, case)
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("tessel: error: "), err
+    assert needle in err[0]
+    _nothing_written(tmp_path)
+
+
+def test_hf_to_tessel_keeps_the_models_chat_template(tmp_path: Path, corpus: Path):
+    """`data.chat_template = "auto"` and `generate --chat` find an imported model's own
+    template: hf-to-tessel copies tokenizer_config.json beside tokenizer.json."""
+    from test_hf import hf_llama, save_hf
+
+    from tessel.cli import main
+    from tessel.data.tokenizer import load_tokenizer
+    from tessel.generate import chat_template_for
+
+    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "Q:{{ messages[0]['content'] }}{% if add_generation_prompt %}A:{% endif %}",
+        "eos_token": "<|endoftext|>"}))
+    out = tmp_path / "out"
+    assert main(["convert", "hf-to-tessel", str(src), str(out)]) == 0
+    template = chat_template_for(out, None, load_tokenizer(out / "tokenizer.json"))
+    assert "the model's own" in template.origin
+    assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == "Q:hiA:"
