@@ -255,8 +255,7 @@ def test_the_model_with_a_flex_document_mask_compiles_without_graph_breaks():
 
     torch._dynamo.reset()
     with torch.no_grad():
-        explained = torch._dynamo.explain(forward)(x, docs)
-        assert explained.graph_break_count == 0, explained.break_reasons
         want = model(x, docs)  # the dense CPU path
+        # fullgraph=True: any graph break is an error
         got = torch.compile(forward, backend="eager", fullgraph=True)(x, docs)
     torch.testing.assert_close(got[..., :97], want[..., :97], rtol=1e-5, atol=1e-5)
