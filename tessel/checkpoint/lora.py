@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from tessel.checkpoint.eod import run_eod
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.hf_arch import HFError, Llama, one_to_one
 from tessel.checkpoint.init_from import WeightSource
@@ -117,7 +118,8 @@ class MergedSource:
         self.adapters = _adapters(ckpt)
         self.scaling = cfg.lora.alpha / cfg.lora.rank
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
-        self.eod_token = cfg.data.eod_token
+        # the run's config.toml (the checkpoint's copy of the config has secrets redacted)
+        self.eod_token = run_eod(ckpt.parent.parent)
         self.path, self.kind = ckpt, f"LoRA checkpoint {ckpt.name} merged"
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -171,7 +171,8 @@ class Trainer:
         if proc.is_main and cfg.checkpoint.hf_export_interval:
             from tessel.checkpoint.hf_export import HFExporter
 
-            hf_export = HFExporter(cfg.checkpoint.hf_export_interval, self.run.hf_export_log, say)
+            hf_export = HFExporter(cfg.checkpoint.hf_export_interval, self.run.hf_export_log, say,
+                                   peft=cfg.lora.enabled and cfg.lora.export == "peft")
         self.checkpoints = CheckpointManager(
             self.run.checkpoints, self.model.inner, self.optimizers,
             keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
