@@ -13,13 +13,14 @@ context, communicator buffers and allocator fragmentation, and is what must fit.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from tessel.config import ModelConfig
+from tessel.config import LoraConfig, ModelConfig
 from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
 from tessel.planner.layout import Layout
+from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes
 from tessel.planner.probe import ActivationProfile, activation_profile
 
 GIB = 2**30
@@ -258,16 +259,16 @@ def fsdp_active(layout: Layout) -> bool:
 
 def estimate_memory(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
-    document_mask: bool = False,
+    document_mask: bool = False, lora: LoraConfig | None = None,
 ) -> Memory:
-    """Memory of the busiest pipeline rank."""
-    ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask)
+    """Memory of the busiest pipeline rank (`lora`: a LoRA run's, see rank_memory)."""
+    ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask, lora)
     return max(ranks, key=lambda mem: mem.total)
 
 
 def memory_by_rank(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
-    document_mask: bool = False,
+    document_mask: bool = False, lora: LoraConfig | None = None,
 ) -> list[Memory]:
     """Memory of each pipeline rank (every data- and tensor-parallel rank of it alike)."""
     ranges = stage_layers(m, layout)
@@ -279,7 +280,7 @@ def memory_by_rank(
         stages = {s: (len(ranges[s]), moe_layer_count(m, ranges[s]))
                   for s in rank_stages(layout, rank)}
         mem = rank_memory(m, layout, seq_len, precision, params, stages, rank, acts,
-                          micro_batches, document_mask)
+                          micro_batches, document_mask, lora)
         mem.stage = rank
         out.append(mem)
     return out
@@ -340,10 +341,14 @@ def peak_in_flight(order: list[tuple[str, int]], chunk_bytes: dict[int, float]) 
 def rank_memory(
     m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
     stages: dict[int, tuple[int, int]], rank: int, acts: ActivationProfile, micro_batches: int,
-    document_mask: bool = False,
+    document_mask: bool = False, lora: LoraConfig | None = None,
 ) -> Memory:
     """Memory of pipeline rank `rank`, which holds `stages` (stage index -> (its layers, of
-    which MoE layers))."""
+    which MoE layers)). With `lora` only the adapters have gradients and AdamW state; the
+    frozen base keeps its (sharded) weights and compute copies, its blocks' projections in
+    lora.base_dtype; the gradients in flight to FSDP's reduce-scatter are the adapters';
+    activations are counted as for full training (an upper bound: a frozen projection needs
+    no input saved for its weight's gradient, but its adapter's A does)."""
     n_stages = layout.pp * layout.pp_virtual_stages
     last = n_stages - 1 in stages
     compute = 2 if precision in ("bf16", "fp16") else 4
@@ -374,6 +379,18 @@ def rank_memory(
     else:
         copies = 0.0
     parameters = master + copies
+
+    trained, trained_local = p.total, local
+    if lora is not None:
+        trained = adapter_parameters(m, lora, p.layers, p.moe_layers, layout.tp)
+        trained_local = -(-trained // shard)
+        block_mm = p.matmul - p.head_matmul  # the blocks' projections: lora.base_dtype
+        base_bytes = MASTER_BYTES * local - (
+            MASTER_BYTES - base_block_matmul_bytes(lora)) * -(-block_mm // shard)
+        master = (0.0 if offload_params else base_bytes) + MASTER_BYTES * trained_local
+        parameters = master + copies
+        p = replace(p, total=trained, block=trained // max(p.layers, 1))  # what trains
+        local = trained_local
 
     # Gradients: fp32; sharded under FSDP, with ZeRO-1's unsharded accumulation buffer.
     if not fsdp:
