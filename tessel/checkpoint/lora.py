@@ -111,10 +111,15 @@ class MergedSource:
     tessel name) over the base of model.init_from and the checkpoint's adapters."""
 
     def __init__(self, cfg: Config, ckpt: Path, m: ModelConfig):
-        if not cfg.model.init_from:
-            raise HFError(f"{str(ckpt)!r} holds LoRA adapters on a random base (no "
-                          "model.init_from); there is no base model to merge them into")
-        self.base = WeightSource(Path(cfg.model.init_from), m)
+        if cfg.model.init_from:
+            self.base_get = WeightSource(Path(cfg.model.init_from), m).get
+        else:  # a random base is its seed's: drawn again, exactly as the run drew it
+            from tessel.models.transformer import Transformer
+
+            with torch.device("meta"):
+                model = Transformer(m)
+            seed = cfg.train.seed
+            self.base_get = lambda name, shape: model.initial_value(name, shape, seed)
         self.adapters = _adapters(ckpt)
         self.scaling = cfg.lora.alpha / cfg.lora.rank
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
@@ -123,7 +128,7 @@ class MergedSource:
         self.path, self.kind = ckpt, f"LoRA checkpoint {ckpt.name} merged"
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        w = self.base.get(name, shape)
+        w = self.base_get(name, shape)
         stem = name.removesuffix(".weight")
         a = self.adapters.get(f"{stem}.lora_A.weight")
         if a is None:

@@ -355,6 +355,11 @@ class Config(BaseModel):
                 for_model(m).hf_config(m)
             except HFError as exc:
                 raise ValueError(f"checkpoint.hf_export_interval: {exc}; set it to 0") from None
+        if self.lora.enabled and t.fp8:
+            # float8 training swaps the projections for Float8Linear modules: the adapters
+            # and their hooks would be dropped
+            raise ValueError("lora.enabled does not combine with train.fp8 yet; set one of "
+                             "them to false")
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(
