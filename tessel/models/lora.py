@@ -108,11 +108,14 @@ def add_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float,
 
 
 def attach(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
-    """Adapters `lora_A`, `lora_B` on `linear` (built on its weight's device, fp32) and the
-    forward hook that adds their term."""
+    """Adapters `lora_A`, `lora_B` on `linear` (built on its weight's device, fp32, peft's
+    initialisation) and the forward hook that adds their term."""
     device = linear.weight.device
     linear.lora_A = nn.Linear(linear.in_features, rank, bias=False, device=device)
     linear.lora_B = nn.Linear(rank, linear.out_features, bias=False, device=device)
+    # nn.Linear's own init of A is peft's (kaiming-uniform, a = sqrt(5)); B starts at zero.
+    # (A model built on meta is initialised later, per name: `initial_value`.)
+    nn.init.zeros_(linear.lora_B.weight)
     linear.lora_adapter = AdapterState(alpha / rank, dropout)  # type: ignore[assignment]
     linear.register_forward_hook(_add_delta)
 
