@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
 from test_cli import assert_one_line_error, tessel
 from test_hf import VOCAB, hf_llama, save_hf
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
@@ -59,7 +60,9 @@ def tessel_lora_model(src: Path, ckpt: Path, cfg) -> Transformer:  # noqa: ANN00
 def trained(tmp_path: Path, corpus: Path):  # noqa: ANN201
     src = save_hf(hf_llama(), tmp_path / "hf", corpus)
     run = tmp_path / "run"
-    cfg = load_config(None, lora_overrides(src, run, corpus))
+    # the peft export during training (lora.export) at the last step
+    cfg = load_config(None, lora_overrides(src, run, corpus, **{
+        "checkpoint.hf_export_interval": 4, "lora.export": "peft"}))
     Trainer(cfg, console=False).train()
     return src, run, Config_of(run)
 
@@ -87,6 +90,9 @@ def test_peft_loads_the_adapters_and_the_merged_export_has_the_same_logits(train
         mine = ours(x)[..., :VOCAB]
     assert (mine - theirs).abs().max() <= 1e-5
     assert (plain - theirs).abs().max() > 1e-2  # the adapters matter: the test means something
+    during = load_file(run / "checkpoints/step_00000004/hf/adapter_model.safetensors")
+    after = load_file(adapters / "adapter_model.safetensors")
+    assert during.keys() == after.keys() and all(torch.equal(during[k], after[k]) for k in after)
     merged = tmp_path / "merged"
     assert main(["convert", "tessel-to-hf", str(run), str(merged)]) == 0
     with torch.no_grad():
