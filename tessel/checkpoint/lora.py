@@ -30,7 +30,7 @@ from tessel.checkpoint.eod import run_eod
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.hf_arch import HFError, Llama, one_to_one
 from tessel.checkpoint.init_from import WeightSource
-from tessel.config import Config, ModelConfig
+from tessel.config import Config, ModelConfig, read_saved, with_saved_defaults
 from tessel.fileio import fsync_dir
 from tessel.models.lora import TESSEL_TARGETS, TESSEL_TO_HF, is_adapter, merged_weight
 
@@ -97,7 +97,10 @@ def lora_config_of(src: Path) -> tuple[Config, Path] | None:
     saved = read_state(ckpt).get("config", {})
     if not saved.get("lora", {}).get("enabled"):
         return None
-    return Config.from_dict(saved), ckpt
+    run_config = ckpt.parent.parent / "config.toml"  # not redacted, unlike the state's copy
+    if run_config.is_file():
+        return Config.from_dict(read_saved(run_config)), ckpt
+    return Config.from_dict(with_saved_defaults(saved)), ckpt
 
 
 def _adapters(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from tessel.checkpoint.hf_arch import one_to_one
 from tessel.checkpoint.init_from import WeightSource, load_config
 from tessel.cli import main
 from tessel.data import build_data
+from tessel.generate import load_run_for_inference
 from tessel.models.lora import TESSEL_TO_HF, add_lora
 from tessel.models.transformer import Transformer
 from tessel.parallel.apply import materialise
@@ -93,6 +94,9 @@ def test_peft_loads_the_adapters_and_the_merged_export_has_the_same_logits(train
     during = load_file(run / "checkpoints/step_00000004/hf/adapter_model.safetensors")
     after = load_file(adapters / "adapter_model.safetensors")
     assert during.keys() == after.keys() and all(torch.equal(during[k], after[k]) for k in after)
+    sampler, _ = load_run_for_inference(run)  # tessel generate: the base + adapters, merged
+    with torch.no_grad():
+        assert (sampler(x)[..., :VOCAB] - mine).abs().max() <= 1e-4
     merged = tmp_path / "merged"
     assert main(["convert", "tessel-to-hf", str(run), str(merged)]) == 0
     with torch.no_grad():
