@@ -204,15 +204,20 @@ def rank_parameters(m: ModelConfig, layout: Layout, rank: int) -> StageParams:
                             sum(moe_layer_count(m, ranges[s]) for s in ids), layout.ep)
 
 
-def parameter_elements(m: ModelConfig, layout: Layout) -> int:
+def parameter_elements(m: ModelConfig, layout: Layout, lora: LoraConfig | None = None) -> int:
     """Parameter elements held by all ranks together (= AdamW exp_avg elements), as the
     real run's local shards add up (FSDP's padding left out): each pipeline rank's dense
     weights once per tensor-parallel rank and data-parallel replica, its routed experts once
-    per expert-parallel rank and replica (sharded, not copied, over their own group)."""
+    per expert-parallel rank and replica (sharded, not copied, over their own group). With
+    `lora`: the adapters' elements alone (what AdamW holds state for in a LoRA run)."""
     copies = layout.dp_replicate if fsdp_active(layout) else layout.dp * layout.cp
     total = 0
     for rank in range(layout.pp):
         p = rank_parameters(m, layout, rank)
+        if lora is not None:
+            total += adapter_parameters(m, lora, p.layers, p.moe_layers, layout.tp) * (
+                layout.tp * copies)
+            continue
         # With ep = 1 the routed experts are whole on every tp rank; ep > 1 splits them over
         # ep ranks borrowed from dp_shard x tp, and shards, not copies, them over the rest.
         expert_copies = layout.ep if layout.ep > 1 else layout.tp

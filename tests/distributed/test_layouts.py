@@ -363,6 +363,22 @@ def assert_lora_runs(refs, tmp_path: Path) -> None:  # noqa: ANN001
         adapters = final_weights(tmp_path / name)
         assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters), name
         assert all(adapters[k].abs().max() > 0 for k in adapters if ".lora_B." in k), name
+        if list((tmp_path / name).glob("memory-rank*.json")):
+            assert_lora_planner_elements(tmp_path / name, 2)
+
+
+def assert_lora_planner_elements(run: Path, world: int) -> None:
+    """The planner's LoRA count against the ranks' own: AdamW state for the adapters alone
+    (as placed under tp), parameters = the frozen base + the adapters (summed over ranks)."""
+    from tessel.planner.layout import Layout
+    from tessel.planner.memory import parameter_elements
+
+    cfg = Config.load(run / "config.toml")
+    records = [json.loads(f.read_text()) for f in sorted(run.glob("memory-rank*.json"))]
+    layout = Layout.from_config(cfg, world)
+    adapters = parameter_elements(cfg.model, layout, cfg.lora)
+    assert sum(rec["exp_avg"] for rec in records) == adapters, run.name
+    assert sum(rec["params"] for rec in records) == parameter_elements(cfg.model, layout) + adapters
 
 
 def assert_one_embedding(run: Path) -> None:
