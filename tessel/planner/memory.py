@@ -54,6 +54,9 @@ ASSUMPTIONS = (
     "copies, expert hidden units, fp32 router logits, ...) assuming balanced routing (every "
     "rank's experts get tokens x top_k slots); expert parallelism adds the dispatch and "
     "combine buffers of one layer (2 x tokens x top_k x d_model in the compute dtype)",
+    "LoRA (lora.enabled): the frozen base has no gradients or AdamW state (the blocks' "
+    "projections held in lora.base_dtype), the adapters have both; activations and step "
+    "time as for full training (upper bounds)",
     f"outside the allocator: {CUDA_CONTEXT_BYTES / GIB:.2f} GiB CUDA context + "
     f"{NCCL_BYTES / GIB:.2f} GiB communicators; fragmentation {FRAGMENTATION:.0%} of allocated",
 )
