@@ -71,8 +71,18 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
         raise CheckpointError(f"run {str(path)!r} has no complete checkpoint yet")
     cfg = Config.from_dict(read_saved(run / "config.toml"))
     read_state(ckpt)  # validates format and file sizes
-    model = build_model(cfg.model, device)
-    load_model(ckpt, model)
+    if cfg.lora.enabled:  # the checkpoint holds adapters only: merge them into the base
+        from tessel.checkpoint.lora import MergedSource
+        from tessel.parallel.apply import materialise
+
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        materialise(model, torch.device(device), cfg.train.seed,
+                    MergedSource(cfg, ckpt, cfg.model).get)
+        model.eval()
+    else:
+        model = build_model(cfg.model, device)
+        load_model(ckpt, model)
     return model, load_tokenizer(run / "tokenizer.json", cfg.data.eod_token)
 
 

@@ -126,7 +126,10 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
         raise HFError(f"{str(src)!r} is already a Hugging Face model directory")
     m = ModelConfig(preset=None, **model_fields_of(src))
     arch = for_model(m)  # before reading weights: it refuses shapes it cannot export
-    source = WeightSource(src, m)
+    from tessel.checkpoint.lora import MergedSource, lora_config_of
+
+    lora = lora_config_of(src)  # a LoRA checkpoint holds adapters only: merge them
+    source = MergedSource(*lora, m) if lora is not None else WeightSource(src, m)
     tokenizer_path = source.tokenizer
     config = arch.hf_config(m)
     files: dict[str, str] = {}

@@ -17,8 +17,11 @@ from pathlib import Path
 
 
 class HFExporter:
-    def __init__(self, interval: int, log: Path, say: Callable[[str], None]):
+    def __init__(self, interval: int, log: Path, say: Callable[[str], None],
+                 peft: bool = False):
+        """`peft`: export a LoRA run's adapters as a peft directory (lora.export)."""
         self.interval = interval
+        self.peft = peft
         self.log = log
         self.say = say
         self._running: tuple[subprocess.Popen, Path] | None = None
@@ -31,7 +34,7 @@ class HFExporter:
         with open(self.log, "a") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tessel", "convert", "tessel-to-hf", str(ckpt),
-                 str(ckpt / "hf")],
+                 str(ckpt / "hf"), *(["--peft"] if self.peft else [])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         self._running = (proc, ckpt)

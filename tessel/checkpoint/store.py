@@ -53,6 +53,7 @@ from tessel.checkpoint.pending import (
     then,
 )
 from tessel.fileio import fsync_dir
+from tessel.models.lora import is_adapter
 
 
 @contextlib.contextmanager
@@ -69,11 +70,19 @@ _MODEL_LOAD = StateDictOptions(strict=False)
 
 
 def _model_state(m: nn.Module) -> dict[str, Any]:
-    """The module's state dict with each shared tensor once: a tied output projection
+    """The module's state dict (a LoRA model's: its adapters and buffers only) with each
+    shared tensor once: a tied output projection
     (`output.weight`, the embedding itself) is saved and loaded as `tok_embeddings.weight`
     only, on every pipeline stage that holds it. Checkpoints of earlier versions hold both
     names; the second is then simply not read."""
     sd = get_model_state_dict(m)
+    names = [n for n, _ in m.named_parameters()]
+    if any(is_adapter(n) for n in names):
+        # A LoRA model: only the adapters are trained and saved; the frozen base comes from
+        # model.init_from every time (tessel.checkpoint.lora fingerprints it).
+        for n, p in m.named_parameters():
+            if not p.requires_grad:
+                sd.pop(n, None)
     emb, out = getattr(m, "tok_embeddings", None), getattr(m, "output", None)
     if emb is not None and out is not None and out.weight is emb.weight:
         sd.pop("output.weight", None)

@@ -27,12 +27,17 @@ def build_parser() -> Parser:
         "tessel-to-hf", help="a run, checkpoint (any layout) or safetensors file -> HF directory",
         description="Write a Hugging Face model directory that transformers loads "
                     "(AutoModelForCausalLM,\nAutoTokenizer), reading the checkpoint tensor by "
-                    "tensor whatever parallel layout\nsaved it.")
+                    "tensor whatever parallel layout\nsaved it. A LoRA run exports its "
+                    "base with the adapters merged, or with\n--peft its adapters alone.")
     b.add_argument("source", metavar="RUN_DIR|CHECKPOINT|FILE",
                    help="a run directory (its latest checkpoint), a checkpoint, or a safetensors file")
     b.add_argument("output", metavar="HF_DIR", help="directory to write")
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights' dtype in the export (default float32, as trained)")
+    b.add_argument("--peft", action="store_true",
+                   help="a LoRA run (lora.enabled): write its adapters as a peft adapter "
+                        "directory (adapter_config.json, adapter_model.safetensors) instead "
+                        "of the base with the adapters merged")
     b.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="split the weights into files of at most this size (default 5GB)")
     return p
@@ -49,6 +54,10 @@ def cmd_convert(argv: list[str]) -> int:
 
     if args.direction == "hf-to-tessel":
         print(hf_to_tessel(Path(args.source), Path(args.output), args.eod_token))
+    elif args.peft:
+        from tessel.checkpoint.lora import export_peft
+
+        print(export_peft(Path(args.source), Path(args.output)))
     else:
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
         print(tessel_to_hf(Path(args.source), Path(args.output), dtype,

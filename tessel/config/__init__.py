@@ -28,6 +28,7 @@ from tessel.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    LoraConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -37,7 +38,8 @@ from tessel.config.schema import (
 
 __all__ = [
     "SHAPE_FIELDS", "AlertCondition", "AlertConfig", "CheckpointConfig", "Config", "ConfigError",
-    "DataConfig", "MetricsConfig", "ModelConfig", "NotifyConfig", "OptimConfig", "ParallelConfig",
+    "DataConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "NotifyConfig", "OptimConfig",
+    "ParallelConfig",
     "RecoveryConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "parse_override_value",
     "read_saved", "read_toml", "reference_markdown", "table_model", "with_saved_defaults",
 ]

@@ -28,7 +28,7 @@ from tessel.config.monitoring import (
 
 __all__ = [
     "SHAPE_FIELDS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+    "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
 ]
 
 
@@ -296,6 +296,45 @@ class CheckpointConfig(Section):
     transformers) with every checkpoint whose step is a multiple of N (0: never)."""
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA): train small matrices beside chosen projections of a frozen
+    base model (model.init_from). See docs/finetuning.md."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the whole model: every base parameter is frozen (no
+    gradients, no optimizer state) and checkpoints hold only the adapters."""
+    rank: int = Field(8, gt=0)
+    """Rank r of each adapter pair (A: r x in, B: out x r)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the adapters' term: it is multiplied by alpha / rank (peft's lora_alpha)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (peft's lora_dropout)."""
+    targets: list[str] = ["wq", "wv"]
+    """Projections of every block that get adapters: tessel's names (wq, wk, wv, wo, w1, w2,
+    w3) or Hugging Face's (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the frozen base weights of the blocks' projections are held in (bfloat16 halves
+    their memory; their input is cast to it and their output back); adapters stay float32."""
+    export: Literal["merged", "peft"] = "merged"
+    """What checkpoint.hf_export_interval writes: a Hugging Face model with the adapters
+    merged into its weights (W + alpha/rank B A), or a peft adapter directory
+    (adapter_config.json + adapter_model.safetensors) for the Hugging Face base."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraConfig:
+        from tessel.models.lora import LoraError, resolve_targets
+
+        if self.enabled:
+            if not self.targets:
+                raise ValueError("lora.targets is empty; name at least one projection, e.g. "
+                                 '["q_proj", "v_proj"]')
+            try:
+                resolve_targets(self.targets)
+            except LoraError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+
 class RunConfig(Section):
     dir: str = Field("runs/demo", min_length=1, pattern=r"\S")
     """Output directory: config.toml, metrics.jsonl, checkpoints/, TensorBoard events
@@ -325,6 +364,7 @@ class Config(BaseModel):
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -343,6 +383,11 @@ class Config(BaseModel):
                 for_model(m).hf_config(m)
             except HFError as exc:
                 raise ValueError(f"checkpoint.hf_export_interval: {exc}; set it to 0") from None
+        if self.lora.enabled and t.fp8:
+            # float8 training swaps the projections for Float8Linear modules: the adapters
+            # and their hooks would be dropped
+            raise ValueError("lora.enabled does not combine with train.fp8 yet; set one of "
+                             "them to false")
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(

@@ -1,15 +1,18 @@
 """Build the model for one rank of a layout, in the one fixed order:
 
-    build on meta -> pipeline split -> tensor parallel -> expert parallel -> float8 linears
+    build on meta -> pipeline split -> tensor parallel -> expert parallel -> LoRA adapters
+    (lora.enabled; sharded beside their tensor-parallel projections) -> float8 linears
     (train.fp8) -> activation checkpointing -> compile -> FSDP (ZeRO 1-3; the experts over
     their own group) -> materialise + initialise
     -> DDP (zero 0)
 
 Tensor parallelism comes first because the later steps must see the DTensor parameters it
-creates; activation checkpointing wraps the block forward that compile then traces; FSDP
-shards whatever the blocks hold by then. DDP wraps real tensors, so it comes after
-initialisation. Weights are initialised per parameter from its full, unsharded value
-(`Transformer.initial_value`), so every layout starts from exactly the single-process weights.
+creates (LoRA adapters come after it: its plans shard every parameter below a projection,
+and the adapters' own placements follow their projection's); activation checkpointing
+wraps the block forward that compile then traces; FSDP shards whatever the blocks hold by
+then. DDP wraps real tensors, so it comes after initialisation. Weights are initialised per
+parameter from its full, unsharded value (`Transformer.initial_value`), so every layout
+starts from exactly the single-process weights.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.utils.checkpoint import (
 )
 
 from tessel.config import Config
+from tessel.models import lora
 from tessel.models.transformer import Transformer
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolve_zero
 from tessel.parallel.expert import apply_expert_parallel
@@ -40,7 +44,7 @@ from tessel.parallel.fsdp import (
     data_parallel_kind,
 )
 from tessel.parallel.pipeline import split_model
-from tessel.parallel.tensor import apply_tensor_parallel
+from tessel.parallel.tensor import apply_tensor_parallel, shard_lora
 
 InitialValue = Callable[[str, tuple[int, ...]], torch.Tensor]
 """The full initial value of a parameter, by name and shape."""
@@ -106,6 +110,9 @@ def build_parallel_model(
                                   replicate_experts=ep_mesh is None)
         if ep_mesh is not None:
             apply_expert_parallel(stage, ep_mesh)
+        if cfg.lora.enabled:
+            apply_lora(cfg, stage, mesh["tp"] if dims.tp > 1 and mesh is not None else None,
+                       p.sequence_parallel)
         if cfg.train.fp8:
             from tessel.parallel.fp8 import apply_fp8
 
@@ -140,6 +147,18 @@ def build_parallel_model(
     )
 
 
+def apply_lora(cfg: Config, stage: Transformer, tp_mesh: DeviceMesh | None,
+               sequence_parallel: bool) -> None:
+    """LoRA adapters on the stage's target projections (the rest frozen), placed like their
+    projections under tensor parallelism, and the base held in lora.base_dtype."""
+    c = cfg.lora
+    lora.add_lora(stage, c.targets, c.rank, c.alpha, c.dropout)
+    if tp_mesh is not None:
+        shard_lora(stage, tp_mesh, sequence_parallel)
+    if c.base_dtype == "bfloat16":
+        lora.cast_base(stage, torch.bfloat16)
+
+
 @torch.no_grad()
 def materialise(model: Transformer, device: torch.device, seed: int,
                 initial: InitialValue | None = None,
@@ -153,7 +172,9 @@ def materialise(model: Transformer, device: torch.device, seed: int,
     model.to_empty(device=torch.device("cpu") if offloaded else device)
     model.tie_weights()
     for name, param in model.named_parameters():
-        if initial is not None:
+        if lora.is_adapter(name):  # never in the base weights: peft's initialisation
+            full = lora.initial_value(name, tuple(param.shape), seed)
+        elif initial is not None:
             full = initial(name, tuple(param.shape))
         else:
             full = model.initial_value(name, param.shape, seed)

@@ -148,3 +148,39 @@ def loss_context(enabled: bool) -> Iterator[None]:
 def local_value(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (the vocab-parallel loss) as a plain tensor; others unchanged."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_lora(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Place the LoRA adapters (`tessel.models.lora`) of the tensor-parallel projections
+    of `model` (on meta, after `apply_tensor_parallel`), so each rank computes its share of
+    the adapter's term with the projection's own input and output layouts:
+
+    - column-parallel projection (weight Shard(0): wq/wk/wv, w1/w3): A replicated, B split
+      by output rows like the weight; the term comes out split by columns like the
+      projection's output. A's gradient is partial per rank (its output gradient is split),
+      summed where the replicated gradients of QK-norm are (FSDP, or clip_grad_norm).
+    - row-parallel projection (weight Shard(1): wo, w2): A split by input columns like the
+      weight, B replicated; A x is partial per rank and is all-reduced at rank r (small)
+      before B, and the term is then laid out as the projection's output (replicated, or
+      split along the sequence under sequence parallelism: a local slice).
+
+    Parity with the single-process model is checked in tests/distributed/test_layouts.py."""
+    from tessel.models.lora import adapted_modules
+
+    out_layout = Shard(1) if sequence_parallel else Replicate()
+    for linear in adapted_modules(model).values():
+        weight = linear.weight
+        if not isinstance(weight, DTensor):
+            continue  # not split (e.g. an MoE layer's replicated shared expert): nothing to do
+        column = weight.placements[0] == Shard(0)
+        placements = ([Replicate()], [Shard(0)]) if column else ([Shard(1)], [Replicate()])
+        for child, placement in zip((linear.lora_A, linear.lora_B), placements):
+            child.weight = torch.nn.Parameter(
+                distribute_tensor(child.weight, tp_mesh, placement, src_data_rank=None),
+                requires_grad=child.weight.requires_grad)
+        adapter = linear.lora_adapter
+        if column:
+            adapter.after = lambda y: y.to_local()
+        else:
+            adapter.between = lambda h: h.redistribute(placements=[Replicate()])
+            adapter.after = lambda y, _o=out_layout: y.redistribute(placements=[_o]).to_local()

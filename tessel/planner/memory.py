@@ -13,13 +13,14 @@ context, communicator buffers and allocator fragmentation, and is what must fit.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from tessel.config import ModelConfig
+from tessel.config import LoraConfig, ModelConfig
 from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
 from tessel.planner.layout import Layout
+from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes
 from tessel.planner.probe import ActivationProfile, activation_profile
 
 GIB = 2**30
@@ -53,6 +54,9 @@ ASSUMPTIONS = (
     "copies, expert hidden units, fp32 router logits, ...) assuming balanced routing (every "
     "rank's experts get tokens x top_k slots); expert parallelism adds the dispatch and "
     "combine buffers of one layer (2 x tokens x top_k x d_model in the compute dtype)",
+    "LoRA (lora.enabled): the frozen base has no gradients or AdamW state (the blocks' "
+    "projections held in lora.base_dtype), the adapters have both; activations and step "
+    "time as for full training (upper bounds)",
     f"outside the allocator: {CUDA_CONTEXT_BYTES / GIB:.2f} GiB CUDA context + "
     f"{NCCL_BYTES / GIB:.2f} GiB communicators; fragmentation {FRAGMENTATION:.0%} of allocated",
 )
@@ -203,15 +207,20 @@ def rank_parameters(m: ModelConfig, layout: Layout, rank: int) -> StageParams:
                             sum(moe_layer_count(m, ranges[s]) for s in ids), layout.ep)
 
 
-def parameter_elements(m: ModelConfig, layout: Layout) -> int:
+def parameter_elements(m: ModelConfig, layout: Layout, lora: LoraConfig | None = None) -> int:
     """Parameter elements held by all ranks together (= AdamW exp_avg elements), as the
     real run's local shards add up (FSDP's padding left out): each pipeline rank's dense
     weights once per tensor-parallel rank and data-parallel replica, its routed experts once
-    per expert-parallel rank and replica (sharded, not copied, over their own group)."""
+    per expert-parallel rank and replica (sharded, not copied, over their own group). With
+    `lora`: the adapters' elements alone (what AdamW holds state for in a LoRA run)."""
     copies = layout.dp_replicate if fsdp_active(layout) else layout.dp * layout.cp
     total = 0
     for rank in range(layout.pp):
         p = rank_parameters(m, layout, rank)
+        if lora is not None:
+            total += adapter_parameters(m, lora, p.layers, p.moe_layers, layout.tp) * (
+                layout.tp * copies)
+            continue
         # With ep = 1 the routed experts are whole on every tp rank; ep > 1 splits them over
         # ep ranks borrowed from dp_shard x tp, and shards, not copies, them over the rest.
         expert_copies = layout.ep if layout.ep > 1 else layout.tp
@@ -258,16 +267,16 @@ def fsdp_active(layout: Layout) -> bool:
 
 def estimate_memory(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
-    document_mask: bool = False,
+    document_mask: bool = False, lora: LoraConfig | None = None,
 ) -> Memory:
-    """Memory of the busiest pipeline rank."""
-    ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask)
+    """Memory of the busiest pipeline rank (`lora`: a LoRA run's, see rank_memory)."""
+    ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask, lora)
     return max(ranks, key=lambda mem: mem.total)
 
 
 def memory_by_rank(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
-    document_mask: bool = False,
+    document_mask: bool = False, lora: LoraConfig | None = None,
 ) -> list[Memory]:
     """Memory of each pipeline rank (every data- and tensor-parallel rank of it alike)."""
     ranges = stage_layers(m, layout)
@@ -279,7 +288,7 @@ def memory_by_rank(
         stages = {s: (len(ranges[s]), moe_layer_count(m, ranges[s]))
                   for s in rank_stages(layout, rank)}
         mem = rank_memory(m, layout, seq_len, precision, params, stages, rank, acts,
-                          micro_batches, document_mask)
+                          micro_batches, document_mask, lora)
         mem.stage = rank
         out.append(mem)
     return out
@@ -340,10 +349,14 @@ def peak_in_flight(order: list[tuple[str, int]], chunk_bytes: dict[int, float]) 
 def rank_memory(
     m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
     stages: dict[int, tuple[int, int]], rank: int, acts: ActivationProfile, micro_batches: int,
-    document_mask: bool = False,
+    document_mask: bool = False, lora: LoraConfig | None = None,
 ) -> Memory:
     """Memory of pipeline rank `rank`, which holds `stages` (stage index -> (its layers, of
-    which MoE layers))."""
+    which MoE layers)). With `lora` only the adapters have gradients and AdamW state; the
+    frozen base keeps its (sharded) weights and compute copies, its blocks' projections in
+    lora.base_dtype; the gradients in flight to FSDP's reduce-scatter are the adapters';
+    activations are counted as for full training (an upper bound: a frozen projection needs
+    no input saved for its weight's gradient, but its adapter's A does)."""
     n_stages = layout.pp * layout.pp_virtual_stages
     last = n_stages - 1 in stages
     compute = 2 if precision in ("bf16", "fp16") else 4
@@ -374,6 +387,18 @@ def rank_memory(
     else:
         copies = 0.0
     parameters = master + copies
+
+    trained, trained_local = p.total, local
+    if lora is not None:
+        trained = adapter_parameters(m, lora, p.layers, p.moe_layers, layout.tp)
+        trained_local = -(-trained // shard)
+        block_mm = p.matmul - p.head_matmul  # the blocks' projections: lora.base_dtype
+        base_bytes = MASTER_BYTES * local - (
+            MASTER_BYTES - base_block_matmul_bytes(lora)) * -(-block_mm // shard)
+        master = (0.0 if offload_params else base_bytes) + MASTER_BYTES * trained_local
+        parameters = master + copies
+        p = replace(p, total=trained, block=trained // max(p.layers, 1))  # what trains
+        local = trained_local
 
     # Gradients: fp32; sharded under FSDP, with ZeRO-1's unsharded accumulation buffer.
     if not fsdp:

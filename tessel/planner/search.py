@@ -82,7 +82,7 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cu
     t, m = cfg.train, cfg.model
     precision = precision_for(cfg, device_type)
     mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
-                          cfg.data.document_mask)
+                          cfg.data.document_mask, cfg.lora if cfg.lora.enabled else None)
     step = estimate_step(m, layout, hw, t.seq_len, t.global_batch_size, precision, dp_overlap)
     tokens = t.global_batch_size * t.seq_len
     tps = tokens / step.total

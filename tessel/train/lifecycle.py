@@ -33,6 +33,13 @@ def announce(tr: Trainer) -> None:
     m = cfg.model
     moe = (f"; MoE: {m.moe_experts} experts, top-{m.moe_top_k}, "
            f"{active_param_count(m):,} active" if m.moe_experts else "")
+    if cfg.lora.enabled:  # the whole model's adapters (every rank's share counted once)
+        from tessel.planner.lora import adapter_parameters
+
+        n = adapter_parameters(m, cfg.lora, m.n_layers,
+                               sum(m.is_moe_layer(i) for i in range(m.n_layers)), 1)
+        moe += (f"; LoRA r={cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {n:,} trainable "
+                f"({n / param_count(m):.2%}), base frozen")
     tr.display.print(
         f"tessel: {verb} {param_count(m):,}-parameter model "
         f"({m.preset or 'custom'}{moe}) on {tr.proc.world_size} x {tr.device.type} "

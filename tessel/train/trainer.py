@@ -112,8 +112,18 @@ class Trainer:
     def _build(self, resume_from: tuple[Path, dict[str, Any]] | None, say: Any) -> None:
         """Everything the run needs, from the checked config: data, model, the parts."""
         proc, dims = self.proc, self.dims
-        self.init_source = self._init_source() if resume_from is None else None
+        # A LoRA run's checkpoints hold only its adapters: the frozen base is read from
+        # model.init_from on every start, resumes included, and must be the one it was.
+        lora = self.cfg.lora.enabled
+        self.init_source = self._init_source() if resume_from is None or lora else None
         cfg = self.cfg
+        self.lora_base = None
+        if lora:
+            from tessel.checkpoint.lora import base_fingerprint, check_base
+
+            self.lora_base = base_fingerprint(cfg)
+            if resume_from is not None:
+                check_base(resume_from[1], self.lora_base, resume_from[0], cfg.model.init_from)
 
         mesh = None
         if proc.distributed:
@@ -162,7 +172,8 @@ class Trainer:
         if proc.is_main and cfg.checkpoint.hf_export_interval:
             from tessel.checkpoint.hf_export import HFExporter
 
-            hf_export = HFExporter(cfg.checkpoint.hf_export_interval, self.run.hf_export_log, say)
+            hf_export = HFExporter(cfg.checkpoint.hf_export_interval, self.run.hf_export_log, say,
+                                   peft=cfg.lora.enabled and cfg.lora.export == "peft")
         self.checkpoints = CheckpointManager(
             self.run.checkpoints, self.model.inner, self.optimizers,
             keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
@@ -388,6 +399,8 @@ class Trainer:
             "layout": self.dims.describe(),
             "batches_drawn": self.batches_drawn,
         }
+        if self.lora_base is not None:
+            state["lora_base"] = self.lora_base  # tessel.checkpoint.lora.FINGERPRINT_KEY
         if self.recovery.enabled:
             state["recovery"] = self.recovery.state_dict()
         if self.alerts is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model
+from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model, read_full
 from tessel.checkpoint.init_from import load_config
 from tessel.checkpoint.store import checkpoint_shapes
 from tessel.config import Config
@@ -192,9 +192,23 @@ LAYOUTS_4.update({
                      "parallel.activation_checkpointing": "full"},
 })
 
+# LoRA on every projection (rank 4, dropout 0) of the Llama model imported from HF weights
+# (`refs["hf"]`, frozen): DDP, ZeRO-3 with frozen and trainable parameters in one FSDP unit
+# (with activation checkpointing), and TP2 with and without SP (adapters of column- and
+# row-parallel projections). Compared on the adapters, which are all the checkpoints hold.
+LORA = {"lora.enabled": True, "lora.rank": 4, "lora.alpha": 8.0,
+        "lora.targets": ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]}
+# (run in the 2-process job, from `refs["hf"]`, against the single-process LoRA run)
+LORA_2 = {
+    "lora_ddp": {**LORA, "parallel.zero": 0},
+    "lora_zero3_ac_full": {**LORA, "parallel.zero": 3, "parallel.activation_checkpointing": "full"},
+    "lora_tp2_sp": {**LORA, "parallel.tp": 2},
+    "lora_tp2_nosp": {**LORA, "parallel.tp": 2, "parallel.sequence_parallel": False},
+}
+
 
 def ref_for(name: str) -> str:
-    return next((ref for ref in ("gpt", "tied", "moe", "qk", "sft") if name.startswith(ref)),
+    return next((ref for ref in ("gpt", "tied", "moe", "qk", "sft", "lora") if name.startswith(ref)),
                 "llama")
 
 
@@ -226,6 +240,8 @@ def train_metrics(run_dir: Path) -> tuple[dict[int, dict], float]:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     cfg = Config.load(run_dir / "config.toml")
+    if cfg.lora.enabled:  # the adapters are all the checkpoint holds (and all that trains)
+        return read_full(latest_checkpoint(run_dir / "checkpoints"), "model")
     model = build_model(cfg.model, seed=123)  # different init: everything must come from disk
     load_model(latest_checkpoint(run_dir / "checkpoints"), model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -273,7 +289,8 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
     for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED), ("moe", MOE), ("qk", QK),
                         ("sft", SFT),
-                        ("llama_hf", {"model.init_from": str(out["hf"])})):
+                        ("llama_hf", {"model.init_from": str(out["hf"])}),
+                        ("lora", {"model.init_from": str(out["hf"]), **LORA})):
         Trainer(load_config(None, base(root / name, corpus, **extra)), console=False).train()
         out[name] = root / name
     return out
@@ -336,6 +353,7 @@ def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
     for name, layout in {"tp2_from_hf": {"parallel.tp": 2}, "pp2_from_hf": {"parallel.pp": 2},
                          "zero3_from_hf": {"parallel.zero": 3}}.items():
         spec["runs"].append({"overrides": base(tmp_path / name, refs["corpus"], **from_hf, **layout)})
+    spec["runs"] += lora_runs(refs, tmp_path)
     proc = torchrun(2, spec, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     for name in LAYOUTS_2:
@@ -353,9 +371,43 @@ def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
             assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=tol), (name, step)
     for name in ("tp2_from_hf", "pp2_from_hf", "zero3_from_hf"):
         assert_same_run(tmp_path / name, refs["llama_hf"])
+    assert_lora_runs(refs, tmp_path)
     # The asynchronous save published both checkpoints, complete.
     assert [s for s, _ in list_checkpoints(tmp_path / "zero2_ac_selective_async/checkpoints")] == [2, 4, 6]
     assert_tied_embeddings_reshard(refs, tmp_path)
+
+
+def lora_runs(refs, tmp_path: Path) -> list[dict]:  # noqa: ANN001
+    """The LoRA layouts' runs for the 2-process job (they share its process group)."""
+    from_hf = {"model.init_from": str(refs["hf"])}
+    return [{"overrides": base(tmp_path / name, refs["corpus"], **from_hf, **layout)}
+            for name, layout in LORA_2.items()]
+
+
+def assert_lora_runs(refs, tmp_path: Path) -> None:  # noqa: ANN001
+    """Each LoRA layout equals the single-process LoRA run; it trained (the adapters moved
+    off their zero B) and its checkpoints hold only the adapters."""
+    for name in LORA_2:
+        assert_same_run(tmp_path / name, refs["lora"])
+        adapters = final_weights(tmp_path / name)
+        assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters), name
+        assert all(adapters[k].abs().max() > 0 for k in adapters if ".lora_B." in k), name
+        if list((tmp_path / name).glob("memory-rank*.json")):
+            assert_lora_planner_elements(tmp_path / name, 2)
+
+
+def assert_lora_planner_elements(run: Path, world: int) -> None:
+    """The planner's LoRA count against the ranks' own: AdamW state for the adapters alone
+    (as placed under tp), parameters = the frozen base + the adapters (summed over ranks)."""
+    from tessel.planner.layout import Layout
+    from tessel.planner.memory import parameter_elements
+
+    cfg = Config.load(run / "config.toml")
+    records = [json.loads(f.read_text()) for f in sorted(run.glob("memory-rank*.json"))]
+    layout = Layout.from_config(cfg, world)
+    adapters = parameter_elements(cfg.model, layout, cfg.lora)
+    assert sum(rec["exp_avg"] for rec in records) == adapters, run.name
+    assert sum(rec["params"] for rec in records) == parameter_elements(cfg.model, layout) + adapters
 
 
 def assert_one_embedding(run: Path) -> None:

@@ -130,8 +130,10 @@ def test_every_recipe_loads():
     assert {"tiny", "gpt2-124m", "gpt2-350m", "gpt3-1.3b", "llama3-8b"} <= names
     for path in recipes:
         cfg = Config.load(path)
-        # a recipe is named after its preset; sft-NAME fine-tunes the NAME preset
-        assert cfg.model.preset == path.stem.removeprefix("sft-")
+        if path.stem.startswith("lora-"):  # named for the method; the model is its preset
+            assert cfg.lora.enabled and f"lora-{cfg.model.preset}".startswith(path.stem)
+        else:  # a recipe is named after its preset; sft-NAME fine-tunes the NAME preset
+            assert cfg.model.preset == path.stem.removeprefix("sft-")
 
 
 def test_readme_reference_matches_the_typed_config():

@@ -1,0 +1,202 @@
+"""LoRA runs on disk: the fingerprint of the frozen base, and the two exports.
+
+A LoRA checkpoint holds only the adapters (and their optimizer state); the base comes from
+`model.init_from` every time the run starts, so a resume records which base it was, as a
+fingerprint, and refuses another one.
+
+Exports of a LoRA checkpoint:
+- merged (`tessel convert tessel-to-hf`, checkpoint.hf_export_interval): the base with
+  W + alpha/rank B A in every adapted projection, written by the ordinary HF export
+  (`MergedSource` stands in for the checkpoint's weights);
+- peft (`tessel convert tessel-to-hf --peft`, or lora.export = "peft"): adapter_config.json
+  and adapter_model.safetensors, keys as peft writes them
+  (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), loadable with
+  `peft.PeftModel.from_pretrained(base, DIR)` on the Hugging Face base model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from tessel.checkpoint.eod import run_eod
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.hf_arch import HFError, Llama, one_to_one
+from tessel.checkpoint.init_from import WeightSource
+from tessel.config import Config, ModelConfig, read_saved, with_saved_defaults
+from tessel.fileio import fsync_dir
+from tessel.models.lora import TESSEL_TARGETS, TESSEL_TO_HF, is_adapter, merged_weight
+
+FINGERPRINT_KEY = "lora_base"  # in a LoRA checkpoint's state.json
+
+
+def base_fingerprint(cfg: Config) -> str:
+    """A digest of the frozen base a LoRA run trains on: the bytes of the weight files of
+    model.init_from (an HF directory's config.json and safetensors; a tessel safetensors file;
+    a checkpoint's files), or, without init_from, the seed and shape of the random base."""
+    h = hashlib.sha256()
+    h.update(json.dumps(cfg.model.model_dump(exclude={"init_from"}), sort_keys=True,
+                        default=str).encode())
+    if not cfg.model.init_from:
+        h.update(f"random base, train.seed={cfg.train.seed}".encode())
+        return h.hexdigest()
+    for f in _weight_files(Path(cfg.model.init_from)):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    from tessel.checkpoint.store import find_checkpoint
+
+    if path.is_file():
+        return [path]
+    if (path / "config.json").is_file():
+        return [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    ckpt = find_checkpoint(path)
+    if ckpt is None:
+        raise HFError(f"model.init_from={str(path)!r} does not exist or holds no weights")
+    return sorted(f for f in ckpt.iterdir() if f.is_file() and f.name != "state.json")
+
+
+def check_base(state: dict[str, Any], fingerprint: str, ckpt: Path, init_from: str) -> None:
+    """Refuse to resume adapters trained on another base than the one model.init_from
+    holds now."""
+    saved = state.get(FINGERPRINT_KEY)
+    if saved is None:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} has no LoRA base fingerprint; it was "
+                              "not written by a LoRA run (lora.enabled)")
+    if saved != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} holds adapters trained on another base model (fingerprint "
+            f"{saved[:12]}) than model.init_from={init_from!r} holds now ({fingerprint[:12]}); "
+            "point model.init_from at the weights the adapters were trained on")
+
+
+def lora_config_of(src: Path) -> tuple[Config, Path] | None:
+    """(the run's config, the checkpoint) when `src` (a run or checkpoint directory) is a
+    LoRA checkpoint; None otherwise."""
+    from tessel.checkpoint.store import find_checkpoint, read_state
+
+    if not src.is_dir():
+        return None
+    ckpt = find_checkpoint(src)
+    if ckpt is None:
+        return None
+    saved = read_state(ckpt).get("config", {})
+    if not saved.get("lora", {}).get("enabled"):
+        return None
+    run_config = ckpt.parent.parent / "config.toml"  # not redacted, unlike the state's copy
+    if run_config.is_file():
+        return Config.from_dict(read_saved(run_config)), ckpt
+    return Config.from_dict(with_saved_defaults(saved)), ckpt
+
+
+def _adapters(ckpt: Path) -> dict[str, torch.Tensor]:
+    from tessel.checkpoint.store import read_full
+
+    return {k: v for k, v in read_full(ckpt, "model").items() if is_adapter(k)}
+
+
+class MergedSource:
+    """The weights of a LoRA checkpoint with its adapters merged: a `WeightSource` (get by
+    tessel name) over the base of model.init_from and the checkpoint's adapters."""
+
+    def __init__(self, cfg: Config, ckpt: Path, m: ModelConfig):
+        if cfg.model.init_from:
+            self.base_get = WeightSource(Path(cfg.model.init_from), m).get
+        else:  # a random base is its seed's: drawn again, exactly as the run drew it
+            from tessel.models.transformer import Transformer
+
+            with torch.device("meta"):
+                model = Transformer(m)
+            seed = cfg.train.seed
+            self.base_get = lambda name, shape: model.initial_value(name, shape, seed)
+        self.adapters = _adapters(ckpt)
+        self.scaling = cfg.lora.alpha / cfg.lora.rank
+        self.tokenizer = ckpt.parent.parent / "tokenizer.json"
+        # the run's config.toml (the checkpoint's copy of the config has secrets redacted)
+        self.eod_token = run_eod(ckpt.parent.parent)
+        self.path, self.kind = ckpt, f"LoRA checkpoint {ckpt.name} merged"
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        w = self.base_get(name, shape)
+        stem = name.removesuffix(".weight")
+        a = self.adapters.get(f"{stem}.lora_A.weight")
+        if a is None:
+            return w
+        return merged_weight(w, a, self.adapters[f"{stem}.lora_B.weight"], self.scaling)
+
+
+def export_peft(src: Path, out: Path) -> str:
+    """Write the adapters of the LoRA run or checkpoint `src` as a peft adapter directory
+    `out` (atomically); returns a one-line summary."""
+    found = lora_config_of(src)
+    if found is None:
+        raise HFError(f"{str(src)!r} is not a LoRA run or checkpoint (lora.enabled); "
+                      "--peft exports adapters only")
+    cfg, ckpt = found
+    m = cfg.model
+    if m.position != "rope" or m.mlp != "swiglu" or m.moe_experts or m.qk_norm:
+        raise HFError("--peft: peft adapters are written for Llama-shaped models "
+                      "(LlamaForCausalLM); export merged weights instead (without --peft)")
+    if out.exists():
+        raise HFError(f"{str(out)!r} already exists; choose a new output directory")
+    tensors = {}
+    for name, t in _adapters(ckpt).items():
+        # layers.{i}.attention.wq.lora_A.weight -> model.layers.{i}.self_attn.q_proj.lora_A...
+        _, i, rest = name.split(".", 2)
+        path, _, kind = rest.removesuffix(".weight").rpartition(".")  # attention.wq, lora_A
+        short = path.rpartition(".")[2]
+        hf_path = ("self_attn." if path.startswith("attention.") else "mlp.") + TESSEL_TO_HF[short]
+        if kind == "lora_B" and short in ("wq", "wk"):
+            # The rows of q/k are permuted between tessel's RoPE pairs and HF's halves (as
+            # the weights are on export): B's rows are the weight's output rows.
+            heads = "n_heads" if short == "wq" else "n_kv_heads"
+            t = one_to_one([(name, "hf", heads)], m, to_tessel=False)["hf"](lambda _, t=t: t)
+        tensors[f"base_model.model.model.layers.{i}.{hf_path}.{kind}.weight"] = t.contiguous()
+    targets = sorted({TESSEL_TO_HF[t] for t in _short_targets(cfg)})
+    init_from = cfg.model.init_from
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
+        "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
+        "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None,
+        "base_model_name_or_path": str(Path(init_from).resolve()) if init_from else None,
+    }
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+        fsync_dir(tmp)
+        tmp.rename(out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    return (f"wrote {out}: peft LoRA adapter (r={cfg.lora.rank}, {', '.join(targets)}), "
+            f"{len(tensors)} tensors, {size / 2**20:.2f} MiB; load it with "
+            f"peft.PeftModel.from_pretrained(base, {str(out)!r}) on {Llama.hf_class} "
+            f"{init_from or '(base)'}")
+
+
+def _short_targets(cfg: Config) -> list[str]:
+    from tessel.models.lora import resolve_targets
+
+    return [t for t in resolve_targets(cfg.lora.targets) if t in TESSEL_TARGETS]

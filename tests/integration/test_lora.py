@@ -1,0 +1,200 @@
+"""LoRA against `peft` itself: a small random HF Llama written by the test (no hub) is the
+frozen base; tessel's adapters load into peft with the same logits, train as peft's do, and a
+LoRA run's checkpoints hold only the adapters, resume exactly and refuse another base."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
+from test_cli import assert_one_line_error, tessel
+from test_hf import VOCAB, hf_llama, save_hf
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from tessel.checkpoint import latest_checkpoint, read_full
+from tessel.checkpoint.hf_arch import one_to_one
+from tessel.checkpoint.init_from import WeightSource, load_config
+from tessel.cli import main
+from tessel.data import build_data
+from tessel.generate import load_run_for_inference
+from tessel.models.lora import TESSEL_TO_HF, add_lora
+from tessel.models.transformer import Transformer
+from tessel.parallel.apply import materialise
+from tessel.train.trainer import Trainer
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_overrides(src: Path, run: Path, corpus: Path, **extra) -> dict:
+    return {
+        "model.init_from": str(src), "data.source": "files", "data.paths": [str(corpus)],
+        "train.seq_len": 32, "train.steps": 4, "train.micro_batch_size": 2,
+        "train.global_batch_size": 2, "train.eval_interval": 0, "train.eval_iters": 1,
+        "train.grad_clip": 0.0, "optim.lr": 2e-2, "optim.warmup_steps": 0,
+        "optim.schedule": "constant", "checkpoint.interval": 2, "metrics.log_interval": 1,
+        "metrics.tensorboard": False, "run.dir": str(run), "run.sample_tokens": 0,
+        "lora.enabled": True, "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": ALL,
+        **extra,
+    }
+
+
+def tessel_lora_model(src: Path, ckpt: Path, cfg) -> Transformer:  # noqa: ANN001
+    """The base of `src` with the adapters of `ckpt`, plain (one process)."""
+    m = cfg.model
+    with torch.device("meta"):
+        model = Transformer(m)
+    add_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha)
+    materialise(model, torch.device("cpu"), 0, WeightSource(src, m).get)
+    adapters = read_full(ckpt, "model")
+    missing, _ = model.load_state_dict(adapters, strict=False)
+    assert not [k for k in missing if "lora" in k]
+    return model.eval()
+
+
+@pytest.fixture
+def trained(tmp_path: Path, corpus: Path):  # noqa: ANN201
+    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
+    run = tmp_path / "run"
+    # the peft export during training (lora.export) at the last step
+    cfg = load_config(None, lora_overrides(src, run, corpus, **{
+        "checkpoint.hf_export_interval": 4, "lora.export": "peft"}))
+    Trainer(cfg, console=False).train()
+    return src, run, Config_of(run)
+
+
+def Config_of(run: Path):  # noqa: ANN201, N802
+    from tessel.config import Config
+
+    return Config.load(run / "config.toml")
+
+
+def test_peft_loads_the_adapters_and_the_merged_export_has_the_same_logits(trained, tmp_path):
+    src, run, cfg = trained
+    ckpt = latest_checkpoint(run / "checkpoints")
+    ours = tessel_lora_model(src, ckpt, cfg)
+    adapters = tmp_path / "adapter"
+    assert main(["convert", "tessel-to-hf", str(run), str(adapters), "--peft"]) == 0
+    written = json.loads((adapters / "adapter_config.json").read_text())
+    assert written["r"] == 4 and written["lora_alpha"] == 8.0
+    assert sorted(written["target_modules"]) == sorted(ALL)
+    base = LlamaForCausalLM.from_pretrained(src).eval()
+    x = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        plain = base(x).logits
+        theirs = PeftModel.from_pretrained(base, adapters).eval()(x).logits
+        mine = ours(x)[..., :VOCAB]
+    assert (mine - theirs).abs().max() <= 1e-5
+    assert (plain - theirs).abs().max() > 1e-2  # the adapters matter: the test means something
+    during = load_file(run / "checkpoints/step_00000004/hf/adapter_model.safetensors")
+    after = load_file(adapters / "adapter_model.safetensors")
+    assert during.keys() == after.keys() and all(torch.equal(during[k], after[k]) for k in after)
+    sampler, _ = load_run_for_inference(run)  # tessel generate: the base + adapters, merged
+    with torch.no_grad():
+        assert (sampler(x)[..., :VOCAB] - mine).abs().max() <= 1e-4
+    merged = tmp_path / "merged"
+    assert main(["convert", "tessel-to-hf", str(run), str(merged)]) == 0
+    with torch.no_grad():
+        folded = AutoModelForCausalLM.from_pretrained(merged).eval()(x).logits
+    assert (mine - folded).abs().max() <= 1e-4
+
+
+def test_tessel_lora_trains_as_peft_does(tmp_path: Path, corpus: Path):
+    """Same base, same adapter init (tessel's A copied into peft; B zero in both), same
+    batches: tessel's LoRA steps and peft + torch.optim.AdamW give the same losses."""
+    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
+    cfg = load_config(None, lora_overrides(src, tmp_path / "run", corpus))
+    trainer = Trainer(cfg, console=False)
+    ours = trainer.model.inner[0]
+    data = build_data(trainer.cfg, 0, 1, console=lambda _: None)  # the same batches again
+
+    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(src), PeftLoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ALL))
+    theirs = dict(peft_model.named_parameters())
+    m = cfg.model
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if not p.requires_grad:
+                continue
+            _, i, rest = name.split(".", 2)
+            path, _, kind = rest.removesuffix(".weight").rpartition(".")
+            part, short = path.split(".")
+            hf = (f"base_model.model.model.layers.{i}."
+                  f"{'self_attn' if part == 'attention' else 'mlp'}.{TESSEL_TO_HF[short]}."
+                  f"{kind}.default.weight")
+            value = p.detach()
+            if kind == "lora_B" and short in ("wq", "wk"):  # B's rows: HF's RoPE halves
+                heads = "n_heads" if short == "wq" else "n_kv_heads"
+                value = one_to_one([(name, "hf", heads)], m, False)["hf"](lambda _, v=value: v)
+            theirs[hf].copy_(value)
+    o = cfg.optim
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=o.lr,
+                            betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    mine, reference = [], []
+    for _ in range(3):
+        loss, _ = trainer.run_step()
+        trainer.step += 1
+        mine.append(loss.item())
+        batch = data.train.next_batch()
+        logits = peft_model(batch.inputs).logits
+        ref = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        ref.backward()
+        opt.step()
+        opt.zero_grad()
+        reference.append(ref.item())
+    trainer.close()
+    assert mine == pytest.approx(reference, abs=1e-5)
+    assert reference[-1] < reference[0]  # it learns
+
+
+def test_checkpoints_hold_only_the_adapters_and_resume_exactly(trained, tmp_path: Path,
+                                                               corpus: Path):
+    src, run, cfg = trained
+    ckpt = latest_checkpoint(run / "checkpoints")
+    saved = read_full(ckpt, "model")
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    assert all(".lora_" in k for k in read_full(ckpt, "optim"))
+    # (bytes on disk are dominated by DCP's per-tensor overhead at this size: count elements)
+    base = sum(t.numel() for t in LlamaForCausalLM.from_pretrained(src).state_dict().values())
+    assert sum(t.numel() for t in saved.values()) < base / 10
+
+    # 2 steps, then a resume to 4, equals the 4 steps in one go (adapters, bit for bit).
+    half = tmp_path / "half"
+    Trainer(load_config(None, lora_overrides(src, half, corpus, **{"train.steps": 2})),
+            console=False).train()
+    out = tessel("train", "--resume", str(half), "--train.steps=4")
+    assert out.returncode == 0, out.stderr
+    resumed = read_full(latest_checkpoint(half / "checkpoints"), "model")
+    assert saved.keys() == resumed.keys()
+    assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+    losses = lambda r: [json.loads(line)["loss"] for line in  # noqa: E731
+                        (r / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert losses(half)[-2:] == losses(run)[-2:]
+
+    # Another base under the same path: refused in one line, nothing written.
+    torch.manual_seed(7)
+    save_hf(hf_llama(), src)
+    before = sorted(p.name for p in (half / "checkpoints").iterdir())
+    out = tessel("train", "--resume", str(half), "--train.steps=6")
+    assert_one_line_error(out, "adapters trained on another base model")
+    assert sorted(p.name for p in (half / "checkpoints").iterdir()) == before
+
+
+def test_lora_on_a_projection_that_does_not_exist_is_one_line(tmp_path: Path, corpus: Path):
+    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
+    run = tmp_path / "run"
+    args = ["train", f"--model.init_from={src}", f"--run.dir={run}", "--data.source=files",
+            f"--data.paths=['{corpus}']", "--lora.enabled=true", "--train.steps=1"]
+    assert_one_line_error(tessel(*args, "--lora.targets=['q_proj', 'qkv_proj']"),
+                          "lora.targets: no projection named 'qkv_proj'")
+    assert not run.exists()
+    # A name tessel knows that this model lacks (GELU MLP: no w3) fails before any file too.
+    out = tessel("train", "--model.preset=tiny", f"--run.dir={run}", "--data.source=synthetic",
+                 "--lora.enabled=true", "--lora.targets=['up_proj']", "--train.steps=1")
+    assert_one_line_error(out, "layers.0.feed_forward.w3 does not exist")
+    assert not run.exists()
