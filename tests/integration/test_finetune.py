@@ -16,29 +16,6 @@ from tessel.observe.metrics import read_metrics
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
-@pytest.mark.slow
-def test_sft_tiny_trains_the_masked_loss_down_and_chats(tmp_path: Path):
-    run = tmp_path / "run"
-    cache = tmp_path / "cache"
-    proc = tessel("train", "configs/sft-tiny.toml", f"--run.dir={run}", f"--data.cache_dir={cache}",
-                  "--train.steps=16", "--train.global_batch_size=8", "--train.eval_interval=0",
-                  "--checkpoint.interval=0",
-                  "--metrics.log_interval=1", "--metrics.tensorboard=false",
-                  "--run.sample_tokens=0", cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # the one start-up line with the counts
-    assert "sft: 360 examples, 0 truncated, 0 dropped, packing efficiency" in proc.stdout
-    recs = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
-    first, last = recs[0], recs[-1]
-    # the loss over the learned (assistant) tokens only: 6.18 -> 4.05 on the project's CPUs
-    assert last["step"] == 16 and last["loss"] < 0.75 * first["loss"], (first["loss"], last["loss"])
-    assert 0.8 < last["sft_packing_efficiency"] <= 1 and 0 < last["sft_learned_fraction"] < 0.5
-    chat = tessel("generate", str(run), "--chat", "--prompt", "Spell moon.",
-                  "--max-new-tokens", "8", "--temperature", "0")
-    assert chat.returncode == 0, chat.stderr
-    assert "<|im_start|>" not in chat.stdout  # the reply alone, not the rendered prompt
-
-
 def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (extra overrides, the words the one error line must hold)."""
     def jsonl(name: str, records: list, raw: str = "") -> str:
@@ -123,3 +100,79 @@ def test_hf_to_tessel_keeps_the_models_chat_template(tmp_path: Path, corpus: Pat
     template = chat_template_for(out, None, load_tokenizer(out / "tokenizer.json"))
     assert "the model's own" in template.origin
     assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == "Q:hiA:"
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_hf_chat_model(path: Path) -> Path:
+    """A random transformers Llama with a ChatML template and a byte-level BPE trained on the
+    bundled chat set (its end-of-turn token a single id), as a user's HF directory holds."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        (ROOT / "configs/data/sft-tiny.jsonl").read_text().splitlines(),
+        trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=176,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+        eos_token_id=tok.token_to_id("<|im_end|>"))).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    return path
+
+
+@pytest.mark.slow
+def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
+    """The issue's end-to-end example in one config: a Hugging Face Llama (written here) is
+    fine-tuned on the bundled chat set with its own chat template and exported; the masked
+    loss falls, transformers loads the export and answers a held-out question greedily with
+    tessel's reply, in the template's shape (a reply that ends its turn by itself)."""
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    src = _tiny_hf_chat_model(tmp_path / "hf")
+    run = tmp_path / "run"
+    proc = tessel("train", "configs/sft-tiny.toml", f"--model.init_from={src}",
+                  "--data.chat_template=auto", f"--run.dir={run}",
+                  f"--data.cache_dir={tmp_path / 'cache'}", "--train.steps=60",
+                  "--train.eval_interval=0", "--checkpoint.interval=60",
+                  "--checkpoint.hf_export_interval=60", "--metrics.tensorboard=false",
+                  "--run.sample_tokens=0", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the model's own" in proc.stdout  # the template came from the HF directory
+    # the one start-up line with the counts
+    assert "sft: 360 examples, 0 truncated, 0 dropped, packing efficiency" in proc.stdout
+    recs = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    first, last = recs[0], recs[-1]
+    # the loss over the learned (assistant) tokens only
+    assert last["step"] == 60 and last["loss"] < 0.5 * first["loss"], (first["loss"], last["loss"])
+    assert 0.8 < last["sft_packing_efficiency"] <= 1 and 0 < last["sft_learned_fraction"] < 0.5
+
+    export = next(run.glob("checkpoints/step_*60/hf"))
+    model = LlamaForCausalLM.from_pretrained(export).eval()
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(export / "tokenizer.json"))
+    question = "Which letter comes after q?"  # one of the set's question families
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], chat_template=CHATML,
+                                  add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=end,
+                         pad_token_id=end)[0, ids.shape[1]:].tolist()
+    assert end in out, tok.decode(out)  # it ends its turn by itself
+    hf_reply = tok.decode(out[:out.index(end)])
+    chat = tessel("generate", str(run), "--chat", "--prompt", question,
+                  "--max-new-tokens", "24", "--temperature", "0")
+    assert chat.returncode == 0, chat.stderr
+    assert "<|im_start|>" not in chat.stdout  # the reply alone, not the rendered prompt
+    assert chat.stdout.strip() == hf_reply.strip(), (chat.stdout, hf_reply)
+    assert hf_reply.startswith("After "), hf_reply  # the answers' shape: "After q comes r."
