@@ -20,6 +20,7 @@ import functools
 import math
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,18 +51,28 @@ def _lm_eval() -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def task_manager(include_path: str) -> Any:
-    """lm_eval's task index, with the task YAMLs of `include_path` (a directory) added."""
+def task_manager(include_path: str, defaults: bool = True) -> Any:
+    """lm_eval's task index, with the task YAMLs of `include_path` (a directory) added;
+    `defaults`: also lm_eval's own tasks (indexing them costs ~15 s of CPU)."""
     _lm_eval()
     from lm_eval.tasks import TaskManager
 
-    if include_path:
-        from pathlib import Path
+    if include_path and not Path(include_path).is_dir():
+        raise LMEvalError(f"lm_eval.include_path={include_path!r} is not a directory; name "
+                          "the directory holding the task YAMLs")
+    return TaskManager(include_path=include_path or None, include_defaults=defaults)
 
-        if not Path(include_path).is_dir():
-            raise LMEvalError(f"lm_eval.include_path={include_path!r} is not a directory; name "
-                              "the directory holding the task YAMLs")
-    return TaskManager(include_path=include_path or None)
+
+def _manager_for(tasks: list[str], include_path: str) -> tuple[Any, list[str]]:
+    """The cheapest task index that knows `tasks` (the local one when they are all local),
+    and the names no index knows."""
+    if include_path:
+        local = task_manager(include_path, defaults=False)
+        if all(t in set(local.all_tasks) for t in tasks):
+            return local, []
+    manager = task_manager(include_path)
+    known = set(manager.all_tasks)
+    return manager, [t for t in tasks if t not in known]
 
 
 def check_lm_eval(cfg: Config) -> Any:
@@ -77,11 +88,10 @@ def check_lm_eval(cfg: Config) -> Any:
         raise LMEvalError(f"lm_eval.tasks does not run under {what} yet (pipeline and context "
                           "parallelism); score an exported checkpoint with `lm_eval --model hf` "
                           "instead, or set lm_eval.tasks = []")
-    manager = task_manager(e.include_path)
-    known = set(manager.all_tasks)
-    unknown = [t for t in e.tasks if t not in known]
+    manager, unknown = _manager_for(list(e.tasks), e.include_path)
     if unknown:
-        hint = " (none are defined in lm_eval.include_path)" if e.include_path else ""
+        hint = (f" (neither lm_eval's own nor in {e.include_path!r})" if e.include_path
+                else "")
         raise LMEvalError(f"lm_eval.tasks: unknown task(s) {', '.join(map(repr, unknown))}{hint}; "
                           "`lm_eval ls tasks` lists them")
     return manager
