@@ -309,7 +309,7 @@ class Harness:
         from lm_eval import simple_evaluate
 
         e = self.cfg
-        with _random_state_kept():
+        with random_state_kept():
             results = simple_evaluate(
                 model=self.lm, tasks=list(e.tasks), num_fewshot=e.num_fewshot,
                 limit=e.limit or None, task_manager=self.manager, log_samples=False,
@@ -319,7 +319,7 @@ class Harness:
 
 
 @contextlib.contextmanager
-def _random_state_kept() -> Iterator[None]:
+def random_state_kept() -> Iterator[None]:
     """simple_evaluate seeds Python's, NumPy's and torch's global generators (its few-shot
     samples are reproducible that way); training goes on from the states it had (dropout
     draws from torch's), so a run scores without changing what it trains."""
