@@ -172,6 +172,11 @@ def _define(base: type) -> type:  # noqa: C901 (one class, its methods are small
         def tok_decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
             return self.tok.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+        def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False
+                          ) -> list[tuple[float, bool]]:
+            # No progress bars in the training log (simple_evaluate does not ask).
+            return super().loglikelihood(requests, disable_tqdm=True)
+
         # ---- the model call -------------------------------------------------------------
 
         @torch.no_grad()

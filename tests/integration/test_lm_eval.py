@@ -88,8 +88,8 @@ def scores(run: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """A single-process `tessel train` run with the task scored every 2 steps: (run, corpus,
-    task directory)."""
+    """A single-process `tessel train` run with the task scored every 2 steps, and its
+    Hugging Face export (run/hf): (run, corpus, task directory)."""
     from conftest import write_corpus
 
     root = tmp_path_factory.mktemp("lm_eval")
@@ -101,6 +101,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     out = subprocess.run([sys.executable, "-m", "tessel", *train_args(run, corpus, tasks)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert main(["convert", "tessel-to-hf", str(run), str(run / "hf")]) == 0
     return run, corpus, tasks
 
 
@@ -118,23 +119,23 @@ def test_train_writes_scores_at_the_interval_and_at_the_end(trained):
     assert 'id="plot-scores"' in page and f"{TASK}/acc_norm" in page
 
 
-def test_scores_equal_lm_eval_on_the_hugging_face_export(trained, tmp_path: Path):
+def test_scores_equal_lm_eval_on_the_hugging_face_export(trained):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     run, _, tasks = trained
-    export = tmp_path / "hf"
-    assert main(["convert", "tessel-to-hf", str(run), str(export)]) == 0
+    export = run / "hf"
     theirs = simple_evaluate(
         model="hf", model_args={"pretrained": str(export), "device": "cpu", "dtype": "float32"},
-        tasks=[TASK], task_manager=TaskManager(include_path=str(tasks)), bootstrap_iters=0,
+        tasks=[TASK], task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+        bootstrap_iters=0,
         log_samples=False)["results"][TASK]
     ours = scores(run)[4]
     assert ours[f"eval/{TASK}/acc"] == theirs["acc,none"]
     assert ours[f"eval/{TASK}/acc_norm"] == theirs["acc_norm,none"]
 
 
-def test_in_memory_log_likelihoods_equal_the_hf_models(trained, tmp_path: Path):
+def test_in_memory_log_likelihoods_equal_the_hf_models(trained):
     """The per-request figures behind the scores, context/continuation split and greedy flag
     included, against lm_eval's `hf` model on the export."""
     from lm_eval.api.instance import Instance
@@ -144,8 +145,7 @@ def test_in_memory_log_likelihoods_equal_the_hf_models(trained, tmp_path: Path):
     from tessel.train import Trainer
 
     run, _, _ = trained
-    export = tmp_path / "hf"
-    assert main(["convert", "tessel-to-hf", str(run), str(export)]) == 0
+    export = run / "hf"
     trainer = Trainer(Config.load(run / "config.toml"), resume=True, console=False)
     try:
         assert trainer.step == 4 and trainer.harness is not None
