@@ -180,9 +180,10 @@ def _define(base: type) -> type:  # noqa: C901 (one class, its methods are small
         # ---- the model call -------------------------------------------------------------
 
         @torch.no_grad()
-        def _log_probs(self, rows: list[list[int]]) -> torch.Tensor:
-            """Log-probabilities (B, T, vocab) in float32 on the CPU of `rows` right-padded
-            to one length (causal: padding never changes the positions before it)."""
+        def _logits(self, rows: list[list[int]]) -> torch.Tensor:
+            """Logits (B, T, vocab) on the device of `rows` right-padded to one length
+            (causal: padding never changes the positions before it), over the real
+            vocabulary (the padding ids of model.vocab_pad_to left out)."""
             s = self.step
             width = max(len(r) for r in rows)
             width = math.ceil(width / s.dims.tp) * s.dims.tp  # sequence parallelism splits T
@@ -199,8 +200,13 @@ def _define(base: type) -> type:  # noqa: C901 (one class, its methods are small
             finally:
                 s.model.train(was_training)
             # Tensor parallelism: logits are sharded over the vocabulary; gather them.
-            logits = local_value(logits)[..., : self.cfg.vocab_size].float().cpu()
-            return F.log_softmax(logits, dim=-1)
+            return local_value(logits)[..., : self.cfg.vocab_size]
+
+        @staticmethod
+        def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+            """float32 log-softmax on the CPU of the positions asked for only (a whole
+            batch's would be B x T x vocab floats: gigabytes for a 128k vocabulary)."""
+            return F.log_softmax(logits.float(), dim=-1).cpu()
 
         def _loglikelihood_tokens(self, requests: list[Any], disable_tqdm: bool = False,
                                   **kwargs: Any) -> list[tuple[float, bool]]:
@@ -216,11 +222,11 @@ def _define(base: type) -> type:  # noqa: C901 (one class, its methods are small
             out: list[tuple[float, bool] | None] = [None] * len(rows)
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start : start + self.batch_size]
-                logp = self._log_probs([rows[i][0] for i in chunk])
+                logits = self._logits([rows[i][0] for i in chunk])
                 for b, i in enumerate(chunk):
                     ids, n = rows[i]
                     cont = torch.tensor(requests[i][2][-n:], dtype=torch.long)
-                    lp = logp[b, len(ids) - n : len(ids)]  # (n, vocab)
+                    lp = self._log_probs(logits[b, len(ids) - n : len(ids)])  # (n, vocab)
                     greedy = bool((lp.argmax(-1) == cont).all())
                     out[i] = (float(lp.gather(-1, cont[:, None]).sum()), greedy)
                     if requests[i][0] is not None:
@@ -269,8 +275,8 @@ def _define(base: type) -> type:  # noqa: C901 (one class, its methods are small
                 ids = self.tok_encode(context)[-(self.max_length - limit):]
                 new: list[int] = []
                 for _ in range(limit):
-                    logp = self._log_probs([ids + new])
-                    nxt = self._agree(int(logp[0, len(ids) + len(new) - 1].argmax()))
+                    last = self._logits([ids + new])[0, len(ids) + len(new) - 1]  # (vocab,)
+                    nxt = self._agree(int(self._log_probs(last).argmax()))
                     if nxt == self.eot_token_id:
                         break
                     new.append(nxt)
