@@ -19,6 +19,7 @@ from tessel.cli import main
 from tessel.observe.metrics import read_metrics
 
 TASK = "tessel_mc"
+WORKER = Path(__file__).parents[1] / "distributed" / "worker.py"
 # Questions in the corpus's own words (tests/conftest.py), so a few steps of training matter;
 # the right choice is the corpus's continuation.
 QUESTIONS = [
@@ -71,14 +72,20 @@ def _offline(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monke
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def train_args(run: Path, corpus: Path, tasks: Path, *extra: str) -> list[str]:
-    return ["train", f"--run.dir={run}", "--model.preset=tiny", "--model.dropout=0.0",
-            "--data.source=files", f"--data.paths=['{corpus}']", "--data.tokenizer=bytes",
-            "--data.split=90,10", "--train.seq_len=32", "--train.micro_batch_size=2",
-            "--train.global_batch_size=4", "--train.steps=4", "--train.eval_interval=0",
-            "--train.eval_iters=1", "--checkpoint.interval=0", "--metrics.tensorboard=false",
-            "--run.sample_tokens=0", f"--lm_eval.tasks=['{TASK}']",
-            f"--lm_eval.include_path={tasks}", "--lm_eval.interval=2", *extra]
+def overrides(run: Path, corpus: Path, tasks: Path, **extra) -> dict:
+    """A tiny GPT-shaped run scoring the task every 2 steps of 4."""
+    return {"run.dir": str(run), "model.preset": "tiny", "model.dropout": 0.0,
+            "data.source": "files", "data.paths": [str(corpus)], "data.tokenizer": "bytes",
+            "data.split": "90,10", "train.seq_len": 32, "train.micro_batch_size": 2,
+            "train.global_batch_size": 4, "train.steps": 4, "train.eval_interval": 0,
+            "train.eval_iters": 1, "checkpoint.interval": 0, "metrics.tensorboard": False,
+            "run.sample_tokens": 0, "lm_eval.tasks": [TASK], "lm_eval.include_path": str(tasks),
+            "lm_eval.interval": 2, **extra}
+
+
+def train_args(run: Path, corpus: Path, tasks: Path, **extra) -> list[str]:
+    return ["train", *(f"--{k}={json.dumps(v)}" for k, v in
+                       overrides(run, corpus, tasks, **extra).items())]
 
 
 def scores(run: Path) -> dict[int, dict]:
@@ -170,8 +177,7 @@ def test_in_memory_log_likelihoods_equal_the_hf_models(trained):
 def test_unknown_task_is_one_line_before_training(tmp_path: Path, corpus: Path):
     tasks = write_task(tmp_path / "tasks")
     run = tmp_path / "run"
-    args = train_args(run, corpus, tasks)
-    args[args.index(f"--lm_eval.tasks=['{TASK}']")] = "--lm_eval.tasks=['tessel_mc', 'no_such_task']"
+    args = train_args(run, corpus, tasks, **{"lm_eval.tasks": [TASK, "no_such_task"]})
     assert_one_line_error(tessel(*args), "unknown task(s) 'no_such_task'")
     assert not (run / "metrics.jsonl").exists()
 
@@ -189,15 +195,19 @@ def test_pipeline_and_context_parallelism_are_refused_before_launch():
 @pytest.mark.slow
 def test_two_processes_score_like_one(trained, tmp_path: Path):
     """ZeRO-3 (every rank calls forward together: FSDP's all-gathers) and TP2 (vocabulary-
-    sharded logits gathered), one torchrun job each, against the single-process run."""
+    sharded logits gathered), one after another in one torchrun job (tests/distributed/
+    worker.py), against the single-process run."""
     run, corpus, tasks = trained
-    ref = scores(run)
-    env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+    layouts = {"zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2}}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"runs": [{"overrides": overrides(tmp_path / name, corpus, tasks,
+                                                                 **extra)}
+                                         for name, extra in layouts.items()]}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1"}
-    for name, layout in (("zero3", "--parallel.zero=3"), ("tp2", "--parallel.tp=2")):
-        out = subprocess.run([sys.executable, "-m", "tessel", *train_args(
-            tmp_path / name, corpus, tasks, layout), "--nproc", "2"],
-            capture_output=True, text=True, env=env, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        got = scores(tmp_path / name)
-        assert got == ref, name
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", str(WORKER), str(spec)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in layouts:
+        assert scores(tmp_path / name) == scores(run), name
