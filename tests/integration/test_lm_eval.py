@@ -1,7 +1,7 @@
 """Benchmark scores during training through lm-evaluation-harness, on a local multiple-choice
 task the test writes (a JSONL file and a task YAML; never the network): `tessel train` writes
 them at the interval and at the end, they equal what lm_eval's own `hf` model reports for the
-same model exported to Hugging Face, and a two-process run (ZeRO-3, then TP2) scores the same
+same model exported to Hugging Face, and two-process runs (DDP, ZeRO-3, TP2) score the same
 as one process."""
 
 from __future__ import annotations
@@ -194,11 +194,11 @@ def test_pipeline_and_context_parallelism_are_refused_before_launch():
 
 @pytest.mark.slow
 def test_two_processes_score_like_one(trained, tmp_path: Path):
-    """ZeRO-3 (every rank calls forward together: FSDP's all-gathers) and TP2 (vocabulary-
-    sharded logits gathered), one after another in one torchrun job (tests/distributed/
-    worker.py), against the single-process run."""
+    """DDP (the wrapped module), ZeRO-3 (every rank calls forward together: FSDP's
+    all-gathers) and TP2 (vocabulary-sharded logits gathered), one after another in one
+    torchrun job (tests/distributed/worker.py), against the single-process run."""
     run, corpus, tasks = trained
-    layouts = {"zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2}}
+    layouts = {"ddp": {"parallel.zero": 0}, "zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2}}
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"runs": [{"overrides": overrides(tmp_path / name, corpus, tasks,
                                                                  **extra)}
