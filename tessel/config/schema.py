@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessel.config.base import ConfigError, Section
 from tessel.config.blend import weighted_paths
+from tessel.config.evaluation import LMEvalConfig
 from tessel.config.load import merge, read_toml, validate
 from tessel.config.model import SHAPE_FIELDS, ModelConfig
 from tessel.config.monitoring import (
@@ -28,7 +29,8 @@ from tessel.config.monitoring import (
 
 __all__ = [
     "SHAPE_FIELDS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+    "LMEvalConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig",
+    "TrainConfig",
 ]
 
 
@@ -358,6 +360,8 @@ class Config(BaseModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    lm_eval: LMEvalConfig = Field(default_factory=LMEvalConfig)
+    """Benchmark scores through lm-evaluation-harness during training."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     alerts: list[AlertConfig] = Field(default_factory=list)
     """Alert rules ([[alerts]] tables)."""

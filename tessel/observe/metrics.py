@@ -53,18 +53,32 @@ class MetricsWriter:
 def _tb_tag(key: str) -> str:
     if key in ("loss", "val_loss", "val_ppl"):
         return f"loss/{key}"
+    if key.startswith(SCORE_PREFIX):
+        return key  # eval/<task>/<metric>: one TensorBoard section per task
     return f"train/{key}"
+
+
+SCORE_PREFIX = "eval/"
+"""Benchmark scores (lm_eval) are logged as `eval/<task>/<metric>`."""
+
+
+def record_kind(rec: dict[str, Any]) -> int:
+    """0: a training log step, 1: a validation loss, 2: benchmark scores (the kinds a step
+    may have one record of each)."""
+    if "val_loss" in rec:
+        return 1
+    return 2 if any(k.startswith(SCORE_PREFIX) for k in rec) else 0
 
 
 def latest_per_step(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """The last record per (step, kind) when a resume re-logged, in step order, and how many
     records had no integer step (skipped)."""
-    latest: dict[tuple[int, bool], dict[str, Any]] = {}
+    latest: dict[tuple[int, int], dict[str, Any]] = {}
     bad = 0
     for rec in records:
         step = rec.get("step")
         if isinstance(step, int) and not isinstance(step, bool):
-            latest[(step, "val_loss" in rec)] = rec
+            latest[(step, record_kind(rec))] = rec
         else:
             bad += 1
     return [latest[k] for k in sorted(latest)], bad

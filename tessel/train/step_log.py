@@ -90,6 +90,18 @@ class StepLogger:
         }
         self._emit(rec, 0.0, 0.0)
 
+    def scores(self, *, step: int, scores: dict[str, float], tokens_seen: int,
+               elapsed_s: float) -> None:
+        """One record of benchmark scores (`eval/<task>/<metric>`, see train/harness.py),
+        its own kind of record beside the training and validation ones; the alert rules,
+        which judge losses, do not see it."""
+        rec: dict[str, Any] = {"step": step, **scores, "tokens_seen": tokens_seen,
+                               "elapsed_s": elapsed_s}
+        if self.metrics is not None:
+            self.metrics.write(rec)
+        shown = " ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in scores.items())
+        self.display.print(f"step {step}/{self.cfg.train.steps} | {shown or 'no scores'}")
+
     def _emit(self, rec: dict[str, Any], eta_s: float, budget_pct: float) -> None:
         if self.metrics is not None:
             self.metrics.write(rec)

@@ -41,6 +41,7 @@ from tessel.train.control import StopControl, exit_code_for
 from tessel.train.device import pick_device
 from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
+from tessel.train.harness import Harness, check_lm_eval
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
 from tessel.train.recovery import (
@@ -100,6 +101,7 @@ class Trainer:
         refuse_if_too_big(cfg, self.device, proc.world_size, force, say)
         check_fp8(cfg, self.device)
         check_alerts(cfg.alerts, cfg.notify)
+        self.lm_eval_tasks = check_lm_eval(cfg)  # unknown task names: refused now, not in an hour
         self.cfg = cfg
         if proc.is_main and resume and self.run.path.is_dir():
             self.run.lock()  # before reading its checkpoints: nobody else writes them now
@@ -164,6 +166,9 @@ class Trainer:
         self.evaluator = (Evaluator(self.train_step, self.data.val, cfg.train.eval_iters,
                                     beat=lambda what: self.watchdog.beat(self.step, what))
                           if self.data.val is not None else None)
+        self.harness = (Harness(cfg, self.lm_eval_tasks, self.train_step, self.tokenizer,
+                                beat=lambda what: self.watchdog.beat(self.step, what))
+                        if cfg.lm_eval.enabled else None)
         self.faults = Faults(proc.rank)
         self.recovery = Recovery(cfg.recovery, SkipList(
             self.run.skipped_batches, cfg.recovery.skip_batches, writer=proc.is_main))
@@ -304,7 +309,11 @@ class Trainer:
                     self._evaluate(log, start)
                 if save_now:
                     self._save(start, loss, grad_norm)
-                if eval_now or save_now or self.step == t.steps:
+                scores_now = self.harness is not None and self.harness.due(
+                    self.step, self.step == t.steps)
+                if scores_now:
+                    self._score(log, start)
+                if eval_now or save_now or scores_now or self.step == t.steps:
                     self.timer.discard()
                     window_start, window_steps = time.perf_counter(), 0
             if self.step != self.checkpoints.last_saved_step:
@@ -373,6 +382,14 @@ class Trainer:
         self.last_val_loss = self.evaluator.loss()
         log.eval(step=self.step, val_loss=self.last_val_loss, tokens_seen=self.tokens_seen,
                  elapsed_s=self.elapsed_prev + time.perf_counter() - start)
+
+    def _score(self, log: StepLogger, start: float) -> None:
+        """Benchmark scores through lm_eval (every rank runs them; rank 0 writes)."""
+        assert self.harness is not None
+        self.watchdog.phase("lm_eval benchmark scores (every rank calls the model together)")
+        scores = self.harness.scores()
+        log.scores(step=self.step, scores=scores, tokens_seen=self.tokens_seen,
+                   elapsed_s=self.elapsed_prev + time.perf_counter() - start)
 
     def evaluate(self) -> float:
         """Held-out loss of the model as it is now (see Evaluator)."""

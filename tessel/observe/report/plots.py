@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessel.observe.metrics import SCORE_PREFIX
 from tessel.observe.report.run import Run, event_message, num, series
 from tessel.observe.secrets import Redactor
 
@@ -77,7 +78,8 @@ class Heatmap:
 
 def build_plots(run: Run) -> list[Plot]:
     """The report's plots, always all of them: loss (with event markers), lr, grad norm,
-    throughput, MFU, memory and step time; one without data says why in `empty_reason`."""
+    throughput, MFU, memory and step time; one without data says why in `empty_reason`. A
+    run with benchmark scores (lm_eval) also gets their plot, one line per task metric."""
     train, val = run.train, run.val
 
     def line(key: str, label: str, records: Sequence[dict[str, Any]] = train, scale: float = 1.0,
@@ -110,7 +112,7 @@ def build_plots(run: Run) -> list[Plot]:
     markers = [Marker(e["step"], str(e.get("kind")), event_message(e))
                for e in run.events if e.get("kind") in _MARKERS
                and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool)]
-    return [
+    plots = [
         Plot("plot-loss", "Loss", "loss",
              [line("loss", "train loss"), line("val_loss", "val loss", val, dots=True)],
              "metrics.jsonl has no loss values yet", markers),
@@ -127,6 +129,12 @@ def build_plots(run: Run) -> list[Plot]:
         Plot("plot-step_time", "Step time", "seconds", timing or [Line("step_time_s", "step", [])],
              "metrics.jsonl has no step timings"),
     ]
+    if run.scores:  # a run without lm_eval tasks has no such plot
+        keys = sorted({k for r in run.scores for k in r if k.startswith(SCORE_PREFIX)})
+        plots.append(Plot("plot-scores", "Benchmark scores (lm_eval)", "score",
+                          [line(k, k.removeprefix(SCORE_PREFIX), run.scores, dots=True)
+                           for k in keys], "metrics.jsonl has no benchmark scores"))
+    return plots
 
 
 def _nice_step(span: float, target: int = 5) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 
 from tessel.errors import TesselError
 from tessel.observe.events import read_jsonl
-from tessel.observe.metrics import latest_per_step
+from tessel.observe.metrics import latest_per_step, record_kind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,6 +35,8 @@ class Run:
     run_info_text: str | None
     skipped_text: str | None
     warnings: list[str] = field(default_factory=list)
+    scores: list[dict[str, Any]] = field(default_factory=list)
+    """Benchmark-score records (lm_eval: `eval/<task>/<metric>` fields)."""
 
 
 def read_run(run_dir: Path) -> Run:
@@ -53,8 +55,9 @@ def read_run(run_dir: Path) -> Run:
     records, no_step = latest_per_step(rows)
     if no_step:
         warnings.append(f"metrics.jsonl: {no_step} record(s) without an integer step skipped")
-    train = [r for r in records if "val_loss" not in r]
-    val = [r for r in records if "val_loss" in r]
+    train = [r for r in records if record_kind(r) == 0]
+    val = [r for r in records if record_kind(r) == 1]
+    scores = [r for r in records if record_kind(r) == 2]
 
     events: list[dict[str, Any]] = []
     events_path = run_dir / "events.jsonl"
@@ -87,7 +90,7 @@ def read_run(run_dir: Path) -> Run:
     if skipped_path.is_file():
         skipped_text = _read_text(skipped_path, warnings)
     return Run(run_dir, train, val, events, config_text, config, run_info, run_info_text,
-               skipped_text, warnings)
+               skipped_text, warnings, scores)
 
 
 def _read_text(path: Path, warnings: list[str]) -> str | None:

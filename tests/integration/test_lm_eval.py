@@ -1,0 +1,213 @@
+"""Benchmark scores during training through lm-evaluation-harness, on a local multiple-choice
+task the test writes (a JSONL file and a task YAML; never the network): `tessel train` writes
+them at the interval and at the end, they equal what lm_eval's own `hf` model reports for the
+same model exported to Hugging Face, and two-process runs (DDP, ZeRO-3, TP2) score the same
+as one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import assert_one_line_error, tessel
+
+from tessel.cli import main
+from tessel.observe.metrics import read_metrics
+
+TASK = "tessel_mc"
+WORKER = Path(__file__).parents[1] / "distributed" / "worker.py"
+# Questions in the corpus's own words (tests/conftest.py), so a few steps of training matter;
+# the right choice is the corpus's continuation.
+QUESTIONS = [
+    ("the model reads", [" tokens and", " weights with", " every layer"], 0),
+    ("the optimizer updates", [" the past", " weights with", " next token"], 1),
+    ("predicts the next", [" layer", " gradients", " token"], 2),
+    ("computed by", [" backpropagation through", " the model reads", " tokens and"], 0),
+    ("through every", [" token", " layer", " weights"], 1),
+    ("gradients computed by", [" the next", " every layer", " backpropagation"], 2),
+    ("from the past while the", [" optimizer", " tokens", " layer"], 0),
+    ("updates weights with", [" the model", " gradients", " every"], 1),
+]
+
+
+def write_task(root: Path) -> Path:
+    """A directory with the task's JSONL data and its YAML (lm_eval's include_path form)."""
+    root.mkdir(parents=True, exist_ok=True)
+    data = root / "mc.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
+                            for q, c, a in QUESTIONS))
+    (root / f"{TASK}.yaml").write_text(f"""\
+task: {TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _offline(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    # `datasets` reads the local JSONL through its cache: a temporary one, and no network.
+    cache = tmp_path_factory.getbasetemp() / "hf-cache"
+    for name in ("HF_HOME", "HF_DATASETS_CACHE"):
+        monkeypatch.setenv(name, str(cache))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def overrides(run: Path, corpus: Path, tasks: Path, **extra) -> dict:
+    """A tiny GPT-shaped run scoring the task every 2 steps of 4."""
+    return {"run.dir": str(run), "model.preset": "tiny", "model.dropout": 0.0,
+            "data.source": "files", "data.paths": [str(corpus)], "data.tokenizer": "bytes",
+            "data.split": "90,10", "train.seq_len": 32, "train.micro_batch_size": 2,
+            "train.global_batch_size": 4, "train.steps": 4, "train.eval_interval": 0,
+            "train.eval_iters": 1, "checkpoint.interval": 0, "metrics.tensorboard": False,
+            "run.sample_tokens": 0, "lm_eval.tasks": [TASK], "lm_eval.include_path": str(tasks),
+            "lm_eval.interval": 2, **extra}
+
+
+def train_args(run: Path, corpus: Path, tasks: Path, **extra) -> list[str]:
+    return ["train", *(f"--{k}={json.dumps(v)}" for k, v in
+                       overrides(run, corpus, tasks, **extra).items())]
+
+
+def scores(run: Path) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_metrics(run / "metrics.jsonl") if any(k.startswith("eval/") for k in r)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A single-process `tessel train` run with the task scored every 2 steps, and its
+    Hugging Face export (run/hf): (run, corpus, task directory)."""
+    from conftest import write_corpus
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    corpus, tasks = write_corpus(root / "corpus"), write_task(root / "tasks")
+    run = root / "run"
+    env = {**os.environ, "CI": "true", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(root / "hf-cache"), "HF_DATASETS_CACHE": str(root / "hf-cache"),
+           "TESSEL_CACHE": str(root / "cache")}
+    out = subprocess.run([sys.executable, "-m", "tessel", *train_args(run, corpus, tasks)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert main(["convert", "tessel-to-hf", str(run), str(run / "hf")]) == 0
+    return run, corpus, tasks
+
+
+def test_train_writes_scores_at_the_interval_and_at_the_end(trained):
+    run, _, _ = trained
+    got = scores(run)
+    assert sorted(got) == [2, 4]
+    for rec in got.values():
+        assert set(rec) == {f"eval/{TASK}/acc", f"eval/{TASK}/acc_norm"}
+        # fractions of the 8 questions
+        assert all(v * len(QUESTIONS) == round(v * len(QUESTIONS)) for v in rec.values())
+    # The report plots them.
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert 'id="plot-scores"' in page and f"{TASK}/acc_norm" in page
+
+
+def test_scores_equal_lm_eval_on_the_hugging_face_export(trained):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    run, _, tasks = trained
+    export = run / "hf"
+    theirs = simple_evaluate(
+        model="hf", model_args={"pretrained": str(export), "device": "cpu", "dtype": "float32"},
+        tasks=[TASK], task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+        bootstrap_iters=0,
+        log_samples=False)["results"][TASK]
+    ours = scores(run)[4]
+    assert ours[f"eval/{TASK}/acc"] == theirs["acc,none"]
+    assert ours[f"eval/{TASK}/acc_norm"] == theirs["acc_norm,none"]
+
+
+def test_in_memory_log_likelihoods_equal_the_hf_models(trained):
+    """The per-request figures behind the scores, context/continuation split and greedy flag
+    included, against lm_eval's `hf` model on the export."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from tessel.config import Config
+    from tessel.train import Trainer
+
+    run, _, _ = trained
+    export = run / "hf"
+    trainer = Trainer(Config.load(run / "config.toml"), resume=True, console=False)
+    try:
+        assert trainer.step == 4 and trainer.harness is not None
+        reqs = [Instance("loglikelihood", {}, (q + " ", c.strip() + " ."), 0)
+                for q, cs, _ in QUESTIONS for c in cs[:2]]
+        reqs += [Instance("loglikelihood", {}, ("", "the model reads tokens"), 0)]
+        ours = trainer.harness.lm.loglikelihood(reqs)
+        hf = HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=3)
+        theirs = hf.loglikelihood(reqs)
+        assert [g for _, g in ours] == [g for _, g in theirs]
+        assert [lp for lp, _ in ours] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
+        rolling = [Instance("loglikelihood_rolling", {}, ("the model reads tokens " * 9,), 0)]
+        assert trainer.harness.lm.loglikelihood_rolling(rolling) == pytest.approx(
+            hf.loglikelihood_rolling(rolling), abs=1e-3)
+        until = [Instance("generate_until", {}, ("the model reads", {"until": ["."],
+                                                                     "max_gen_toks": 12}), 0)]
+        assert trainer.harness.lm.generate_until(until) == hf.generate_until(until)
+    finally:
+        trainer.close()
+
+
+def test_unknown_task_is_one_line_before_training(tmp_path: Path, corpus: Path):
+    tasks = write_task(tmp_path / "tasks")
+    run = tmp_path / "run"
+    args = train_args(run, corpus, tasks, **{"lm_eval.tasks": [TASK, "no_such_task"]})
+    assert_one_line_error(tessel(*args), "unknown task(s) 'no_such_task'")
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_pipeline_and_context_parallelism_are_refused_before_launch():
+    from tessel.config import Config
+    from tessel.train.harness import LMEvalError, check_lm_eval
+
+    for key in ("parallel.pp", "parallel.cp"):
+        cfg = Config.load(None, {key: 2, "lm_eval.tasks": [TASK]})
+        with pytest.raises(LMEvalError, match=f"does not run under {key}=2"):
+            check_lm_eval(cfg)
+
+
+@pytest.mark.slow
+def test_two_processes_score_like_one(trained, tmp_path: Path):
+    """DDP (the wrapped module), ZeRO-3 (every rank calls forward together: FSDP's
+    all-gathers) and TP2 (vocabulary-sharded logits gathered), one after another in one
+    torchrun job (tests/distributed/worker.py), against the single-process run."""
+    run, corpus, tasks = trained
+    layouts = {"ddp": {"parallel.zero": 0}, "zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2}}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"runs": [{"overrides": overrides(tmp_path / name, corpus, tasks,
+                                                                 **extra)}
+                                         for name, extra in layouts.items()]}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", str(WORKER), str(spec)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in layouts:
+        assert scores(tmp_path / name) == scores(run), name
