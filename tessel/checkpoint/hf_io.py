@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tessel.checkpoint.hf_arch import HFError
-from tessel.fileio import fsync_dir
+from tessel.fileio import atomic_directory
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -103,12 +102,7 @@ def write_hf(out: Path, config: dict[str, Any], tensors: Iterable[tuple[str, tor
              dtype: torch.dtype | None = None) -> tuple[int, int]:
     """Write an HF model directory at `out` atomically; returns (tensors, bytes). `tensors`
     is consumed one at a time; a shard is written as soon as it is full."""
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(out) as tmp:
         current: dict[str, torch.Tensor] = {}
         size = total = count = 0
         written: list[tuple[str, list[str]]] = []
@@ -147,19 +141,5 @@ def write_hf(out: Path, config: dict[str, Any], tensors: Iterable[tuple[str, tor
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for fname, text in tokenizer_files.items():
             (tmp / fname).write_text(text)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        if out.exists():  # replace a previous export in one rename, then drop it
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-        fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return count, total
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.hf_arch import HFError, Llama, one_to_one
 from tessel.checkpoint.init_from import WeightSource
 from tessel.config import Config, ModelConfig, read_saved, with_saved_defaults
-from tessel.fileio import fsync_dir
+from tessel.fileio import atomic_directory
 from tessel.models.lora import TESSEL_TARGETS, TESSEL_TO_HF, is_adapter, merged_weight
 
 FINGERPRINT_KEY = "lora_base"  # in a LoRA checkpoint's state.json
@@ -176,19 +174,9 @@ def export_peft(src: Path, out: Path) -> str:
         "init_lora_weights": True, "modules_to_save": None,
         "base_model_name_or_path": str(Path(init_from).resolve()) if init_from else None,
     }
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-        fsync_dir(tmp)
-        tmp.rename(out)
-        fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     return (f"wrote {out}: peft LoRA adapter (r={cfg.lora.rank}, {', '.join(targets)}), "
             f"{len(tensors)} tensors, {size / 2**20:.2f} MiB; load it with "
