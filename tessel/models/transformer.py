@@ -12,6 +12,7 @@ instantiated without memory.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import TYPE_CHECKING
@@ -349,22 +350,17 @@ def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     return create(same_document, B, None, T, T, device=doc_ids.device)
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def _flex_attention():  # noqa: ANN202
     """flex_attention compiled once: uncompiled it materialises the full score matrix (a
     compiled model inlines it into its own graph)."""
-    if "flex" not in _COMPILED:
-        _COMPILED["flex"] = torch.compile(flex_attention)
-    return _COMPILED["flex"]
+    return torch.compile(flex_attention)
 
 
+@functools.cache
 def _create_block_mask():  # noqa: ANN202
     """create_block_mask compiled once: eagerly it evaluates the mask over all T x T pairs."""
-    if "mask" not in _COMPILED:
-        _COMPILED["mask"] = torch.compile(create_block_mask)
-    return _COMPILED["mask"]
+    return torch.compile(create_block_mask)
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
