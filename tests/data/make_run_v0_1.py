@@ -5,7 +5,10 @@
     PYTHONPATH=/tmp/oldcode:/tmp/oldcode/tests python tests/data/make_run_v0_1.py
 
 It trains 3 steps (the shipped directory), then resumes a copy to step 5 and prints the
-losses and the weight digest that tests/integration/test_compat.py expects.
+losses and the weight digest that tests/integration/test_compat.py expects; the step-5
+weights themselves are tests/data/run_v0_1_step5.safetensors (made on 2026-11-25 by today's
+code, which gives exactly that digest on the AMD machine the figures were taken on, with
+OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=default as the test runs it).
 Not a test: pytest does not collect it.
 """
 
