@@ -206,14 +206,24 @@ class ParallelConfig(Section):
     pp: int = Field(1, gt=0)
     """Pipeline-parallel degree: the layers are split into pp (x pp_virtual_stages) stages."""
     cp: int = Field(1, gt=0)
-    """Context-parallel degree: each sequence is split over cp ranks (ring attention; CUDA
-    only)."""
+    """Context-parallel degree: each sequence is split over cp ranks (long context), every
+    rank computing attention and the loss for its part; any device (CPU/gloo included), with
+    every other degree, document masks and MoE. train.seq_len must divide into 2*cp chunks
+    (cp_load_balance) and, with sequence parallelism, seq_len/cp by tp."""
+    cp_mode: Literal["allgather", "ulysses"] = "allgather"
+    """allgather: each rank keeps its queries and all-gathers keys and values along the
+    sequence (before GQA expansion: only KV heads move); any mask. ulysses: all-to-all to
+    head-sharded before attention and back after (DeepSpeed-Ulysses); the query and KV head
+    counts per tensor-parallel rank must divide by cp."""
+    cp_load_balance: bool = True
+    """Cut the sequence into 2*cp chunks, rank r holding chunks r and 2*cp-1-r, so causal
+    attention costs every rank the same; false: rank r holds the r-th of cp pieces."""
     ep: int = Field(1, gt=0)
     """Expert-parallel degree (Mixture-of-Experts models): each MoE layer's routed experts
     are split over ep ranks, which send each token to its experts' ranks and back with
-    all-to-all. ep borrows ranks from dp_shard x tp (it adds no processes), which it
+    all-to-all. ep borrows ranks from dp_shard x cp x tp (it adds no processes), which it
     divides, and divides model.moe_experts; the experts' own data-parallel group is the rest
-    of them (dp_shard x tp / ep ranks, times dp_replicate, sharded as the ZeRO stage says).
+    of them (dp_shard x cp x tp / ep ranks, times dp_replicate, sharded as the ZeRO stage says).
     Needs zero >= 1. Under tp, MoE layers run on each rank's part of the sequence (they need
     sequence_parallel)."""
     zero: Literal["auto", 0, 1, 2, 3] = "auto"

@@ -12,7 +12,6 @@ instantiated without memory.
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from typing import TYPE_CHECKING
@@ -20,8 +19,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from tessel.models.attention import (  # noqa: F401 (document_* and apply_rope: public here too)
+    Attention,
+    AttentionMask,
+    SequenceExchange,
+    apply_rope,
+    attention_mask,
+    document_block_mask,
+    document_causal_mask,
+    document_positions,
+)
 from tessel.models.moe import MoE
 
 if TYPE_CHECKING:  # the config imports the presets from this package
@@ -60,70 +68,6 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: flo
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, hd) by freqs: (T, hd/2, 2), the same
-    positions for every sequence, or (B, T, hd/2, 2), each sequence's own (documents)."""
-    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, hd/2, 2)
-    cos, sin = freqs[..., None, :, 0], freqs[..., None, :, 1]  # ([B,] T, 1, hd/2)
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.flatten(-2).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        assert cfg.head_dim is not None and cfg.n_kv_heads is not None
-        self.head_dim = cfg.head_dim
-        kv_dim = cfg.n_kv_heads * cfg.head_dim
-        # q_dim = d_model unless model.head_dim says otherwise (Qwen3: 32 x 128 on 2048).
-        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
-        # QK-norm (Qwen3): one RMSNorm over head_dim for all query heads, one for all key
-        # heads; None without it, so other models keep their parameters and state dict.
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.dropout = cfg.dropout
-
-    def forward(
-        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: AttentionMask | None = None
-    ) -> torch.Tensor:
-        B, T, _ = x.shape
-        # Head counts come from the shapes (-1), not the config: under tensor parallelism
-        # each rank holds n_heads/tp query heads and n_kv_heads/tp key/value heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before RoPE
-            # In the weight's dtype (fp32 under autocast, as transformers normalises): a
-            # bf16 input with an fp32 weight has no fused kernel and warns.
-            dtype = self.q_norm.weight.dtype
-            q, k = self.q_norm(q.to(dtype)).type_as(q), self.k_norm(k.to(dtype)).type_as(k)
-        if freqs is not None:
-            if freqs.dim() == 3:  # the whole table: slice it to this (gathered) length
-                freqs = freqs[:T]
-            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        if k.shape[2] != q.shape[2]:
-            # Repeat K/V per query group explicitly: every SDPA backend (flash included)
-            # accepts equal head counts.
-            rep = q.shape[2] // k.shape[2]
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
-        if isinstance(mask, BlockMask):  # documents on CUDA: FlexAttention's fused kernel
-            y = _flex_attention()(q, k, v, block_mask=mask)
-            return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
-        # Without a mask SDPA may pick the flash kernel; a document mask (B, 1, T, T) already
-        # contains the causal part.
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
-
-
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         """`hidden`: the MLP's hidden size, cfg.ffn_hidden unless given (MoE shared experts)."""
@@ -151,10 +95,10 @@ class Block(nn.Module):
         self.feed_forward: nn.Module = _mlp(cfg, index)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(
-        self, x: torch.Tensor, freqs: torch.Tensor | None, mask: AttentionMask | None = None
-    ) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs, mask))
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None,
+                mask: AttentionMask | None = None, sharded: bool = False) -> torch.Tensor:
+        """`sharded`: x holds this rank's part of the sequence (context parallelism)."""
+        x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs, mask, sharded))
         return x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -180,6 +124,9 @@ class Transformer(nn.Module):
             nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         )
         self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.context_parallel: SequenceExchange | None = None
+        """Context parallelism (tessel.parallel.context): the exchange every attention module
+        of this model holds; None without. Forward reads its degree and mode."""
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
@@ -274,38 +221,52 @@ class Transformer(nn.Module):
             else:
                 self.vocab_mask = self._vocab_mask(mask.device)
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, padded_vocab_size) in the compute dtype, -inf
         at the padding ids.
 
-        doc_ids: optional (B, T) document index of each position; attention then stays
-        inside each document of a packed sequence, and positions (learned or RoPE) restart
-        at 0 where each document starts, so a packed document is computed exactly as if it
-        were alone in its sequence.
+        doc_ids: optional (B, T_sample) document index of each position of the whole sample;
+        attention then stays inside each document of a packed sequence, and positions
+        (learned or RoPE) restart at 0 where each document starts, so a packed document is
+        computed exactly as if it were alone in its sequence.
+        positions: optional (B, T) global position of each token in its sample when `tokens`
+        are this rank's part of it (context parallelism, `tessel.parallel.context`); then
+        T_sample = T x the context-parallel degree. None: tokens are the whole sample.
         """
         T = tokens.shape[1]
-        positions = document_positions(doc_ids) if doc_ids is not None else None  # (B, T)
+        cp = self.context_parallel
+        sharded = positions is not None and cp is not None
+        # Each token's position for learned embeddings and RoPE: from the whole sample's
+        # documents, then this rank's tokens of it.
+        where = positions if sharded else None  # (B, T) or None for 0..T-1
+        if doc_ids is not None:
+            in_doc = document_positions(doc_ids)  # (B, T_sample)
+            where = in_doc.gather(1, positions) if sharded else in_doc
         # A pipeline stage lacks the parts other stages hold (see tessel.parallel.pipeline):
         # without embeddings its input is the previous stage's hidden state (B, T, C); without
         # the head it returns its hidden state.
         if self.embeds:
             h = self.tok_embeddings(tokens)  # (B, T, C)
-            if self.pos_embeddings is not None:  # (T, C), or (B, T, C) per document
-                where = (positions if positions is not None
-                         else torch.arange(T, device=tokens.device))
-                h = h + self.pos_embeddings(where)
+            if self.pos_embeddings is not None:  # (T, C), or (B, T, C) per token
+                h = h + self.pos_embeddings(
+                    where if where is not None else torch.arange(T, device=tokens.device))
             h = self.emb_dropout(h)
         else:
             h = tokens
-        freqs = self.rope_freqs  # sliced in attention, where the full sequence length is known
-        if freqs is not None and positions is not None:
-            freqs = freqs[positions]  # (B, T, hd/2, 2): each document from position 0
+        freqs = self.rope_freqs  # the table, sliced to T in attention
+        if freqs is not None and where is not None:
+            freqs = freqs[where]  # (B, T, hd/2, 2): each token's own position
         mask = None
-        if doc_ids is not None:
-            flex = doc_ids.is_cuda and not (self.training and self.cfg.dropout > 0)
-            mask = document_block_mask(doc_ids) if flex else document_causal_mask(doc_ids)
+        if doc_ids is not None or sharded:
+            flex = tokens.is_cuda and not (self.training and self.cfg.dropout > 0)
+            # Under all-gather context parallelism the kernel runs this rank's query rows
+            # against every key; under Ulysses every row (for a share of the heads).
+            rows = positions if sharded and cp.local_queries else None
+            kv_len = T * cp.size if sharded else T
+            mask = attention_mask(doc_ids, rows, kv_len, tokens.device, flex)
         for block in self.layers.values():
-            h = block(h, freqs, mask)
+            h = block(h, freqs, mask, sharded)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
@@ -318,56 +279,6 @@ class Transformer(nn.Module):
 
 VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
 """Parameters with one row per vocabulary id (padded_vocab_size rows)."""
-
-
-AttentionMask = torch.Tensor | BlockMask
-"""A document mask: a dense (B, 1, T, T) boolean one for SDPA (CPU, or with attention
-dropout, which FlexAttention lacks), or FlexAttention's block mask (CUDA)."""
-
-
-def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids -> (B, T) int64 position of each token inside its document (0 at
-    each document's first token, and at the sequence's first, as Megatron's
-    reset_position_ids)."""
-    T = doc_ids.shape[1]
-    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - first
-
-
-def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
-    """(B, T) document ids -> FlexAttention block mask, causal and within each document: no
-    (T, T) tensor, and the kernel skips the blocks that are wholly masked."""
-    B, T = doc_ids.shape
-
-    def same_document(b, h, q, kv):  # noqa: ANN001, ARG001 (FlexAttention's mask_mod signature)
-        return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
-
-    # Compiled on CUDA (eagerly it evaluates all T x T pairs); the CPU never trains with it.
-    create = _create_block_mask() if doc_ids.is_cuda else create_block_mask
-    return create(same_document, B, None, T, T, device=doc_ids.device)
-
-
-@functools.cache
-def _flex_attention():  # noqa: ANN202
-    """flex_attention compiled once: uncompiled it materialises the full score matrix (a
-    compiled model inlines it into its own graph)."""
-    return torch.compile(flex_attention)
-
-
-@functools.cache
-def _create_block_mask():  # noqa: ANN202
-    """create_block_mask compiled once: eagerly it evaluates the mask over all T x T pairs."""
-    return torch.compile(create_block_mask)
-
-
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids -> (B, 1, T, T) bool: causal and within the same document."""
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:

@@ -1,6 +1,7 @@
 """Build the model for one rank of a layout, in the one fixed order:
 
-    build on meta -> pipeline split -> tensor parallel -> expert parallel -> LoRA adapters
+    build on meta -> pipeline split -> tensor parallel -> expert parallel -> context parallel
+    (the attention modules' sequence exchange over the cp mesh) -> LoRA adapters
     (lora.enabled; sharded beside their tensor-parallel projections) -> float8 linears
     (train.fp8) -> activation checkpointing -> compile -> FSDP (ZeRO 1-3; the experts over
     their own group) -> materialise + initialise
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import (
 from tessel.config import Config
 from tessel.models import lora
 from tessel.models.transformer import Transformer
+from tessel.parallel.context import ContextParallel, apply_context_parallel
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolve_zero
 from tessel.parallel.expert import apply_expert_parallel
 from tessel.parallel.fsdp import (
@@ -67,6 +69,8 @@ class ParallelModel:
     """This rank holds the embeddings (it feeds the token ids)."""
     has_last: bool = True
     """This rank holds the head (it computes the loss)."""
+    context: ContextParallel | None = None
+    """Context parallelism: shards each batch's sequences for this rank; None without."""
 
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -100,6 +104,7 @@ def build_parallel_model(
     zero = resolve_zero(p)
     kind = data_parallel_kind(zero, dims.dp * dims.cp, dims.tp, dims.pp)
     ep_mesh = experts_fsdp_mesh = None
+    context = None
     if dims.ep > 1:
         assert mesh is not None
         ep_mesh, experts_fsdp_mesh = dims.expert_meshes(mesh)
@@ -110,6 +115,10 @@ def build_parallel_model(
                                   replicate_experts=ep_mesh is None)
         if ep_mesh is not None:
             apply_expert_parallel(stage, ep_mesh)
+        if dims.cp > 1:
+            assert mesh is not None
+            context = apply_context_parallel(stage, mesh["cp"], p.cp_mode, p.cp_load_balance)
+            _split_moe_tokens(stage, mesh, dims)
         if cfg.lora.enabled:
             apply_lora(cfg, stage, mesh["tp"] if dims.tp > 1 and mesh is not None else None,
                        p.sequence_parallel)
@@ -126,8 +135,10 @@ def build_parallel_model(
                 block.compile()
         if kind in ("fsdp", "replicate"):
             assert mesh is not None
-            # replicate: dp_shard is 1 (ParallelDims), so this is a (replicas, 1) mesh.
-            shard_mesh = dims.hsdp(mesh, flat_mesh(mesh, "dp_shard_cp"))
+            # replicate: dp_shard is 1 (ParallelDims), so this is a (replicas, 1) mesh, the
+            # replicas being dp_replicate x cp (context-parallel ranks hold the same weights).
+            shard_mesh = (dims.replicate_mesh(mesh) if kind == "replicate"
+                          else dims.hsdp(mesh, flat_mesh(mesh, "dp_shard_cp")))
             experts = None
             if experts_fsdp_mesh is not None:
                 experts = ExpertSharding(experts_fsdp_mesh, dims.dp * dims.cp)
@@ -143,8 +154,21 @@ def build_parallel_model(
     ids = [s for s, _ in stages]
     return ParallelModel(
         parts=parts, inner=inner, stage_ids=ids, dp=DataParallel(kind, zero),
-        has_first=0 in ids, has_last=n_stages - 1 in ids,
+        has_first=0 in ids, has_last=n_stages - 1 in ids, context=context,
     )
+
+
+def _split_moe_tokens(stage: Transformer, mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """Under context parallelism a rank's MoE layers see its part of the sequence (and
+    under tensor + sequence parallelism a tp rank's part of that): their balance statistics
+    sum over the cp x tp ranks that share the micro-batch's tokens."""
+    from tessel.models.moe import MoE
+
+    group = mesh["cp", "tp"]._flatten("cp_tp") if dims.tp > 1 else mesh["cp"]
+    for block in stage.layers.values():
+        if isinstance(block.feed_forward, MoE):
+            block.feed_forward.token_group = group.get_group()
+            block.feed_forward.token_shards = dims.cp * dims.tp
 
 
 def apply_lora(cfg: Config, stage: Transformer, tp_mesh: DeviceMesh | None,

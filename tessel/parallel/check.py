@@ -26,7 +26,7 @@ def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
         raise ParallelError(
             "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"
         )
-    check_context_parallel(cfg, device)
+    check_context_parallel(cfg)
     if precision == "fp16" and dims.world_size > 1 and (resolve_zero(p) > 0 or dims.tp > 1 or dims.pp > 1):
         raise ParallelError(
             "fp16 loss scaling is supported for one process or DDP (zero=0) only; use "

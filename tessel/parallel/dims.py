@@ -21,6 +21,7 @@ FLAT_DIMS = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_replicate_cp": ("dp_replicate", "cp"),
 }
 """The flattened groups of build_mesh, by name."""
 
@@ -38,7 +39,7 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
-    """Expert-parallel degree: borrowed from the dp_shard x tp ranks (adds no processes)."""
+    """Expert-parallel degree: borrowed from the dp_shard x cp x tp ranks (adds no processes)."""
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
@@ -78,7 +79,7 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """The experts' own shard group: the dp_shard x tp ranks that hold the same experts
+        """The experts' own shard group: the dp_shard x cp x tp ranks that hold the same experts
         (MoE layers run on each tensor-parallel rank's part of the sequence, so for them the
         tp ranks are data-parallel ranks too)."""
         return self.dp_shard * self.cp * self.tp // self.ep
@@ -100,12 +101,6 @@ class ParallelDims:
                 "under tensor parallelism MoE layers run on each rank's part of the sequence; "
                 "set parallel.sequence_parallel=true"
             )
-        if cfg.model.moe_experts and self.cp > 1:
-            raise ParallelError("context parallelism with MoE layers is not supported yet; set "
-                                "parallel.cp=1 (issue 18)")
-        if zero == 0 and self.cp > 1:
-            raise ParallelError("context parallelism shards with FSDP; set parallel.zero >= 1 "
-                                "(or auto)")
         if p.dp_comm_hook != "none" and self.dp > 1 and (self.tp > 1 or self.pp > 1):
             raise ParallelError(
                 f"parallel.dp_comm_hook={p.dp_comm_hook!r} compresses DDP's all-reduce, which "
@@ -119,7 +114,8 @@ class ParallelDims:
         all-reduce and loss averaging)."""
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
         for name in FLAT_DIMS:
-            flat_mesh(mesh, name)
+            if name != "dp_replicate_cp" or self.cp > 1:  # only where it is used: a new group
+                flat_mesh(mesh, name)
         return mesh
 
     def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
@@ -138,6 +134,16 @@ class ParallelDims:
         if self.dp_replicate == 1:
             return shard
         return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+
+
+    def replicate_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """FSDP's mesh for replicated data parallelism beside tp/pp (zero 0, dp_shard 1):
+        (replicas, 1), the replicas being dp_replicate x cp (context-parallel ranks hold the
+        same weights and sum their gradients)."""
+        if self.cp == 1:
+            return self.hsdp(mesh, flat_mesh(mesh, "dp_shard_cp"))
+        replicas = flat_mesh(mesh, "dp_replicate_cp")
+        return DeviceMesh._concatenate([replicas, mesh["dp_shard"]])
 
 
 def flat_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -239,11 +245,11 @@ def _check_experts(d: ParallelDims, m: ModelConfig, zero: int) -> None:
             "parallel.zero=0 replicates every parameter and expert parallelism splits the "
             "experts; set parallel.zero >= 1 (or auto)"
         )
-    if (d.dp_shard * d.tp) % d.ep:
+    if (d.dp_shard * d.cp * d.tp) % d.ep:
         raise ParallelError(
-            f"parallel.ep={d.ep} borrows its ranks from the dp_shard x tp = {d.dp_shard * d.tp} "
-            "data-parallel shard and tensor-parallel ranks, which it must divide; start more "
-            "processes or lower ep"
+            f"parallel.ep={d.ep} borrows its ranks from the dp_shard x cp x tp = "
+            f"{d.dp_shard * d.cp * d.tp} data-parallel shard, context- and tensor-parallel "
+            "ranks, which it must divide; start more processes or lower ep"
         )
     efsdp = d.efsdp
     for label, size in (("model.d_model", m.d_model), ("model.moe_ffn_hidden", m.moe_ffn_hidden)):
@@ -252,7 +258,7 @@ def _check_experts(d: ParallelDims, m: ModelConfig, zero: int) -> None:
         if size and size % efsdp:
             raise ParallelError(
                 f"{label}={size} is not divisible by the experts' shard group "
-                f"dp_shard*tp/ep = "
+                f"dp_shard*cp*tp/ep = "
                 f"{efsdp}; raise parallel.ep or choose sizes that divide"
             )
 
@@ -280,8 +286,4 @@ def _check_batch(d: ParallelDims, t: TrainConfig, p: ParallelConfig) -> None:
         raise ParallelError(
             f"sequence parallelism splits train.seq_len={t.seq_len} over tp={d.tp}; use a "
             "multiple of tp or set parallel.sequence_parallel=false"
-        )
-    if d.cp > 1 and t.seq_len % (2 * d.cp):
-        raise ParallelError(
-            f"context parallelism needs train.seq_len={t.seq_len} divisible by 2*cp={2 * d.cp}"
         )

@@ -115,10 +115,10 @@ def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:
         plan.update({
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            # Gather the sequence before attention (x, freqs, mask).
+            # Gather the sequence before attention (x, freqs, mask, sharded).
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
             ),
         })
     return plan

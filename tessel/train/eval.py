@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from tessel.models.loss import IGNORE_INDEX, token_loss_sum
-from tessel.parallel.context import context_parallel_step
 from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.step import TrainStep
@@ -51,10 +50,9 @@ class Evaluator:
             model = s.model.parts[0]
             for i in range(iters):
                 self.beat(f"evaluation batch {i}")
-                x, y, docs = s.on_device(val.next_batch())
-                with (loss_context(s.dims.tp > 1), s.precision.autocast(),
-                      context_parallel_step(s.model.inner[0], s.cp_mesh, x, y)):
-                    logits = model(x, docs)
+                x, y, docs, positions = s.shard(*s.on_device(val.next_batch()))
+                with loss_context(s.dims.tp > 1), s.precision.autocast():
+                    logits = model(x, docs, positions)
                     total += local_value(token_loss_sum(logits, y)).double()
                     # this rank's share under context parallelism; fine-tuning counts the
                     # learned targets only (-100 is not counted, as in the loss)

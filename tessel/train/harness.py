@@ -83,9 +83,10 @@ def check_lm_eval(cfg: Config) -> Any:
     if not e.enabled:
         return None
     p = cfg.parallel
-    if p.pp > 1 or p.cp > 1:
-        what = f"parallel.pp={p.pp}" if p.pp > 1 else f"parallel.cp={p.cp}"
-        raise LMEvalError(f"lm_eval.tasks does not run under {what} yet (pipeline and context "
+    if p.pp > 1:
+        # (Under context parallelism every cp rank scores the whole request: the model gets
+        # whole sequences, no positions, so its attention exchanges nothing.)
+        raise LMEvalError(f"lm_eval.tasks does not run under parallel.pp={p.pp} yet (pipeline "
                           "parallelism); score an exported checkpoint with `lm_eval --model hf` "
                           "instead, or set lm_eval.tasks = []")
     manager, unknown = _manager_for(list(e.tasks), e.include_path)

@@ -6,8 +6,8 @@ imbalance, dropped tokens), per MoE layer.
 One all-reduce of a small (MoE layers, experts + 3) tensor per step over the whole world: a
 data-parallel replica adds its counts, a pipeline stage its own layers' rows (the others are
 zero), so every rank ends with the same global counts and so the same bias (under tensor
-parallelism each tp rank routes its own part of the sequence, so its counts are its own too;
-context parallelism with MoE is refused before launch). Nothing here syncs with the host:
+parallelism each tp rank routes its own part of the sequence, so its counts are its own too,
+and likewise each context-parallel rank). Nothing here syncs with the host:
 the metrics stay device tensors until they are logged.
 """
 
@@ -22,9 +22,13 @@ from tessel.parallel.dist import all_reduce_sum
 
 
 class MoEBalance:
-    def __init__(self, models: list[Any], distributed: bool, dp: int):
+    def __init__(self, models: list[Any], distributed: bool, dp: int, cp: int = 1):
         """`models`: this rank's unwrapped Transformer parts (pipeline stages);
-        `dp`: the data-parallel degree (the number of replicas that count each layer)."""
+        `dp`: the data-parallel degree (the number of replicas that count each layer);
+        `cp`: the context-parallel degree (each rank's auxiliary losses are its share of the
+        micro-batch's, and the data-parallel reduction averages over the cp ranks: scaled by
+        cp like the token loss)."""
+        self.cp = cp
         cfg = models[0].cfg
         self.n_experts = cfg.moe_experts
         self.rate = cfg.moe_bias_update_rate
@@ -51,7 +55,7 @@ class MoEBalance:
         """Each micro-batch's auxiliary losses weigh 1/micro_batches of the step (like its
         token loss), times the fp16 loss scale the token loss is multiplied by."""
         for layer in self.layers.values():
-            layer.grad_scale = loss_scale / micro_batches
+            layer.grad_scale = loss_scale * self.cp / micro_batches
 
     def skip_first_forward(self) -> None:
         """The next training forward of each layer is not a micro-batch (a pipeline

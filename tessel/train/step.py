@@ -19,7 +19,6 @@ import torch
 from tessel.data import Batch
 from tessel.models.loss import IGNORE_INDEX, token_loss_sum
 from tessel.observe.timing import PhaseTimer
-from tessel.parallel.context import context_parallel_step
 from tessel.parallel.dims import ParallelDims
 from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.grad_norm import clip_grad_norm
@@ -52,13 +51,14 @@ class TrainStep:
         self.distributed = distributed
         self.timer = timer or PhaseTimer(device)
         self.phase = phase or (lambda _what: None)
-        self.cp_mesh = mesh["cp"] if mesh is not None and dims.cp > 1 else None
+        self.context = model.context
+        """Context parallelism: shards each micro-batch's sequences for this rank."""
         self.loss_factor = 1.0  # fault injection only (TESSEL_FAULT)
         self._loss_tokens = 1  # the divisor of the pipeline's loss function
         self.schedule = None
         self.embedding_sync = EmbeddingSync(list(zip(model.stage_ids, model.inner)), mesh,
                                             dims.pp, model.inner[0].cfg.tie_embeddings)
-        self.moe = MoEBalance(model.inner, distributed, dims.dp)
+        self.moe = MoEBalance(model.inner, distributed, dims.dp, dims.cp)
         """The MoE layers' aux-loss scale, token counts, balancing bias and metrics."""
         self._pipeline_infers = True
         """The next pipeline training step starts with the schedule's metadata-inference
@@ -100,13 +100,12 @@ class TrainStep:
             # gradients are averaged over the cp ranks too: scale so they sum instead.
             divisor = n_tokens / self.dims.cp
             for i, batch in enumerate(batches):
-                x, y, docs = self.on_device(batch)
+                x, y, docs, positions = self.shard(*self.on_device(batch))
                 last = i == len(batches) - 1
                 with (self.model.dp.micro_batch(self.model.parts, last),
-                      loss_context(self.dims.tp > 1),
-                      context_parallel_step(self.model.inner[0], self.cp_mesh, x, y)):
+                      loss_context(self.dims.tp > 1)):
                     with self.precision.autocast():
-                        logits = model(x, docs)  # (B, T, V)
+                        logits = model(x, docs, positions)  # (B, T/cp, V)
                     loss = token_loss_sum(logits, y) / divisor
                     if self.loss_factor != 1.0:
                         loss = loss * self.loss_factor
@@ -149,11 +148,11 @@ class TrainStep:
     def _pipeline_step(self, batches: list[Batch], n_tokens: int) -> torch.Tensor:
         """All micro-batches of the step through the pipeline schedule (which interleaves
         their forward and backward passes); the loss lives on the last stage."""
-        x, y, docs = self.on_device(concat(batches))
-        self._loss_tokens = n_tokens
+        x, y, docs, positions = self.shard(*self.on_device(concat(batches)))
+        self._loss_tokens = n_tokens / self.dims.cp  # as in the plain step: cp ranks sum
         losses: list[torch.Tensor] = []
         args = (x,) if self.model.has_first else ()
-        kwargs = {"doc_ids": docs} if docs is not None else {}
+        kwargs = model_kwargs(docs, positions)
         target = y if self.model.has_last else None
         assert self.schedule is not None
         if self._pipeline_infers and self.moe.active:
@@ -168,7 +167,7 @@ class TrainStep:
     def pipeline_eval_sum(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
         """Summed loss of `batches` through the pipeline schedule without gradients, and
         the number of target tokens (the sum is on the last stage, zero elsewhere)."""
-        x, y, docs = self.on_device(concat(batches))
+        x, y, docs, positions = self.shard(*self.on_device(concat(batches)))
         self._loss_tokens = 1  # sums
         self._pipeline_infers = True  # the next training step re-initialises the stages
         losses: list[torch.Tensor] = []
@@ -176,7 +175,7 @@ class TrainStep:
         with loss_context(self.dims.tp > 1), self.precision.autocast():
             self.schedule.eval(*((x,) if self.model.has_first else ()),
                                target=y if self.model.has_last else None,
-                               losses=losses, **({"doc_ids": docs} if docs is not None else {}))
+                               losses=losses, **model_kwargs(docs, positions))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for v in losses:
             total += local_value(v).double()
@@ -200,6 +199,16 @@ class TrainStep:
         world = torch.distributed.get_world_size()
         total = count.item() * self.dims.dp / world  # counted targets of the step, all replicas
         return max(total, 1.0) / self.dims.dp
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(inputs, targets, whole-sample document ids, positions) for this rank: under
+        context parallelism its part of each sequence and their global positions (the
+        document ids stay whole); else the batch as it is, positions None."""
+        if self.context is None:
+            return x, y, docs, None
+        x, y, positions = self.context.shard(x, y)
+        return x, y, docs, positions
 
     def on_device(self, batch: Batch) -> tuple[Any, ...]:
         if self.device.type != "cuda":
@@ -233,6 +242,17 @@ def reports_loss(dims: ParallelDims, mesh: Any, virtual_stages: int) -> bool:
         if (n_stages - 1) % dims.pp != mesh["pp"].get_local_rank():
             return False
     return mesh["tp"].get_local_rank() == 0
+
+
+def model_kwargs(docs: torch.Tensor | None, positions: torch.Tensor | None) -> dict[str, Any]:
+    """The model's keyword arguments besides the tokens, as a pipeline schedule passes them to
+    every stage (split along the batch like the tokens)."""
+    kwargs: dict[str, Any] = {}
+    if docs is not None:
+        kwargs["doc_ids"] = docs
+    if positions is not None:
+        kwargs["positions"] = positions
+    return kwargs
 
 
 def concat(batches: list[Batch]) -> Batch:

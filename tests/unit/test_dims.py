@@ -18,9 +18,12 @@ def dims(world: int, **overrides) -> tuple[ParallelDims, Config]:
 
 
 def rejected(world: int, **overrides) -> str:
+    """The one-line refusal of the layout check the trainer and planner run before launch."""
+    from tessel.parallel.check import check_layout
+
     with pytest.raises(ParallelError) as info:
         d, cfg = dims(world, **overrides)
-        d.validate(cfg)
+        check_layout(cfg, d, "cpu", "fp32")
     return str(info.value)
 
 
@@ -87,14 +90,26 @@ def test_layers_that_cannot_be_split_into_stages():
     ({"parallel.tp": 4, "parallel.dp_shard": 2, "train.seq_len": 1022},
      "sequence parallelism splits train.seq_len=1022 over tp=4"),
     ({"parallel.cp": 8, "parallel.zero": 1, "train.seq_len": 1000},
-     "needs train.seq_len=1000 divisible by 2*cp=16"),
+     "context parallelism cuts train.seq_len=1000 into 2*cp = 16 equal chunks; use a seq_len "
+     "that is a multiple of 16 or change parallel.cp"),
+    ({"parallel.cp": 4, "parallel.cp_load_balance": False, "train.seq_len": 1022},
+     "context parallelism cuts train.seq_len=1022 into cp = 4 equal chunks"),
+    # 1028 divides by tp = 4 and into 2*cp = 4 chunks, but a cp rank's 514 positions do not
+    # split over the 4 tp ranks of sequence parallelism
+    ({"parallel.cp": 2, "parallel.tp": 4, "train.seq_len": 1028, "model.max_seq_len": 2048},
+     "sequence parallelism splits each context-parallel rank's 514 positions (train.seq_len / "
+     "cp) over tp=4; use a seq_len that is a multiple of cp*tp = 8"),
+    # gpt2-124m: 12 heads (and 12 KV heads); Ulysses at cp 8 cannot split them
+    ({"parallel.cp": 8, "parallel.cp_mode": "ulysses"},
+     "parallel.cp_mode='ulysses' splits the 12 attention heads (model.n_heads) over cp=8"),
+    ({"parallel.cp": 2, "parallel.tp": 4, "parallel.cp_mode": "ulysses"},
+     "splits the 3 attention heads per tensor-parallel rank (tp=4) (model.n_heads) over cp=2"),
 ])
 def test_batch_and_sequence_must_divide(overrides, needle):
     assert needle in rejected(8, **overrides)
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"parallel.cp": 2, "parallel.zero": 0}, "set parallel.zero >= 1"),
     ({"parallel.tp": 2, "parallel.dp_comm_hook": "bf16"}, "set parallel.dp_comm_hook='none'"),
 ])
 def test_combinations_this_build_cannot_run(overrides, needle):
@@ -107,6 +122,7 @@ def test_combinations_this_build_cannot_run(overrides, needle):
     ({"parallel.tp": 2}, 1, 1, 2),
     ({"parallel.pp": 2, "model.tie_embeddings": True}, 1, 1, 2),
     ({"parallel.cp": 2}, 1, 1, 2),
+    ({"parallel.cp": 2, "parallel.zero": 0}, 0, 2, 1),  # replicated beside cp too
     ({"parallel.dp_shard": 4}, 1, 1, 4),  # sharding asked for
     ({"parallel.offload": "params"}, 3, 1, 4),
     # zero 0 beside tp/pp: plain replication (every data-parallel rank a replica)
@@ -156,9 +172,9 @@ MOE = {"model.preset": "tiny-moe", "train.seq_len": 64}
      "set parallel.zero >= 1 (or auto)"),
     # ep borrows from dp_shard: here 2 shard ranks x 2 replicas
     (4, {**MOE, "parallel.ep": 4, "parallel.dp_replicate": 2},
-     "parallel.ep=4 borrows its ranks from the dp_shard x tp = 2 data-parallel shard and "),
+     "parallel.ep=4 borrows its ranks from the dp_shard x cp x tp = 2 data-parallel shard, "),
     (4, {**MOE, "parallel.ep": 2, "model.moe_ffn_hidden": 65},
-     "model.moe_ffn_hidden=65 is not divisible by the experts' shard group dp_shard*tp/ep = 2"),
+     "model.moe_ffn_hidden=65 is not divisible by the experts' shard group dp_shard*cp*tp/ep = 2"),
 ])
 def test_expert_parallel_layouts_that_cannot_run(world, overrides, needle):
     msg = rejected(world, **overrides)
