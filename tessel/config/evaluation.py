@@ -18,7 +18,8 @@ class LMEvalConfig(Section):
     install 'tessel[eval]'`. Scores go to metrics.jsonl as `eval/<task>/<metric>`."""
     include_path: str = ""
     """A directory of extra task YAMLs (lm_eval's --include_path), e.g. local multiple-choice
-    sets read from JSONL files; empty: lm_eval's own tasks only."""
+    sets read from JSONL files; empty: lm_eval's own tasks only. A task YAML can run Python
+    (`!function` imports a .py file beside it): name only task files you trust."""
     limit: int = Field(0, ge=0)
     """Examples per task (the first N of each); 0: all of them."""
     num_fewshot: int | None = Field(None, ge=0)

@@ -5,7 +5,8 @@ resolved config (`tessel config`, the copies in checkpoints' state.json and run.
 W&B run config), alert delivery's log lines and repr()s, and `tessel report`'s page.
 
 A config value is a secret when its key, or the key of any table or array it sits in,
-matches SECRET_KEY (webhook_url, smtp_password, api_key, hf_token, ...). Only strings are
+names a credential (`is_secret_key`: webhook_url, smtp_password, api_key, hf_token, ..., but
+not a tokenizer setting such as data.eod_token). Only strings are
 hidden: a number under such a key (webhook_timeout_s = 10) is not a credential. A secret's
 stand-in keeps what a reader needs to recognise it and nothing that would let them use it:
 a URL keeps its scheme, host and port (webhook services put the credential in the path or
@@ -28,10 +29,21 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-# Keys whose string values are credentials: webhook_url, smtp_password, api_key, hf_token,
-# access_token, auth_token, token_url, client_secret, ... "token" but not "tokenizer" or
-# "tokenize": the data config's tokenizer is useful to see and not a secret.
-SECRET_KEY = re.compile(r"password|passwd|secret|webhook|api_?key|token(?!i[sz])", re.IGNORECASE)
+# Keys whose string values are credentials: webhook_url, smtp_password, api_key,
+# client_secret, ... (and the token keys below).
+SECRET_KEY = re.compile(r"password|passwd|secret|webhook|api_?key|credential", re.IGNORECASE)
+# A key with the word "token" (hf_token, access_token, authToken, apitoken, token_url, token)
+# names a credential, unless the word before it is a special token's role or the word after
+# it a property of a vocabulary entry: eod_token, pad_token, bos_token, token_id are tokenizer
+# settings, useful to see and copy. "tokens" (max_new_tokens, tokens_per_step), "tokenizer"
+# and "tokenize" are other words. Unknown token keys count as credentials: hiding a setting
+# costs less than showing a credential.
+_TOKEN_ROLES = frozenset({"bos", "eos", "eod", "eot", "pad", "unk", "sep", "cls", "mask",
+                          "special", "stop", "start", "end", "begin", "fim"})
+_TOKEN_PROPERTIES = frozenset({"id", "ids", "index", "type"})
+# The words of a key: split at anything but letters and digits, and before a capital that
+# follows a lower-case letter or digit (camelCase).
+_KEY_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 STAND_IN = "***"
 # `env:NAME`: the value is read from the environment variable NAME when it is used.
 ENV_REF = re.compile(r"env:([A-Za-z_][A-Za-z0-9_]*)")
@@ -44,8 +56,22 @@ _TOML_KEY_LINE = re.compile(r"^(\s*)((?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')"
 
 
 def is_secret_key(key: Any) -> bool:
-    """Whether values under config key `key` are secrets."""
-    return bool(SECRET_KEY.search(str(key)))
+    """Whether values under config key `key` are secrets (a dotted key, `data.eod_token`, is
+    judged by its words as a whole)."""
+    text = str(key)
+    if SECRET_KEY.search(text):
+        return True
+    words: list[str] = []
+    for word in _KEY_WORD.findall(text):
+        word = word.lower()
+        # one word run together with "token" (apitoken, eodtoken) is two
+        words += [word[:-5], "token"] if word.endswith("token") and word != "token" else [word]
+    for i, word in enumerate(words):
+        before = words[i - 1] if i > 0 else ""
+        after = words[i + 1] if i + 1 < len(words) else ""
+        if word == "token" and before not in _TOKEN_ROLES and after not in _TOKEN_PROPERTIES:
+            return True
+    return False
 
 
 def env_ref(value: Any) -> str | None:

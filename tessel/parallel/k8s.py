@@ -6,11 +6,14 @@ checked against its CRD's own schema in tests/unit/test_launch.py.
 Every pod mounts the config (a ConfigMap: the submitting machine's path exists in no pod) and
 a PersistentVolumeClaim as its working directory, where the run directory (and relative data
 paths) live, so a restarted pod continues the run (`--auto-resume`).
+
+Every value from the user is a YAML double-quoted string, or a line of the container's bash
+script quoted for bash and for Kubernetes' own `$(VAR)` expansion; text no YAML line can
+carry (control characters, line breaks) is refused (`check_text`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 
@@ -25,7 +28,21 @@ TRAINJOB_NODE = "node"  # the replicated job and container of Kubeflow's torch r
 
 
 def _yaml_str(text: str) -> str:
-    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar
+    r"""TEXT as a YAML double-quoted scalar that YAML readers (PyYAML; go-yaml, which kubectl
+    uses) read back exactly: printable ASCII as it is but for '"' and a backslash, every other
+    character escaped as \xXX, \uXXXX or \UXXXXXXXX. (A JSON string is valid YAML but
+    writes a character beyond U+FFFF, an emoji, as a surrogate pair, which go-yaml refuses.)"""
+    out = []
+    for c in text:
+        code = ord(c)
+        if c in '"\\':
+            out.append("\\" + c)
+        elif 0x20 <= code < 0x7F:
+            out.append(c)
+        else:
+            out.append(f"\\x{code:02x}" if code <= 0xFF else
+                       f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'
 
 
 def k8s_manifest(
@@ -67,6 +84,8 @@ def k8s_manifest(
                               "letters, digits and '-', starting and ending with a letter or digit")
     if not image or any(c.isspace() for c in image):
         raise TesselError(f"--image {image!r} is not an image reference, e.g. --image ghcr.io/org/tessel:1.0")
+    check_text("--image", image)
+    check_text("the config path", config_path)  # written into the manifest's first comment
     if not mount_path.startswith("/") or mount_path.rstrip("/") in ("", CONFIG_DIR) or \
             any(c.isspace() for c in mount_path):
         raise TesselError(f"--mount-path {mount_path!r} must be an absolute path without spaces, "
@@ -78,7 +97,8 @@ def k8s_manifest(
     script = train_args(f"{CONFIG_DIR}/{CONFIG_KEY}", overrides,
                         quote=lambda text: shlex.quote(text).replace("$", "$$"))
     what = f"{nodes} x {nproc} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
-    meta_ns = [f"  namespace: {namespace}"] if namespace else []
+    # Names are DNS labels, but "yes", "null" or "123" would not be YAML strings unquoted.
+    meta_ns = [f"  namespace: {_yaml_str(namespace)}"] if namespace else []
     header = [
         f"# tessel training job for {config_path} ({what}), written by `tessel launch k8s`.",
         f"# The config travels in the ConfigMap; the pods work in PersistentVolumeClaim {pvc}",
@@ -87,7 +107,7 @@ def k8s_manifest(
         "apiVersion: v1",
         "kind: ConfigMap",
         "metadata:",
-        f"  name: {name}-config",
+        f"  name: {_yaml_str(name + '-config')}",
         *meta_ns,
         "data:",
         f"  {CONFIG_KEY}: {_yaml_str(config_text)}",
@@ -128,11 +148,11 @@ def _volumes(name: str, pvc: str, mount_path: str) -> tuple[list[str], list[str]
         "    medium: Memory",
         "- name: config",
         "  configMap:",
-        f"    name: {name}-config",
+        f"    name: {_yaml_str(name + '-config')}",
         "# The run directory lives here: a restarted pod resumes from it.",
         "- name: work",
         "  persistentVolumeClaim:",
-        f"    claimName: {pvc}",
+        f"    claimName: {_yaml_str(pvc)}",
     ]
     return mounts, volumes
 
@@ -178,7 +198,7 @@ def _pytorchjob(name: str, meta_ns: list[str], script: list[str],
         "apiVersion: kubeflow.org/v1",
         "kind: PyTorchJob",
         "metadata:",
-        f"  name: {name}",
+        f"  name: {_yaml_str(name)}",
         *meta_ns,
         "spec:",
         f'  nprocPerNode: "{nproc}"',
@@ -202,11 +222,11 @@ def _trainjob(name: str, meta_ns: list[str], script: list[str],
         "apiVersion: trainer.kubeflow.org/v1alpha1",
         "kind: TrainJob",
         "metadata:",
-        f"  name: {name}",
+        f"  name: {_yaml_str(name)}",
         *meta_ns,
         "spec:",
         "  runtimeRef:",
-        f"    name: {runtime}",
+        f"    name: {_yaml_str(runtime)}",
         "  trainer:",
         f"    image: {_yaml_str(image)}",
         f"    numNodes: {nodes}",

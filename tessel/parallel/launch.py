@@ -15,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +30,10 @@ _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 
 _SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _SLURM_LIST = re.compile(r"[A-Za-z0-9._,-]+")  # partitions may be a comma-separated list
-_SLURM_TIME = re.compile(r"(\d+-)?\d+:[0-5]\d:[0-5]\d")
+_SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+:[0-5][0-9]:[0-5][0-9]")
+_SBATCH_SEPARATORS = ("packjob", "hetjob")  # split a job wherever an #SBATCH line has them
+# What an #SBATCH argument may hold unquoted (anything else is quoted for sbatch).
+_SBATCH_PLAIN = re.compile(r"[A-Za-z0-9._/%+,:=@-]+")
 
 
 # ---- tessel train --nproc N -----------------------------------------------------------------
@@ -120,10 +124,36 @@ def check_count(flag: str, value: int) -> None:
 
 
 def check_text(what: str, text: str) -> None:
-    # Job files are line-based (sbatch directives, YAML blocks): a control character would
-    # silently change their meaning rather than fail.
-    if any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise TesselError(f"{what} {text!r} contains a control character (e.g. a newline); remove it")
+    """Refuse text that a job file cannot carry. Job files are line-based (sbatch directives,
+    bash comments, YAML blocks): a control character (a newline, a tab, C1 codes such as
+    NEL), a Unicode line or paragraph separator (YAML breaks lines there too), a lone
+    surrogate (not text) or a non-character would silently change their meaning or make them
+    unreadable rather than fail."""
+    for c in text:
+        if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in "\ufffe\uffff":
+            raise TesselError(f"{what} {text!r} contains a control character or line break "
+                              f"({c!r}); remove it")
+
+
+def check_sbatch_text(what: str, text: str) -> None:
+    """Refuse what no `#SBATCH` line carries: control characters and line breaks, and the
+    words "hetjob" and "packjob", which make sbatch split the job there (the burst-buffer
+    plugins look for them anywhere in the line; older sbatch blanks "packjob" out)."""
+    check_text(what, text)
+    if any(word in text.lower() for word in _SBATCH_SEPARATORS):
+        raise TesselError(f"{what} {text!r} contains 'hetjob' or 'packjob', which sbatch takes "
+                          "for a heterogeneous-job separator in an #SBATCH line; choose another")
+
+
+def sbatch_quote(text: str) -> str:
+    """TEXT (checked by `check_sbatch_text`) as one argument of an `#SBATCH` line. sbatch
+    splits these lines itself, not through a shell (Slurm's get_argument): whitespace
+    separates arguments, single or double quotes group, a backslash takes the next character
+    as it is, an unquoted '#' starts a comment. Text outside a plain set is double-quoted
+    with '\\' and '"' escaped; nothing else in it is special to sbatch."""
+    if _SBATCH_PLAIN.fullmatch(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def train_args(
@@ -201,9 +231,19 @@ def slurm_script(
         if value is not None and not pattern.fullmatch(value):
             raise TesselError(f"{flag} {value!r} is not a valid SLURM name; use letters, digits, "
                               "'.', '_' and '-'")
-    python = python or sys.executable
-    for what, text in (("--python", python), ("--output-dir", output_dir)):
-        check_text(what, text)
+        if value is not None:
+            check_sbatch_text(flag, value)
+    python = python if python is not None else sys.executable
+    if not python:
+        raise TesselError("--python needs the path of the Python that runs tessel on the nodes, "
+                          "e.g. --python /opt/venv/bin/python")
+    check_text("--python", python)
+    check_sbatch_text("--output-dir", output_dir)
+    if "\\" in output_dir:
+        raise TesselError(f"--output-dir {output_dir!r} contains a backslash, which turns off the "
+                          "%x/%j names in SLURM's log file pattern; choose a directory without one")
+    # SLURM expands %x, %j, ... in the log's name: a '%' of the directory's is written '%%'.
+    log = sbatch_quote(output_dir.replace("%", "%%") + "/%x-%j.out")
 
     what = f"{nodes} x {nproc_per_node} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
     optional = [f"#SBATCH --{key}={value}" for key, value in
@@ -249,11 +289,13 @@ def slurm_script(
         "# step plus one checkpoint save (docs/parallelism.md#slurm).",
         f"#SBATCH --signal=B:TERM@{grace_s}",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --output={output_dir}/%x-%j.out",
+        f"#SBATCH --output={log}",
         "",
         "set -uo pipefail",
-        "# The interpreter tessel was installed in when this script was written.",
-        f'PYTHON="${{TESSEL_PYTHON:-{python}}}"',
+        "# The interpreter tessel was installed in when this script was written; TESSEL_PYTHON,",
+        "# set at submission, overrides it.",
+        f"PYTHON={shlex.quote(python)}",
+        'PYTHON="${TESSEL_PYTHON:-$PYTHON}"',
         'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
         *(["# A rendezvous port of this job's own: jobs sharing a node never share one.",
            "PORT=$((20000 + SLURM_JOB_ID % 40000))"] if port is None else [f"PORT={port}"]),

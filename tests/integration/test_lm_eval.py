@@ -211,3 +211,20 @@ def test_two_processes_score_like_one(trained, tmp_path: Path):
     assert out.returncode == 0, out.stderr[-3000:]
     for name in layouts:
         assert scores(tmp_path / name) == scores(run), name
+
+
+def test_a_local_task_can_run_python_as_the_docs_warn(tmp_path: Path):
+    """docs/evaluation.md: a task YAML's `!function` imports a .py file beside it (lm_eval's
+    design), so `lm_eval.include_path` must name only task files you trust. It does."""
+    from tessel.train.harness import task_manager
+
+    docs = (Path(__file__).parents[2] / "docs" / "evaluation.md").read_text()
+    assert "point `lm_eval.include_path` only at task files you trust" in docs
+    tasks, ran = write_task(tmp_path / "tasks"), tmp_path / "RAN"
+    (tasks / "utils.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n"
+                                    "def doc_to_text(doc):\n    return doc['question']\n")
+    yaml_path = tasks / f"{TASK}.yaml"
+    yaml_path.write_text(yaml_path.read_text().replace(f"task: {TASK}", "task: fn_mc").replace(
+        'doc_to_text: "{{question}}"', "doc_to_text: !function utils.doc_to_text"))
+    task_manager(str(tasks), defaults=False).load(["fn_mc"])
+    assert ran.exists()  # loading the task ran utils.py

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import write_corpus
 
+from tessel.config import read_saved
 from tessel.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
@@ -319,3 +320,35 @@ def test_two_jobs_on_one_node_both_finish(cluster, reference, tmp_path_factory):
     for job, d in zip(jobs, dirs):
         _finished(cluster, job, d)
         assert sorted(_losses(d / "run")) == list(range(1, STEPS + 1))
+
+
+def test_hostile_paths_and_values_reach_the_job_intact(cluster, tmp_path_factory):
+    """The script `tessel launch slurm` writes for a config, a log directory, an interpreter
+    and overrides full of shell syntax, quotes, '#', '%' and spaces runs unedited under the
+    real sbatch: the log lands in its directory (sbatch's own quoting of #SBATCH lines), the
+    run in its, every value arrives as it was given, and nothing hidden in them runs."""
+    d = _workdir(tmp_path_factory, "hostile")
+    nasty = "q'\"$(touch F) `touch F`; touch F && $HOME * ?[x] # %j %% ~ {a,b} é"
+    (d / nasty).mkdir()
+    shutil.copy(d / "cfg.toml", d / nasty / "cfg.toml")
+    python = d / f"venv {nasty}" / "python"  # this interpreter, under a hostile path
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    log_dir = f"logs {nasty}"
+    script = subprocess.run(
+        [sys.executable, "-m", "tessel", "launch", "slurm", f"{nasty}/cfg.toml", "--nodes", "1",
+         "--gpus-per-node", "0", "--nproc-per-node", "2", "--python", str(python),
+         "--output-dir", log_dir, "--train.steps=10", f"--run.dir=run {nasty}",
+         "--run.sample_prompt", nasty],
+        cwd=d, capture_output=True, text=True, check=True).stdout
+    (d / "job.sbatch").write_text(script)
+    job = cluster.run("sbatch", "--parsable", "job.sbatch", cwd=d).stdout.strip()
+    info = cluster.wait(job, lambda j: j["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"),
+                        what="finished")
+    log = d / log_dir / f"tessel-cfg-{job}.out"  # the directory's '%' is not a pattern
+    assert info["JobState"] == "COMPLETED", log.read_text()[-3000:] if log.is_file() else info
+    run = d / f"run {nasty}"
+    assert sorted(_losses(run)) == list(range(1, 11))
+    assert read_saved(run / "config.toml")["run"]["sample_prompt"] == nasty
+    assert not list(d.rglob("F")), "the job ran a command hidden in a value"

@@ -274,3 +274,10 @@ def test_architecture_tree_names_existing_files_and_every_package():
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
     packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "tessel").rglob("__init__.py")}
     assert not packages - named, f"packages missing from the tree: {sorted(packages - named)}"
+
+
+def test_evaluation_page_warns_that_a_task_directory_is_code():
+    """lm_eval imports the Python a task YAML names (`!function`): the page says so."""
+    text = " ".join((DOCS / "evaluation.md").read_text().split())
+    assert "point `lm_eval.include_path` only at task files you trust" in text
+    assert "`!function`" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -171,7 +172,8 @@ def test_slurm_script_is_valid_bash_with_rendezvous_requeue_and_resume(capsys, t
     assert "--cpus-per-task" not in script  # GPU jobs: the cluster's default unless asked
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in script
     assert "PORT=29555\n" in script and '--master-addr "$HEAD" --master-port "$PORT"' in script
-    assert f'PYTHON="${{TESSEL_PYTHON:-{sys.executable}}}"' in script
+    assert f"PYTHON={shlex.quote(sys.executable)}\n" in script  # TESSEL_PYTHON overrides it
+    assert 'PYTHON="${TESSEL_PYTHON:-$PYTHON}"\n' in script
     assert re.search(r'NODE=\("\$PYTHON" -m tessel.parallel.node --nproc-per-node 2 .* -- '
                      r'"\$\{TRAIN\[@\]\}"\)', script)
     # several nodes: srun starts one launcher per node; the shell's signal goes to the steps
@@ -196,7 +198,7 @@ def test_slurm_cpu_job_on_one_node(capsys, tmp_path: Path, monkeypatch):
     assert "#SBATCH --cpus-per-task=2\n" in script  # one core per process at least
     assert "#SBATCH --signal=B:TERM@300\n" in script
     assert "#SBATCH --output=out/slurm/%x-%j.out\n" in script and (tmp_path / "out/slurm").is_dir()
-    assert 'PYTHON="${TESSEL_PYTHON:-/opt/env/bin/python}"' in script
+    assert "PYTHON=/opt/env/bin/python\n" in script
     assert "PORT=$((20000 + SLURM_JOB_ID % 40000))" in script  # each job its own rendezvous
     # one node: the launcher is started directly (`scancel --full` cannot make srun kill it);
     # a relay step passes a signal sent to the job's steps (preemption) on to it

@@ -234,3 +234,64 @@ def test_redactor_for_config_and_its_toml() -> None:
     assert 'webhook_url = "https://h.example.org/***"' in shown and 'webhook_url = "env:HOOK"' in shown
     assert "webhook_timeout_s = 10" in shown
     assert r.text("sent to https://h.example.org/T0SECRET") == "sent to https://h.example.org/***"
+
+
+# -- tokenizer settings are not secrets ----------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [
+    "eod_token", "pad_token", "bos_token", "eos_token", "unk_token", "mask_token", "eodToken",
+    "data.eod_token", "max_new_tokens", "max_gen_tokens", "sample_tokens", "tokens_per_step",
+    "special_tokens", "token_id", "token_ids",
+])
+def test_tokenizer_settings_are_not_secret(key: str) -> None:
+    assert not is_secret_key(key)
+
+
+@pytest.mark.parametrize("key", [
+    "HF_TOKEN", "hfToken", "apitoken", "id_token", "refresh_token", "bearer_token", "github_token",
+    "x-auth-token", "slack_bot_token", "notify.hf_token", "credentials",
+])
+def test_credential_tokens_are_secret(key: str) -> None:
+    assert is_secret_key(key)
+
+
+_TOKENIZER_CONFIG = """
+[model]
+preset = "tiny"
+[data]
+eod_token = "<|endoftext|>"
+[[alerts]]
+name = "plateau"
+when = "loss.above"
+threshold = 9.0
+notify = ["webhook"]
+webhook_url = "https://bot:PWSECRET@hooks.example.com/T0SECRET"
+"""
+
+
+def test_tessel_config_shows_the_eod_token_and_hides_the_webhook(tmp_path: Path, capsys) -> None:
+    from tessel.cli import main
+
+    (tmp_path / "c.toml").write_text(_TOKENIZER_CONFIG)
+    assert main(["config", str(tmp_path / "c.toml")]) == 0
+    out = capsys.readouterr().out
+    assert 'eod_token = "<|endoftext|>"' in out
+    assert "SECRET" not in out and 'webhook_url = "https://hooks.example.com/***"' in out
+
+
+def test_a_checkpoints_state_keeps_the_eod_token(tmp_path: Path, corpus: Path) -> None:
+    from conftest import tiny_overrides
+
+    from tessel import Trainer
+    from tessel.checkpoint import latest_checkpoint
+    from tessel.config import Config
+
+    (tmp_path / "c.toml").write_text(_TOKENIZER_CONFIG)
+    over = tiny_overrides(tmp_path / "run", corpus, **{"train.steps": 1, "checkpoint.interval": 1})
+    Trainer(Config.load(tmp_path / "c.toml", over), console=False).train()
+    state = (latest_checkpoint(tmp_path / "run" / "checkpoints") / "state.json").read_text()
+    assert "SECRET" not in state
+    config = json.loads(state)["config"]
+    assert config["data"]["eod_token"] == "<|endoftext|>"
+    assert config["alerts"][0]["webhook_url"] == "https://hooks.example.com/***"
