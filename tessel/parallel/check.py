@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from tessel.config import Config
-from tessel.parallel.context import check_context_parallel
 from tessel.parallel.dims import ParallelDims, ParallelError, resolve_zero
 from tessel.parallel.fsdp import check_offload
 
@@ -26,7 +25,6 @@ def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
         raise ParallelError(
             "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"
         )
-    check_context_parallel(cfg)
     if precision == "fp16" and dims.world_size > 1 and (resolve_zero(p) > 0 or dims.tp > 1 or dims.pp > 1):
         raise ParallelError(
             "fp16 loss scaling is supported for one process or DDP (zero=0) only; use "

@@ -96,6 +96,7 @@ class ParallelDims:
         p = cfg.parallel
         zero = resolve_zero(p)
         _check_experts(self, cfg.model, zero)
+        _check_context(cfg)
         if cfg.model.moe_experts and self.tp > 1 and not p.sequence_parallel:
             raise ParallelError(
                 "under tensor parallelism MoE layers run on each rank's part of the sequence; "
@@ -261,6 +262,38 @@ def _check_experts(d: ParallelDims, m: ModelConfig, zero: int) -> None:
                 f"dp_shard*cp*tp/ep = "
                 f"{efsdp}; raise parallel.ep or choose sizes that divide"
             )
+
+
+def _check_context(cfg: Config) -> None:
+    """What must divide what under context parallelism; one line with the fix otherwise."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    if p.cp == 1:
+        return
+    pieces = 2 * p.cp if p.cp_load_balance else p.cp
+    if t.seq_len % pieces:
+        how = "2*cp" if p.cp_load_balance else "cp"
+        raise ParallelError(
+            f"context parallelism cuts train.seq_len={t.seq_len} into {how} = {pieces} equal "
+            f"chunks; use a seq_len that is a multiple of {pieces} or change parallel.cp"
+        )
+    local = t.seq_len // p.cp
+    if p.tp > 1 and p.sequence_parallel and local % p.tp:
+        raise ParallelError(
+            f"sequence parallelism splits each context-parallel rank's {local} positions "
+            f"(train.seq_len / cp) over tp={p.tp}; use a seq_len that is a multiple of "
+            f"cp*tp = {p.cp * p.tp} or set parallel.sequence_parallel=false"
+        )
+    if p.cp_mode == "ulysses":
+        heads, kv_heads = m.n_heads // p.tp, (m.n_kv_heads or m.n_heads) // p.tp
+        for label, key, count in (("attention heads", "model.n_heads", heads),
+                                  ("key/value heads", "model.n_kv_heads", kv_heads)):
+            if count % p.cp:
+                per = f" per tensor-parallel rank (tp={p.tp})" if p.tp > 1 else ""
+                raise ParallelError(
+                    f"parallel.cp_mode='ulysses' splits the {count} {label}{per} ({key}) over "
+                    f"cp={p.cp}, which must divide them; use parallel.cp_mode='allgather' or a "
+                    "cp that divides the head counts"
+                )
 
 
 def _check_batch(d: ParallelDims, t: TrainConfig, p: ParallelConfig) -> None:

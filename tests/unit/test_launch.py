@@ -430,8 +430,8 @@ def test_builders_check_their_own_arguments():
     (["--nproc", "4", "--parallel.tp=2", "--parallel.dp_shard=1"],
      "tp*pp*dp*cp = 2 but 4 processes were started"),
     (["--nproc", "8"], "not divisible by micro_batch_size*dp = 8*8"),
-    (["--nproc", "2", "--parallel.cp=2", "--parallel.zero=0"],
-     "context parallelism shards with FSDP"),
+    (["--nproc", "2", "--parallel.cp=2", "--train.seq_len=30"],
+     "context parallelism cuts train.seq_len=30 into 2*cp = 4 equal chunks"),
 ])
 def test_nproc_checks_the_layout_in_the_parent(capsys, monkeypatch, args, needle):
     monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
