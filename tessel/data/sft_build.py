@@ -41,8 +41,9 @@ from tessel.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
 
-FORMAT = 1
-"""Bumped when what is cached changes meaning; part of the key."""
+FORMAT = 2
+"""Bumped when what is cached changes meaning; part of the key (2: a reply starting with
+"<", or an empty one, learns its first / end-of-turn token)."""
 _MANIFEST = "manifest.json"
 _SPLITS = ("train", "val")
 _ARRAYS = ("tokens", "learned", "docs")
