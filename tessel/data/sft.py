@@ -242,10 +242,15 @@ class Packed:
 def fit(examples: list[Example], length: int, overlong: str,
         stats: PackStats) -> list[Example]:
     """Examples cut to `length` tokens ("truncate") or left out ("drop") when longer; an
-    example left with nothing to learn after truncation is dropped. Counts into `stats`."""
+    example with nothing to learn (after truncation, or at all: a template that writes
+    nothing for its replies) is dropped, so every sample has a learned target. Counts into
+    `stats`."""
     kept = []
     for ex in examples:
         stats.examples += 1
+        if not ex.learned.any():
+            stats.dropped += 1
+            continue
         if len(ex.ids) > length:
             if overlong == "drop":
                 stats.dropped += 1

@@ -148,6 +148,13 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         chunk = rendered[lo:lo + _ENCODE_BATCH]
         encodings = hf.encode_batch([text for text, _ in chunk], add_special_tokens=False)
         examples += [learned_example(enc, spans) for enc, (_, spans) in zip(encodings, chunk)]
+    if not any(ex.learned.any() for ex in examples):
+        # training would run on a loss of 0 (and validation divide by no target)
+        raise DataError(
+            f"nothing to learn: the chat template ({template.origin}) writes no token of an "
+            f"assistant reply in any of the {len(examples):,} conversations (it leaves the "
+            "assistant turns out, or renders the same text whatever they say); use a "
+            "data.chat_template that writes them")
     length = seq_len + 1
     ranges = split_ranges(len(examples), d.split_fractions())
     manifest: dict = {"format": FORMAT, "seq_len": seq_len, "files": {}, "stats": {}}
@@ -157,8 +164,8 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         if name == "train" and not kept:
             raise DataError(
                 f"no fine-tuning example is left after dropping the {stats.dropped} longer than "
-                f"train.seq_len + 1 = {length} tokens; raise train.seq_len or set "
-                "data.sft_overlong = \"truncate\"")
+                f"train.seq_len + 1 = {length} tokens or with nothing to learn; raise "
+                "train.seq_len or set data.sft_overlong = \"truncate\"")
         packed = pack(kept, length, tok.eod_id, d.sft_pack, stats)
         for key, arr in packed.arrays().items():
             path = out / f"{name}.{key}.npy"

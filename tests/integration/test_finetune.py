@@ -27,6 +27,13 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     template = tmp / "strict.jinja"
     template.write_text("{% if messages|length > 1 %}{{ raise_exception('only one message, "
                         "please') }}{% endif %}{{ messages[0]['content'] }}")
+    no_replies = tmp / "no_replies.jinja"  # renders every turn but the assistant's
+    no_replies.write_text("{% for m in messages %}{% if m['role'] != 'assistant' %}"
+                          "{{ m['content'] }}\n{% endif %}{% endfor %}")
+    constant = tmp / "constant.jinja"
+    constant.write_text("Hello!")
+    one_step = ["--data.sft_pack=false", "--train.steps=1", "--train.eval_interval=1",
+                "--run.sample_tokens=0", "--metrics.tensorboard=false"]
     gz = tmp / "broken.jsonl.gz"
     gz.write_bytes(gzip.compress(b'{"messages": []}\n' * 20)[:-12])
     return {
@@ -43,11 +50,19 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
                               "--data.sft_overlong=drop", "--train.seq_len=8"],
                              "no fine-tuning example is left after dropping the 1 longer"),
         "damaged_gzip": ([f"--data.paths=['{gz}']"], "not a valid gzip file"),
+        # nothing to learn: training would run (one sample per example, enough for the
+        # batches) on a loss of 0, and validation divide by zero
+        "template_without_replies": ([f"--data.paths=['{jsonl('f.jsonl', [good] * 80)}']",
+                                      f"--data.chat_template={no_replies}", *one_step],
+                                     "nothing to learn: the chat template"),
+        "constant_template": ([f"--data.paths=['{jsonl('g.jsonl', [good] * 80)}']",
+                               f"--data.chat_template={constant}", *one_step],
+                              "nothing to learn: the chat template"),
     }
 
 
 CASES = ["no_assistant", "unknown_role", "malformed_json", "template_raises", "empty_after_drop",
-         "damaged_gzip"]
+         "damaged_gzip", "template_without_replies", "constant_template"]
 
 
 def _args(tmp_path: Path, case: str) -> tuple[list[str], str]:

@@ -268,10 +268,11 @@ def test_packing_documents_padding_and_overlong():
     assert ds.loss_mask(0).tolist() == packed.learned[0, 1:].astype(bool).tolist()
     dropped = PackStats()
     assert len(fit(_examples([5, 12]), 10, "drop", dropped)) == 1 and dropped.dropped == 1
-    # truncation that leaves nothing to learn drops the example
+    # truncation that leaves nothing to learn drops the example, and so does nothing to learn
+    # at all (every sample then has a learned target: evaluation never counts none)
     none_left = PackStats()
-    assert fit(_examples([12], learned_from=11), 10, "truncate", none_left) == []
-    assert none_left.dropped == 1
+    assert fit(_examples([12, 5], learned_from=11), 10, "truncate", none_left) == []
+    assert none_left.dropped == 2
     single = pack(_examples([5, 3]), 10, 0, packed=False, stats=PackStats())
     assert single.tokens.shape == (2, 10)
 

@@ -107,6 +107,13 @@ def test_evaluator_is_the_token_mean_over_the_validation_batches():
     assert loss == pytest.approx(expected, rel=1e-6)
     assert model.training  # evaluation puts the model back in training mode
 
+    # fine-tuning batches whose targets are all masked: a mean over nothing is NaN, not a
+    # ZeroDivisionError that ends the run
+    step.masked = True
+    masked = [Batch(b.inputs, torch.full_like(b.targets, -100), None) for b in batches]
+    batches[:] = masked
+    assert math.isnan(Evaluator(step, Val(), eval_iters=3).loss())
+
 
 def test_checkpoint_manager_saves_publishes_restores_and_prunes(tmp_path: Path):
     cfg = _cfg()
