@@ -62,6 +62,8 @@ class SFTCorpus:
     packing_efficiency, learned_fraction."""
     summary: str
     """The one start-up line."""
+    template: ChatTemplate
+    """The chat template the conversations were rendered with."""
 
 
 def _file_hash(path: Path) -> str:
@@ -116,7 +118,7 @@ def ensure_sft(d: DataConfig, seq_len: int, vocab_size: int, cache: Path,
     target = cache / f"sft-{sft_key(files, tok_identity, template, seq_len, d)}"
     if (target / _MANIFEST).is_file():
         try:
-            return _open(target, seq_len)
+            return _open(target, seq_len, template)
         except DataError as exc:
             console(f"tessel: {exc}; rebuilding it")
             shutil.rmtree(target, ignore_errors=True)
@@ -127,7 +129,7 @@ def ensure_sft(d: DataConfig, seq_len: int, vocab_size: int, cache: Path,
         _build(tmp, files, tok, template, seq_len, vocab_size, d)
 
     build_once(target, build, marker=_MANIFEST)
-    return _open(target, seq_len)
+    return _open(target, seq_len, template)
 
 
 def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTemplate,
@@ -183,8 +185,9 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
     write_text_atomic(out / _MANIFEST, json.dumps(manifest, indent=1))
 
 
-def _open(target: Path, seq_len: int) -> SFTCorpus:
-    """The cache entry in `target`, every file checked against the manifest."""
+def _open(target: Path, seq_len: int, template: ChatTemplate) -> SFTCorpus:
+    """The cache entry in `target` (built with `template`), every file checked against the
+    manifest."""
     try:
         manifest = json.loads((target / _MANIFEST).read_text())
         files = manifest["files"]
@@ -219,4 +222,4 @@ def _open(target: Path, seq_len: int) -> SFTCorpus:
     figures = {"sft_examples": float(s["examples"]), "sft_truncated": float(s["truncated"]),
                "sft_dropped": float(s["dropped"]), "sft_packing_efficiency": efficiency,
                "sft_learned_fraction": learned}
-    return SFTCorpus(sets["train"], sets.get("val"), tok, figures, summary)
+    return SFTCorpus(sets["train"], sets.get("val"), tok, figures, summary, template)

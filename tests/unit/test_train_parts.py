@@ -4,6 +4,7 @@ CheckpointManager, StopControl, Recovery, StepLogger and RunDir."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import signal
@@ -239,5 +240,7 @@ def test_run_dir_owns_the_names_and_the_halted_marker(tmp_path: Path):
     assert run.halted()["exit_code"] == 4
     run.halted_marker.write_text("{not json")
     assert run.halted() == {"message": "was halted"}
-    run.write_start("[run]\n", {"world_size": 1}, lambda p: None)
+    assert not run.tokenizer_config.exists()  # no chat template: none written
+    run.write_start("[run]\n", {"world_size": 1}, lambda p: None, {"chat_template": "T"})
     assert run.halted() is None  # an explicit resume clears the marker
+    assert json.loads(run.tokenizer_config.read_text()) == {"chat_template": "T"}
