@@ -141,6 +141,13 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         rendered.append(assistant_spans(template, to_messages(obj, where), where))
     if not rendered:
         raise DataError(f"data.paths {list(d.paths)} hold no records")
+    if not any(spans for _, spans in rendered):
+        # training would run on a loss of 0 (and validation divide by no target)
+        raise DataError(
+            f"nothing to learn: the chat template ({template.origin}) writes no character of "
+            f"an assistant reply in any of the {len(rendered):,} conversations (it leaves the "
+            "assistant turns out, or renders the same text whatever they say); use a "
+            "data.chat_template that writes them")
     if tok is None:
         tok = train_bpe((text for text, _ in rendered), vocab_size,
                         special_tokens=template_tokens(template))
@@ -150,13 +157,6 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         chunk = rendered[lo:lo + _ENCODE_BATCH]
         encodings = hf.encode_batch([text for text, _ in chunk], add_special_tokens=False)
         examples += [learned_example(enc, spans) for enc, (_, spans) in zip(encodings, chunk)]
-    if not any(ex.learned.any() for ex in examples):
-        # training would run on a loss of 0 (and validation divide by no target)
-        raise DataError(
-            f"nothing to learn: the chat template ({template.origin}) writes no token of an "
-            f"assistant reply in any of the {len(examples):,} conversations (it leaves the "
-            "assistant turns out, or renders the same text whatever they say); use a "
-            "data.chat_template that writes them")
     length = seq_len + 1
     ranges = split_ranges(len(examples), d.split_fractions())
     manifest: dict = {"format": FORMAT, "seq_len": seq_len, "files": {}, "stats": {}}
