@@ -262,7 +262,7 @@ class Trainer:
                 update={"zero": self.zero_as_given})})
             template = self.data.chat_template
             self.run.write_start(saved.to_toml(), lifecycle.run_info(self), self.tokenizer.save,
-                                 run_tokenizer_config(template) if template else None)
+                                 run_tokenizer_config(template) if template is not None else None)
         lifecycle.announce(self)
         lifecycle.start_event(self)
         log = StepLogger(cfg, self.display, open_metrics(cfg, self.run, self.display.print)
