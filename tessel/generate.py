@@ -103,18 +103,25 @@ def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
 
 def chat_template_for(path: str | Path, spec: str | None, tok: Tokenizer) -> ChatTemplate:
     """The chat template `tessel generate --chat` applies for the run, checkpoint or model
-    directory `path`: `spec` when given, else the run's `data.chat_template`; "auto" finds
-    the model's own beside its tokenizer files (the run's `data.tokenizer`, or the model
-    directory itself), else ChatML."""
+    directory `path`: `spec` when given, else the one the model was fine-tuned with (saved
+    beside the run's or the export's tokenizer), else the run's `data.chat_template`; "auto"
+    finds the model's own beside its tokenizer files (the run's `data.tokenizer`, or the
+    model directory itself), else ChatML."""
+    from tessel.data.chat_files import saved_template
+
     path = Path(path)
     run = path.parent.parent if (path / "state.json").is_file() else path
+    eod = str(tok.hf.id_to_token(tok.eod_id))
+    trained = saved_template(run, eod) if spec is None else None
+    if trained is not None:
+        return trained
     configured, directory = "auto", path if (path / "tokenizer.json").is_file() else None
     if (run / "config.toml").is_file():
         d = Config.from_dict(read_saved(run / "config.toml")).data
         configured = d.chat_template
         given = Path(d.tokenizer)
         directory = given.parent if given.is_file() else None
-    return resolve_template(spec or configured, directory, str(tok.hf.id_to_token(tok.eod_id)))
+    return resolve_template(spec or configured, directory, eod)
 
 
 def chat_prompt(template: ChatTemplate, tok: Tokenizer, prompt: str) -> tuple[list[int], str, int]:

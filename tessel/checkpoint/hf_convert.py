@@ -4,7 +4,8 @@
                                     model, init_from = OUT), tokenizer.json (and the chat
                                     template's tokenizer_config.json, chat_template.jinja)
     tessel_to_hf(SOURCE, OUT)       an HF directory transformers loads: config.json,
-                                    model.safetensors or shards + index, tokenizer files;
+                                    model.safetensors or shards + index, tokenizer files
+                                    (and the chat template a fine-tune saved beside them);
                                     SOURCE: a run, a checkpoint (any layout) or a tessel
                                     safetensors file
 
@@ -133,6 +134,7 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
     tokenizer_path = source.tokenizer
     config = arch.hf_config(m)
     files: dict[str, str] = {}
+    with_template = ""
     if tokenizer_path is not None and tokenizer_path.is_file():
         from tessel.data.tokenizer import load_tokenizer
 
@@ -145,11 +147,20 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
         bos_id = tok.prefix_ids[0] if tok.prefix_ids else tok.eod_id
         config.update({"bos_token_id": bos_id, "eos_token_id": tok.eod_id})
         files["tokenizer.json"] = tok.hf_json()
-        files["tokenizer_config.json"] = json.dumps({
+        tok_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": tok.hf.id_to_token(bos_id), "eos_token": eos,
             "model_max_length": m.max_seq_len, "clean_up_tokenization_spaces": False,
-        }, indent=2)
+        }
+        # the chat template the model was fine-tuned with, saved beside its tokenizer
+        from tessel.data.chat_files import TEMPLATE_FILE, export_fields, saved_template
+
+        chat = saved_template(tokenizer_path.parent, eos)
+        if chat is not None:
+            files[TEMPLATE_FILE] = chat.source
+            tok_config.update(export_fields(chat, lambda t: tok.hf.token_to_id(t) is not None))
+            with_template = ", with its chat template"
+        files["tokenizer_config.json"] = json.dumps(tok_config, indent=2)
     shapes = _shapes(m)
     read = lambda name: source.get(name, shapes[name])  # noqa: E731
     count, size = write_hf(out, config, arch.to_hf(read, m), files, max_shard_bytes, dtype)
@@ -161,7 +172,7 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
         note += ("; the balancing bias (model.moe_bias_update_rate) has no Hugging Face "
                  "counterpart and is not written: transformers routes without it")
     return (f"wrote {out}: {arch.hf_class}, {count} tensors, {size / 2**20:.1f} MiB "
-            f"({'one file' if size <= max_shard_bytes else 'sharded'}); load it with "
+            f"({'one file' if size <= max_shard_bytes else 'sharded'}{with_template}); load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained{note}")
 
 

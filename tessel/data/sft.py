@@ -15,8 +15,8 @@ template are parsed; nothing is added around it: templates write their own BOS).
 assistant turns are learned: each one's characters are found by rendering prefixes
 (messages[:i], then messages[:i+1]; the difference is exactly what
 the model must produce for turn i, its end-of-turn token included, trailing whitespace not),
-less the turn's header (what the turn renders to with empty content: the content starts where
-the two renderings part). This works for any template that renders a conversation prefix by
+less the turn's header (the content starts where the same turn rendered with two different
+replies parts). This works for any template that renders a conversation prefix by
 prefix, with or without a generation prompt; a token counts when it overlaps such a span. The
 first token of an example is never learned: it is predicted from the previous example of the
 packed sample.
@@ -125,19 +125,34 @@ def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]],
                 f"{where}{': ' if where else ''}the chat template ({template.origin}) does not "
                 f"render this conversation prefix by prefix (message {i}), so its assistant "
                 "turns cannot be found; use another data.chat_template")
-        # The turn's header ("<|im_start|>assistant\n") is what the same turn renders to
-        # with no content: the content starts where the two renderings part. (The
-        # generation prompt would say the same, but some templates have none.)
-        try:
-            empty = template.render([*messages[:i], {**m, "content": ""}])
-            start = len(os.path.commonprefix([empty, after]))
-        except DataError:
-            head = template.render(messages[:i], add_generation_prompt=True)
-            start = len(head) if after.startswith(head) else len(before)
-        start = max(start, len(before))
+        start = min(max(_content_start(template, messages, i, after), len(before)), len(after))
         end = start + len(after[start:].rstrip())
-        spans.append((start, end))
+        if end > start:  # a template may write nothing for a turn: nothing to learn there
+            spans.append((start, end))
     return full, spans
+
+
+_PROBES = ("x", "y")
+"""Two replies that differ in their first character (and are left alone by templates that
+trim or test the content): the turn renders the same up to where its content starts."""
+
+
+def _content_start(template: ChatTemplate, messages: list[dict[str, str]], i: int,
+                   after: str) -> int:
+    """Where the content of assistant turn i starts in `after` (messages[:i+1] rendered):
+    the end of the turn's header ("<|im_start|>assistant\n"), which is where the same turn
+    rendered with two different replies parts. The empty reply would not do: its rendering
+    goes on with the end-of-turn marker, so a reply starting with that marker's first
+    character ("<think>" before "<|im_end|>") would lose its first token, and an empty
+    reply its end-of-turn token. Never past where the real turn parts from them (a header
+    that depends on the content)."""
+    try:
+        probes = [template.render([*messages[:i], {**messages[i], "content": p}])
+                  for p in _PROBES]
+    except DataError:  # a template that refuses the probes: the generation prompt says it
+        head = template.render(messages[:i], add_generation_prompt=True)
+        return len(head) if after.startswith(head) else 0
+    return len(os.path.commonprefix([*probes, after]))
 
 
 @dataclass
@@ -227,10 +242,15 @@ class Packed:
 def fit(examples: list[Example], length: int, overlong: str,
         stats: PackStats) -> list[Example]:
     """Examples cut to `length` tokens ("truncate") or left out ("drop") when longer; an
-    example left with nothing to learn after truncation is dropped. Counts into `stats`."""
+    example with nothing to learn (after truncation, or at all: a template that writes
+    nothing for its replies) is dropped, so every sample has a learned target. Counts into
+    `stats`."""
     kept = []
     for ex in examples:
         stats.examples += 1
+        if not ex.learned.any():
+            stats.dropped += 1
+            continue
         if len(ex.ids) > length:
             if overlong == "drop":
                 stats.dropped += 1

@@ -41,8 +41,9 @@ from tessel.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
 
-FORMAT = 1
-"""Bumped when what is cached changes meaning; part of the key."""
+FORMAT = 2
+"""Bumped when what is cached changes meaning; part of the key (2: a reply starting with
+"<", or an empty one, learns its first / end-of-turn token)."""
 _MANIFEST = "manifest.json"
 _SPLITS = ("train", "val")
 _ARRAYS = ("tokens", "learned", "docs")
@@ -61,6 +62,8 @@ class SFTCorpus:
     packing_efficiency, learned_fraction."""
     summary: str
     """The one start-up line."""
+    template: ChatTemplate
+    """The chat template the conversations were rendered with."""
 
 
 def _file_hash(path: Path) -> str:
@@ -115,7 +118,7 @@ def ensure_sft(d: DataConfig, seq_len: int, vocab_size: int, cache: Path,
     target = cache / f"sft-{sft_key(files, tok_identity, template, seq_len, d)}"
     if (target / _MANIFEST).is_file():
         try:
-            return _open(target, seq_len)
+            return _open(target, seq_len, template)
         except DataError as exc:
             console(f"tessel: {exc}; rebuilding it")
             shutil.rmtree(target, ignore_errors=True)
@@ -126,7 +129,7 @@ def ensure_sft(d: DataConfig, seq_len: int, vocab_size: int, cache: Path,
         _build(tmp, files, tok, template, seq_len, vocab_size, d)
 
     build_once(target, build, marker=_MANIFEST)
-    return _open(target, seq_len)
+    return _open(target, seq_len, template)
 
 
 def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTemplate,
@@ -138,6 +141,13 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         rendered.append(assistant_spans(template, to_messages(obj, where), where))
     if not rendered:
         raise DataError(f"data.paths {list(d.paths)} hold no records")
+    if not any(spans for _, spans in rendered):
+        # training would run on a loss of 0 (and validation divide by no target)
+        raise DataError(
+            f"nothing to learn: the chat template ({template.origin}) writes no character of "
+            f"an assistant reply in any of the {len(rendered):,} conversations (it leaves the "
+            "assistant turns out, or renders the same text whatever they say); use a "
+            "data.chat_template that writes them")
     if tok is None:
         tok = train_bpe((text for text, _ in rendered), vocab_size,
                         special_tokens=template_tokens(template))
@@ -156,8 +166,8 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         if name == "train" and not kept:
             raise DataError(
                 f"no fine-tuning example is left after dropping the {stats.dropped} longer than "
-                f"train.seq_len + 1 = {length} tokens; raise train.seq_len or set "
-                "data.sft_overlong = \"truncate\"")
+                f"train.seq_len + 1 = {length} tokens or with nothing to learn; raise "
+                "train.seq_len or set data.sft_overlong = \"truncate\"")
         packed = pack(kept, length, tok.eod_id, d.sft_pack, stats)
         for key, arr in packed.arrays().items():
             path = out / f"{name}.{key}.npy"
@@ -175,8 +185,9 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
     write_text_atomic(out / _MANIFEST, json.dumps(manifest, indent=1))
 
 
-def _open(target: Path, seq_len: int) -> SFTCorpus:
-    """The cache entry in `target`, every file checked against the manifest."""
+def _open(target: Path, seq_len: int, template: ChatTemplate) -> SFTCorpus:
+    """The cache entry in `target` (built with `template`), every file checked against the
+    manifest."""
     try:
         manifest = json.loads((target / _MANIFEST).read_text())
         files = manifest["files"]
@@ -211,4 +222,4 @@ def _open(target: Path, seq_len: int) -> SFTCorpus:
     figures = {"sft_examples": float(s["examples"]), "sft_truncated": float(s["truncated"]),
                "sft_dropped": float(s["dropped"]), "sft_packing_efficiency": efficiency,
                "sft_learned_fraction": learned}
-    return SFTCorpus(sets["train"], sets.get("val"), tok, figures, summary)
+    return SFTCorpus(sets["train"], sets.get("val"), tok, figures, summary, template)

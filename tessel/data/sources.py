@@ -20,6 +20,7 @@ import numpy as np
 
 from tessel.config import Config, DataConfig
 from tessel.data.cache import build_once, default_cache_dir
+from tessel.data.chat_template import ChatTemplate
 from tessel.data.dataset import TokenDataset, split_ranges
 from tessel.data.loader import Loader
 from tessel.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
@@ -41,6 +42,9 @@ class Data:
     figures: dict[str, float] = field(default_factory=dict)
     """Static figures of the data for the metrics (fine-tuning: packing efficiency and
     learned-token fraction), logged with every training record."""
+    chat_template: ChatTemplate | None = None
+    """Fine-tuning: the template the conversations were rendered with (saved with the run,
+    written by its exports)."""
 
 
 def stdlib_files() -> list[Path]:
@@ -163,7 +167,7 @@ def _sft_data(cfg: Config, cache: Path, dp_rank: int, dp_size: int, console) -> 
     # the baseline over learned targets only: what the loss counts
     baseline = unigram_baseline(corpus.train.learned_targets(), np.concatenate([[0], val_ids]),
                                 tok.vocab_size)
-    return Data(train, val, tok, baseline, corpus.stats)
+    return Data(train, val, tok, baseline, corpus.stats, corpus.template)
 
 
 def _names(d: DataConfig, sets: list) -> list[str]:

@@ -31,7 +31,8 @@ class Evaluator:
     @torch.no_grad()
     def loss(self) -> float:
         """Token-mean cross-entropy over `eval_iters` validation micro-batches of every
-        data-parallel rank."""
+        data-parallel rank; NaN when they hold no counted target (fine-tuning batches whose
+        targets are all masked: a mean over nothing)."""
         s, val = self.step, self.val
         val.reset()
         available = max(1, val.n_samples // val.mbs)
@@ -59,10 +60,10 @@ class Evaluator:
                     count += int((y != IGNORE_INDEX).sum()) if s.masked else y.numel()
         s.model.train(True)
         if not s.distributed:
-            return total.item() / count
+            return total.item() / count if count else math.nan
         # Each replica's loss-reporting rank contributes its sum; all replicas count equally.
         sums = torch.stack([total if s.reports_loss else torch.zeros_like(total),
                             torch.tensor(float(count) if s.reports_loss else 0.0,
                                          dtype=torch.float64, device=s.device)])
         sums = all_reduce_sum(sums)
-        return (sums[0] / sums[1]).item()
+        return (sums[0] / sums[1]).item() if sums[1].item() else math.nan

@@ -1,7 +1,8 @@
 """RunDir: the one owner of a run directory's file names and layout.
 
     RUN/
-      config.toml  run.json  tokenizer.json  metrics.jsonl  events.jsonl
+      config.toml  run.json  tokenizer.json  tokenizer_config.json (fine-tuning: the chat
+      template)  metrics.jsonl  events.jsonl
       HALTED.json  skipped_batches.json  hf-export.log  watchdog/
       checkpoints/step_XXXXXXXX/ ... latest -> step_XXXXXXXX
 
@@ -51,6 +52,12 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.path / "tokenizer.json"
+
+    @property
+    def tokenizer_config(self) -> Path:
+        """A fine-tuning run's chat template and its token strings, in Hugging Face's shape
+        beside tokenizer.json (`tessel.data.chat_files`): what exports write."""
+        return self.path / "tokenizer_config.json"
 
     @property
     def metrics(self) -> Path:
@@ -153,12 +160,16 @@ class RunDir:
         write_text_atomic(self.halted_marker, json.dumps(
             {"message": message, "exit_code": code, "step": step, "time": time.time()}))
 
-    def write_start(self, config_toml: str, run_info: dict[str, Any], save_tokenizer: Any) -> None:
+    def write_start(self, config_toml: str, run_info: dict[str, Any], save_tokenizer: Any,
+                    tokenizer_config: dict[str, Any] | None = None) -> None:
         """What a starting (or resuming) run writes before its first step; an explicit
-        resume clears a halted marker. `save_tokenizer(path)` writes the tokenizer."""
+        resume clears a halted marker. `save_tokenizer(path)` writes the tokenizer;
+        `tokenizer_config`: a fine-tuning run's chat template (`run_tokenizer_config`)."""
         self.path.mkdir(parents=True, exist_ok=True)
         self._stamp_lock()
         write_text_atomic(self.config, config_toml)
         write_text_atomic(self.run_info, json.dumps(run_info, indent=1))
         save_tokenizer(self.tokenizer)
+        if tokenizer_config is not None:
+            write_text_atomic(self.tokenizer_config, json.dumps(tokenizer_config, indent=1))
         self.halted_marker.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from tessel.checkpoint import CheckpointError, read_state
 from tessel.checkpoint.manager import CheckpointManager
 from tessel.config import Config
 from tessel.data import build_data
+from tessel.data.chat_files import run_tokenizer_config
 from tessel.errors import TesselError
 from tessel.observe.alerts import check_alerts
 from tessel.observe.console import ConsoleDisplay
@@ -259,7 +260,9 @@ class Trainer:
                                   "--run.dir")
             saved = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
                 update={"zero": self.zero_as_given})})
-            self.run.write_start(saved.to_toml(), lifecycle.run_info(self), self.tokenizer.save)
+            template = self.data.chat_template
+            self.run.write_start(saved.to_toml(), lifecycle.run_info(self), self.tokenizer.save,
+                                 run_tokenizer_config(template) if template is not None else None)
         lifecycle.announce(self)
         lifecycle.start_event(self)
         log = StepLogger(cfg, self.display, open_metrics(cfg, self.run, self.display.print)

@@ -27,6 +27,13 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     template = tmp / "strict.jinja"
     template.write_text("{% if messages|length > 1 %}{{ raise_exception('only one message, "
                         "please') }}{% endif %}{{ messages[0]['content'] }}")
+    no_replies = tmp / "no_replies.jinja"  # renders every turn but the assistant's
+    no_replies.write_text("{% for m in messages %}{% if m['role'] != 'assistant' %}"
+                          "{{ m['content'] }}\n{% endif %}{% endfor %}")
+    constant = tmp / "constant.jinja"
+    constant.write_text("Hello!")
+    one_step = ["--data.sft_pack=false", "--train.steps=1", "--train.eval_interval=1",
+                "--run.sample_tokens=0", "--metrics.tensorboard=false"]
     gz = tmp / "broken.jsonl.gz"
     gz.write_bytes(gzip.compress(b'{"messages": []}\n' * 20)[:-12])
     return {
@@ -43,11 +50,19 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
                               "--data.sft_overlong=drop", "--train.seq_len=8"],
                              "no fine-tuning example is left after dropping the 1 longer"),
         "damaged_gzip": ([f"--data.paths=['{gz}']"], "not a valid gzip file"),
+        # nothing to learn: training would run (one sample per example, enough for the
+        # batches) on a loss of 0, and validation divide by zero
+        "template_without_replies": ([f"--data.paths=['{jsonl('f.jsonl', [good] * 80)}']",
+                                      f"--data.chat_template={no_replies}", *one_step],
+                                     "nothing to learn: the chat template"),
+        "constant_template": ([f"--data.paths=['{jsonl('g.jsonl', [good] * 80)}']",
+                               f"--data.chat_template={constant}", *one_step],
+                              "nothing to learn: the chat template"),
     }
 
 
 CASES = ["no_assistant", "unknown_role", "malformed_json", "template_raises", "empty_after_drop",
-         "damaged_gzip"]
+         "damaged_gzip", "template_without_replies", "constant_template"]
 
 
 def _args(tmp_path: Path, case: str) -> tuple[list[str], str]:
@@ -102,6 +117,63 @@ def test_hf_to_tessel_keeps_the_models_chat_template(tmp_path: Path, corpus: Pat
     assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == "Q:hiA:"
 
 
+# A template that uses the tokenizer's bos_token and eos_token strings (which are not its
+# end-of-document token), so an export must carry them as well as the template.
+TOKENS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                   "Bot: {{ m['content'] }}{{ eos_token }}\n{% else %}"
+                   "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+                   "{% if add_generation_prompt %}Bot:{% endif %}")
+
+
+def test_sft_export_carries_the_chat_template_the_run_trained_with(tmp_path: Path, capsys):
+    """`tessel convert tessel-to-hf` of a fine-tuning run writes the template it trained with
+    (chat_template.jinja and tokenizer_config.json, with the bos/eos strings the template
+    saw): transformers' apply_chat_template on the export renders what training rendered,
+    and `tessel generate --chat EXPORT` uses it (not ChatML), replying as the run does."""
+    from transformers import AutoTokenizer
+
+    from tessel.cli import main
+    from tessel.data.chat_template import resolve_template
+    from tessel.data.tokenizer import load_tokenizer, train_bpe
+    from tessel.generate import chat_template_for
+
+    tokdir = tmp_path / "tok"
+    tokdir.mkdir()
+    texts = (ROOT / "configs/data/sft-tiny.jsonl").read_text().splitlines()
+    train_bpe(texts, 400, special_tokens=("<|begin_of_text|>", "<|eot_id|>")).save(
+        tokdir / "tokenizer.json")
+    (tokdir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
+    template = tmp_path / "bot.jinja"
+    template.write_text(TOKENS_TEMPLATE)
+    run, export = tmp_path / "run", tmp_path / "export"
+    assert main(["train", str(ROOT / "configs/sft-tiny.toml"), f"--run.dir={run}",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--data.tokenizer={tokdir}/tokenizer.json",
+                 f"--data.chat_template={template}", "--data.split=100,0", "--train.steps=2",
+                 "--train.eval_interval=0", "--checkpoint.interval=2", "--run.sample_tokens=0",
+                 "--metrics.tensorboard=false", "--quiet"]) == 0
+    assert main(["convert", "tessel-to-hf", str(run), str(export)]) == 0
+    summary = capsys.readouterr().out
+    trained = resolve_template(str(template), tokdir)  # what the run rendered its data with
+    conversation = [{"role": "user", "content": "Spell moon."}]
+    want = trained.render(conversation, add_generation_prompt=True)
+    assert want.startswith("<|begin_of_text|>user: Spell moon.")
+    hf = AutoTokenizer.from_pretrained(export)
+    assert hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == want
+    reply = [*conversation, {"role": "assistant", "content": "M-O-O-N"}]
+    assert hf.apply_chat_template(reply, tokenize=False) == trained.render(reply)
+    tok = load_tokenizer(export / "tokenizer.json")
+    used = chat_template_for(export, None, tok)
+    assert used.render(conversation, add_generation_prompt=True) == want
+    replies = []
+    for where in (run, export):
+        assert main(["generate", str(where), "--chat", "--prompt", "Spell moon.",
+                     "--temperature", "0", "--max-new-tokens", "12"]) == 0
+        replies.append(capsys.readouterr().out)
+    assert replies[0] == replies[1]
+    assert "with its chat template" in summary
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -138,7 +210,9 @@ def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
     fine-tuned on the bundled chat set with its own chat template and exported; the masked
     loss falls, transformers loads the export and answers a held-out question greedily with
     tessel's reply, in the template's shape (a reply that ends its turn by itself)."""
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tessel.data.tokenizer import load_tokenizer
 
     src = _tiny_hf_chat_model(tmp_path / "hf")
     run = tmp_path / "run"
@@ -158,11 +232,13 @@ def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
     assert last["step"] == 60 and last["loss"] < 0.5 * first["loss"], (first["loss"], last["loss"])
     assert 0.8 < last["sft_packing_efficiency"] <= 1 and 0 < last["sft_learned_fraction"] < 0.5
 
+    # the export written during training (checkpoint.hf_export_interval) carries the template
     export = next(run.glob("checkpoints/step_*60/hf"))
     model = LlamaForCausalLM.from_pretrained(export).eval()
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(export / "tokenizer.json"))
+    tok = AutoTokenizer.from_pretrained(export)
+    assert tok.chat_template == CHATML
     question = "Which letter comes after q?"  # one of the set's question families
-    ids = tok.apply_chat_template([{"role": "user", "content": question}], chat_template=CHATML,
+    ids = tok.apply_chat_template([{"role": "user", "content": question}],
                                   add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -176,3 +252,7 @@ def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
     assert "<|im_start|>" not in chat.stdout  # the reply alone, not the rendered prompt
     assert chat.stdout.strip() == hf_reply.strip(), (chat.stdout, hf_reply)
     assert hf_reply.startswith("After "), hf_reply  # the answers' shape: "After q comes r."
+    # and `tessel generate --chat` on the export renders with it too
+    from tessel.generate import chat_template_for
+
+    assert chat_template_for(export, None, load_tokenizer(export / "tokenizer.json")).source == CHATML

@@ -133,6 +133,75 @@ def test_learned_tokens_are_exactly_the_assistant_turns_and_their_end_token(tok,
     assert not ex.learned[0]
 
 
+# The same templates with transformers' {% generation %} markers around what is learned (the
+# reply and its end-of-turn token), for apply_chat_template(return_assistant_tokens_mask=True).
+# Each renders exactly as its unmarked original (checked below).
+GENERATION = {
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+        "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{% for message in messages %}{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+        "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    "qwen": QWEN.replace(
+        "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' "
+        "+ '\\n' }}",
+        "        {%- if message.role == 'assistant' %}\n"
+        "            {{- '<|im_start|>assistant\\n' }}{% generation %}"
+        "{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}\n"
+        "        {%- else %}\n"
+        "            {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' "
+        "+ '\\n' }}\n"
+        "        {%- endif %}"),
+    "marked": MARKED,
+}
+EDGE_REPLIES = ["<think>\nhm\n</think>\n\n4.", "<b>4</b>", "<5", "", "x"]
+
+
+def edge_conversations() -> list[list[dict[str, str]]]:
+    """Ordinary conversations, and replies that start with the end-of-turn marker's first
+    character ("<") or are empty, alone and as an earlier turn."""
+    out = [*CONVERSATIONS]
+    for reply in EDGE_REPLIES:
+        out.append([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": reply}])
+        out.append([{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "and 3+3?"},
+                    {"role": "assistant", "content": "6, of course."}])
+    return out
+
+
+@pytest.mark.parametrize("name", list(GENERATION))
+def test_learned_tokens_equal_transformers_assistant_tokens_mask(tok, name):
+    """The learned flags equal transformers' `return_assistant_tokens_mask` (what TRL's
+    assistant_only_loss trains on) token for token, but the first (never learned, see
+    `learned_example`), on ordinary conversations and on replies that start with "<" or are
+    empty (an empty reply still learns its end-of-turn token: it teaches the model to stop)."""
+    ours = ChatTemplate(TEMPLATES[name], name, "<|begin_of_text|>", "</s>")
+    theirs = hf_tokenizer(tok, GENERATION[name])
+    encoder = chat_encoder(tok)
+    for messages in edge_conversations():
+        text, spans = assistant_spans(ours, messages)
+        assert text == theirs.apply_chat_template(messages, tokenize=False)
+        want = theirs.apply_chat_template(messages, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        ex = encode_example(text, spans, encoder)
+        assert ex.ids.tolist() == list(want["input_ids"])
+        assert not ex.learned[0]
+        got = ex.learned.astype(int).tolist()
+        assert got[1:] == list(want["assistant_masks"])[1:], (messages, text)
+
+
 def test_record_shapes_and_refusals():
     chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert to_messages({"messages": chat}, "f:1") == chat
@@ -199,10 +268,11 @@ def test_packing_documents_padding_and_overlong():
     assert ds.loss_mask(0).tolist() == packed.learned[0, 1:].astype(bool).tolist()
     dropped = PackStats()
     assert len(fit(_examples([5, 12]), 10, "drop", dropped)) == 1 and dropped.dropped == 1
-    # truncation that leaves nothing to learn drops the example
+    # truncation that leaves nothing to learn drops the example, and so does nothing to learn
+    # at all (every sample then has a learned target: evaluation never counts none)
     none_left = PackStats()
-    assert fit(_examples([12], learned_from=11), 10, "truncate", none_left) == []
-    assert none_left.dropped == 1
+    assert fit(_examples([12, 5], learned_from=11), 10, "truncate", none_left) == []
+    assert none_left.dropped == 2
     single = pack(_examples([5, 3]), 10, 0, packed=False, stats=PackStats())
     assert single.tokens.shape == (2, 10)
 

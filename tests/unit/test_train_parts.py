@@ -4,6 +4,7 @@ CheckpointManager, StopControl, Recovery, StepLogger and RunDir."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import signal
@@ -106,6 +107,13 @@ def test_evaluator_is_the_token_mean_over_the_validation_batches():
                                        reduction="sum").item() for b in batches) / (3 * 2 * 16)
     assert loss == pytest.approx(expected, rel=1e-6)
     assert model.training  # evaluation puts the model back in training mode
+
+    # fine-tuning batches whose targets are all masked: a mean over nothing is NaN, not a
+    # ZeroDivisionError that ends the run
+    step.masked = True
+    masked = [Batch(b.inputs, torch.full_like(b.targets, -100), None) for b in batches]
+    batches[:] = masked
+    assert math.isnan(Evaluator(step, Val(), eval_iters=3).loss())
 
 
 def test_checkpoint_manager_saves_publishes_restores_and_prunes(tmp_path: Path):
@@ -232,5 +240,7 @@ def test_run_dir_owns_the_names_and_the_halted_marker(tmp_path: Path):
     assert run.halted()["exit_code"] == 4
     run.halted_marker.write_text("{not json")
     assert run.halted() == {"message": "was halted"}
-    run.write_start("[run]\n", {"world_size": 1}, lambda p: None)
+    assert not run.tokenizer_config.exists()  # no chat template: none written
+    run.write_start("[run]\n", {"world_size": 1}, lambda p: None, {"chat_template": "T"})
     assert run.halted() is None  # an explicit resume clears the marker
+    assert json.loads(run.tokenizer_config.read_text()) == {"chat_template": "T"}
