@@ -3,6 +3,10 @@ attention (tessel.parallel.context) against single-process attention on the whol
 in float64, output and dQ/dK/dV. Writes {case: largest absolute difference} as JSON to the
 path given (rank 0).
 
+Also: a whole model placed on the cp mesh traces under torch.compile(fullgraph=True) (any
+graph break is an error; backend "eager" keeps the check to Dynamo's tracing, where graph
+breaks happen) and gives the eager result, forward and backward ("compiled-<mode>").
+
 Cases: all-gather and Ulysses; cp 2 (two groups of the 4 ranks, each on its own data) and
 cp 4; head-tail (load-balanced) and contiguous chunks; causal, and packed documents that
 cross chunk boundaries; grouped-query attention (8 query heads on 4 KV heads).
@@ -53,6 +57,27 @@ def case(cp: ContextParallel, docs: torch.Tensor | None, seed: int) -> float:
     return max(d.item() for d in diffs)
 
 
+def compiled_model_matches(mesh, mode: str) -> float:  # noqa: ANN001
+    """The tiny Llama (GQA, RoPE) with documents, this rank's tokens, compiled vs eager."""
+    from tessel.config import Config
+    from tessel.models import build_model
+    from tessel.parallel.context import apply_context_parallel
+
+    cfg = Config.load(None, {"model.preset": "tiny-llama", "model.n_layers": 2}).model
+    model = build_model(cfg, "cpu", seed=3)
+    cp = apply_context_parallel(model, mesh, mode, balanced=True)
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 256, (B, T), generator=gen), torch.randint(0, 256, (B, T), generator=gen)
+    x, y, positions = cp.shard(x, y)
+    results = []
+    for fn in (model, torch.compile(model, backend="eager", fullgraph=True)):
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(fn(x, DOCS, positions).flatten(0, 1), y.flatten())
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*results))
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -72,6 +97,11 @@ def main(out: str) -> None:
                     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                     name = f"{mode}-cp{size}-{'headtail' if balanced else 'contiguous'}-{label}"
                     results[name] = worst.item()
+    for mode in ("allgather", "ulysses"):
+        torch._dynamo.reset()
+        worst = torch.tensor([compiled_model_matches(meshes[2], mode)], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        results[f"compiled-{mode}"] = worst.item()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

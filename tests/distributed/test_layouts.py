@@ -192,6 +192,29 @@ LAYOUTS_4.update({
                      "parallel.activation_checkpointing": "full"},
 })
 
+# Context parallelism: each sequence split over the cp ranks (head-tail chunks), keys and values
+# all-gathered in attention (Ulysses: heads all-to-all'd), with the document masks every
+# layout here uses (documents crossing chunk boundaries keep their positions): beside
+# replicated (zero 0) and sharded data parallelism, tensor + sequence parallelism, the
+# pipeline, packed SFT data, MoE with the experts split over the cp ranks, learned positions
+# (GPT), LoRA (LORA_2), and the head-count split of Ulysses.
+CP = {"parallel.cp": 2}
+LAYOUTS_2.update({
+    "cp2": CP,
+    "cp2_ulysses": {**CP, "parallel.cp_mode": "ulysses"},
+    "cp2_replicated": {**CP, "parallel.zero": 0},
+    "gpt_cp2_zero3": {**GPT, **CP, "parallel.zero": 3},
+    "sft_cp2": {**SFT, **CP},
+    "moe_cp2_ep2": {**MOE, **CP, "parallel.ep": 2},
+})
+LAYOUTS_4.update({
+    "cp4": {"parallel.cp": 4},
+    "cp2_dp2_zero3": {**CP, "parallel.zero": 3},
+    "cp2_tp2": {**CP, "parallel.tp": 2},
+    "cp2_pp2": {**CP, "parallel.pp": 2},
+    "gpt_cp2_tp2_contiguous": {**GPT, **CP, "parallel.tp": 2, "parallel.cp_load_balance": False},
+})
+
 # LoRA on every projection (rank 4, dropout 0) of the Llama model imported from HF weights
 # (`refs["hf"]`, frozen): DDP, ZeRO-3 with frozen and trainable parameters in one FSDP unit
 # (with activation checkpointing), and TP2 with and without SP (adapters of column- and
@@ -204,6 +227,7 @@ LORA_2 = {
     "lora_zero3_ac_full": {**LORA, "parallel.zero": 3, "parallel.activation_checkpointing": "full"},
     "lora_tp2_sp": {**LORA, "parallel.tp": 2},
     "lora_tp2_nosp": {**LORA, "parallel.tp": 2, "parallel.sequence_parallel": False},
+    "lora_cp2": {**LORA, **CP},
 }
 
 
@@ -464,6 +488,10 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     offloaded = {"parallel.tp": 2, "parallel.zero": 2, "parallel.offload": "optimizer"}
     spec["runs"].append({"overrides": base(tmp_path / "reshard_offload", corpus, **offloaded),
                          "copy_from": str(tmp_path / "tp2_pp2"), "copy_step": 2, "resume": True})
+    # Context parallelism reshards: cp2 x dp2 (ZeRO-3) at step 2 resumed as tp2 x dp2.
+    spec["runs"].append({"overrides": base(tmp_path / "cp_reshard_tp2", corpus, **{"parallel.tp": 2}),
+                         "copy_from": str(tmp_path / "cp2_dp2_zero3"), "copy_step": 2,
+                         "resume": True})
     # Expert parallelism reshards: ep2 x efsdp2 (ZeRO-3) at step 2 resumed as ep4.
     spec["runs"].append({"overrides": base(tmp_path / "moe_reshard_ep4", corpus, **MOE,
                                            **{"parallel.ep": 4}),
@@ -476,6 +504,14 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
         assert_same_run(tmp_path / name, refs[ref_for(name)])
         assert_planner_memory_matches(tmp_path / name, 4)
     assert_same_run(tmp_path / "reshard_dp4", refs["llama"], first_step=3)
+    assert_same_run(tmp_path / "cp_reshard_tp2", refs["llama"], first_step=3)
+    # ... and cp2 x pp2's step-4 checkpoint resumed by one process.
+    cp_single = tmp_path / "cp_reshard_single"
+    _copy_run(tmp_path / "cp2_pp2", cp_single, step=4)
+    cfg = Config.load(cp_single / "config.toml",
+                      {"run.dir": str(cp_single), "parallel.cp": 1, "parallel.pp": 1})
+    Trainer(cfg, resume=True, console=False).train()
+    assert_same_run(cp_single, refs["llama"], first_step=5)
     assert_same_run(tmp_path / "moe_reshard_ep4", refs["moe"], first_step=3)
     # ... and ep4's step-4 checkpoint resumed by one process (all experts on one rank).
     moe_single = tmp_path / "moe_reshard_ep1"

@@ -132,6 +132,9 @@ def test_every_recipe_loads():
         cfg = Config.load(path)
         if path.stem.startswith("lora-"):  # named for the method; the model is its preset
             assert cfg.lora.enabled and f"lora-{cfg.model.preset}".startswith(path.stem)
+        elif path.stem.startswith("long-"):  # long context: the preset's, split over cp ranks
+            assert cfg.parallel.cp > 1 and cfg.model.preset == path.stem.removeprefix("long-")
+            assert cfg.train.seq_len > PRESETS[cfg.model.preset]["max_seq_len"]
         else:  # a recipe is named after its preset; sft-NAME fine-tunes the NAME preset
             assert cfg.model.preset == path.stem.removeprefix("sft-")
 

@@ -259,3 +259,28 @@ def test_the_model_with_a_flex_document_mask_compiles_without_graph_breaks():
         # fullgraph=True: any graph break is an error
         got = torch.compile(forward, backend="eager", fullgraph=True)(x, docs)
     torch.testing.assert_close(got[..., :97], want[..., :97], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_flex_block_mask_of_context_parallel_rows_equals_the_dense_mask(with_docs):
+    """The CUDA path of context parallelism (query rows at their global positions against
+    every key, FlexAttention's block mask) against the CPU path (the dense boolean mask),
+    forward on CPU; both against the whole sequence's attention at those rows."""
+    import warnings
+
+    from tessel.models.attention import attend, attention_mask
+    from tessel.parallel.context import chunk_positions
+
+    B, T, H, hd = 2, 16, 4, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, hd, generator=gen) for _ in range(3))
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if with_docs else None
+    rows = chunk_positions(T, 4, 1, balanced=True).expand(B, -1)  # chunks 1 and 6 of 8
+    whole = attend(q, k, v, attention_mask(docs, None, T, q.device, flex=False))
+    dense = attend(q.gather(1, rows[..., None, None].expand(-1, -1, H, hd)), k, v,
+                   attention_mask(docs, rows, T, q.device, flex=False))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        flex = attend(q[:, rows[0]], k, v, attention_mask(docs, rows, T, q.device, flex=True))
+    torch.testing.assert_close(dense, whole[:, rows[0]], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
