@@ -185,7 +185,8 @@ class Trainer:
             from tessel.checkpoint.hf_export import HFExporter
 
             hf_export = HFExporter(cfg.checkpoint.hf_export_interval, self.run.hf_export_log, say,
-                                   peft=cfg.lora.enabled and cfg.lora.export == "peft")
+                                   peft=cfg.lora.enabled and cfg.lora.export == "peft",
+                                   drop_expert_bias=cfg.checkpoint.hf_export_drop_expert_bias)
         self.checkpoints = CheckpointManager(
             self.run.checkpoints, self.model.inner, self.optimizers,
             keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
