@@ -145,15 +145,21 @@ def test_fine_tuned_model_exports_to_transformers_with_the_same_logits(tmp_path:
     assert all(torch.equal(during[k], after[k]) for k in after)
 
 
-@pytest.mark.parametrize("arch", MODELS)
+# A context shorter than train.seq_len's default (256): sampling must not care.
+SHORT_CONTEXT = {"gpt2_context_128": lambda: hf_gpt2(n_positions=128)}
+
+
+@pytest.mark.parametrize("arch", [*MODELS, *SHORT_CONTEXT])
 def test_generate_samples_an_imported_model_as_transformers_does(arch, tmp_path: Path,
                                                                   corpus: Path, capsys):
     """A user's first check after an import: `tessel generate` on the HF directory itself and
     on `hf-to-tessel` output ("has no complete checkpoint yet" before), greedy text equal to
-    transformers' generate."""
-    hf = MODELS[arch]().eval()
+    transformers' generate; the import's config.toml fine-tunes within the model's context."""
+    hf = {**MODELS, **SHORT_CONTEXT}[arch]().eval()
     src = save_hf(hf, tmp_path / "hf", corpus)
     assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "tessel")]) == 0
+    imported = Config.load(tmp_path / "tessel/config.toml")
+    assert imported.train.seq_len == imported.model.max_seq_len == hf.config.max_position_embeddings
     from tessel.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(src / "tokenizer.json"))
