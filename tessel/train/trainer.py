@@ -204,8 +204,9 @@ class Trainer:
         is left to `auto` (a fine-tune must read text with the tokenizer the weights know)."""
         if not self.cfg.model.init_from:
             return None
-        from tessel.checkpoint.init_from import WeightSource
+        from tessel.checkpoint.init_from import WeightSource, check_shape
 
+        check_shape(self.cfg.model, Path(self.cfg.model.init_from))  # Config.load's defaults
         source = WeightSource(Path(self.cfg.model.init_from), self.cfg.model)
         self.display.print(f"tessel: initialising from {source.kind} {source.path}")
         if self.cfg.data.tokenizer == "auto" and source.tokenizer.is_file():
