@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from tessel.checkpoint import CheckpointError, find_checkpoint, load_model, read_state
-from tessel.config import Config, ConfigError, read_saved
+from tessel.config import Config, ConfigError, ModelConfig, read_saved
+from tessel.config.load import validate
 from tessel.data.chat_template import ChatTemplate, resolve_template
 from tessel.data.tokenizer import Tokenizer, load_tokenizer
 from tessel.models import Transformer, build_model
@@ -87,10 +88,12 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
 
 
 def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
-    from tessel.checkpoint.init_from import WeightSource, load_config
+    from tessel.checkpoint.init_from import WeightSource, model_fields_of
     from tessel.parallel.apply import materialise
 
-    m = load_config(None, {"model.init_from": str(path)}).model  # shapes from the weights
+    # The model as its weights describe it, nothing else: a training config's defaults (e.g.
+    # train.seq_len 256 for a model of a shorter context) have no say in sampling.
+    m = validate(ModelConfig, {"preset": None, **model_fields_of(path)})
     source = WeightSource(path, m)
     if not source.tokenizer.is_file():
         raise ConfigError(f"{str(path)!r} holds a model but no tokenizer.json; sampling needs "

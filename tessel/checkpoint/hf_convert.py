@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from tessel.checkpoint.eod import hf_eod
 from tessel.checkpoint.hf_arch import HFError
+from tessel.checkpoint.hf_bias import check_expert_bias
 from tessel.checkpoint.hf_io import DEFAULT_SHARD_BYTES, HFReader, read_json, write_hf
 from tessel.checkpoint.hf_models import for_hf_config, for_model
 from tessel.checkpoint.init_from import WeightSource
@@ -116,9 +117,11 @@ def hf_to_tessel(src: Path, out: Path, eod_token: str = "auto") -> str:
 
 
 def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 drop_expert_bias: bool = False) -> str:
     """Export the model at `src` (run, checkpoint or tessel safetensors) to the HF directory
-    `out`; returns a one-line summary."""
+    `out`; returns a one-line summary. An MoE balancing bias that changes routing is refused
+    unless `drop_expert_bias` (see hf_bias)."""
     from tessel.checkpoint.init_from import model_fields_of
 
     if not src.exists():
@@ -133,6 +136,7 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
     source = MergedSource(*lora, m) if lora is not None else WeightSource(src, m)
     tokenizer_path = source.tokenizer
     config = arch.hf_config(m)
+    bias_note = check_expert_bias(source, m, arch.hf_class, drop_expert_bias)
     files: dict[str, str] = {}
     with_template = ""
     if tokenizer_path is not None and tokenizer_path.is_file():
@@ -168,9 +172,7 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
     if m.dropout and arch.model_type != "gpt2":
         note = (f"; model.dropout={m.dropout} is not written ({arch.hf_class} has attention "
                 "dropout only; tessel's also drops the residual stream)")
-    if m.moe_experts and m.moe_bias_update_rate:
-        note += ("; the balancing bias (model.moe_bias_update_rate) has no Hugging Face "
-                 "counterpart and is not written: transformers routes without it")
+    note += bias_note
     return (f"wrote {out}: {arch.hf_class}, {count} tensors, {size / 2**20:.1f} MiB "
             f"({'one file' if size <= max_shard_bytes else 'sharded'}{with_template}); load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained{note}")

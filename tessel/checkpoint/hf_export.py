@@ -18,10 +18,13 @@ from pathlib import Path
 
 class HFExporter:
     def __init__(self, interval: int, log: Path, say: Callable[[str], None],
-                 peft: bool = False):
-        """`peft`: export a LoRA run's adapters as a peft directory (lora.export)."""
+                 peft: bool = False, drop_expert_bias: bool = False):
+        """`peft`: export a LoRA run's adapters as a peft directory (lora.export);
+        `drop_expert_bias`: checkpoint.hf_export_drop_expert_bias."""
         self.interval = interval
         self.peft = peft
+        self.options = (["--peft"] if peft else
+                        ["--drop-expert-bias"] if drop_expert_bias else [])
         self.log = log
         self.say = say
         self._running: tuple[subprocess.Popen, Path] | None = None
@@ -32,12 +35,15 @@ class HFExporter:
             return
         self.wait()
         with open(self.log, "a") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tessel", "convert", "tessel-to-hf", str(ckpt),
-                 str(ckpt / "hf"), *(["--peft"] if self.peft else [])],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
+            proc = subprocess.Popen(self.command(ckpt), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
         self._running = (proc, ckpt)
+
+    def command(self, ckpt: Path) -> list[str]:
+        """The export of checkpoint `ckpt`: `tessel convert tessel-to-hf` (into CKPT/hf) as
+        a user would run it, with the run's export options."""
+        return [sys.executable, "-m", "tessel", "convert", "tessel-to-hf", str(ckpt),
+                str(ckpt / "hf"), *self.options]
 
     def wait(self) -> None:
         """Let a running export finish (before the next save, and at the end of training)."""

@@ -15,8 +15,8 @@ transformers 5 holds them fused in memory (a state_dict saved as it is has them)
 `model.layers.N.mlp.experts.gate_up_proj` (E, 2 x hidden, d: gate rows, then up rows) and
 `...experts.down_proj` (E, d, hidden), with the router at `mlp.gate.weight` for both.
 Imports read either (per layer, by the names the checkpoint has); exports write the Hub's.
-The balancing bias (`expert_bias`, a buffer) has no HF counterpart: dropped on export,
-zero on import.
+The balancing bias (`expert_bias`, a buffer) has no HF counterpart: zero on import; on
+export refused where it changes routing, unless dropped on request (hf_bias).
 
 What tessel's MoE layer cannot compute is refused in one line, naming the field: Mixtral
 with one expert per token (HF normalises its weight to 1, tessel's top_k = 1 weighs by the

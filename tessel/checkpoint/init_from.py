@@ -20,7 +20,7 @@ import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -29,11 +29,8 @@ from tessel.checkpoint.eod import hf_eod, run_eod
 from tessel.checkpoint.hf_arch import VOCAB_ROWS, HFError, fit_vocab_rows
 from tessel.checkpoint.hf_io import HFReader, read_json
 from tessel.checkpoint.hf_models import for_hf_config
-from tessel.config import Config
-from tessel.config.load import read_merged
-
-if TYPE_CHECKING:
-    from tessel.config import ModelConfig
+from tessel.config import SHAPE_FIELDS, Config, ModelConfig
+from tessel.config.load import read_merged, validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -120,6 +117,22 @@ def load_config(
             raise HFError(f"model.init_from={init_from!r} does not exist or holds no weights")
         fields = model_fields_of(source)
     return Config.from_dict(merged, init_fields=fields)
+
+
+def check_shape(m: ModelConfig, path: Path) -> None:
+    """Refuse (one line) a model config whose shape is not the one of the weights at `path`:
+    a config built with `Config.load` keeps the defaults for the fields the weights fix
+    (it never reads them), and would otherwise fail tensor by tensor."""
+    theirs = validate(ModelConfig, {"preset": None, **model_fields_of(path)})
+    wrong = [k for k in ModelConfig.model_fields  # in the config's order: n_layers first
+             if k in SHAPE_FIELDS and getattr(m, k) != getattr(theirs, k)]
+    if wrong:
+        shown = ", ".join(f"{k}={getattr(theirs, k)!r}" for k in wrong[:3])
+        ours = ", ".join(f"{k}={getattr(m, k)!r}" for k in wrong[:3])
+        raise HFError(
+            f"model.init_from={str(path)!r} holds a model with {shown}, but the config's model "
+            f"has {ours}: Config.load never reads the weights; load the config with "
+            "tessel.load_config(path, overrides), which takes the shape from them")
 
 
 class WeightSource:

@@ -40,6 +40,11 @@ def build_parser() -> Parser:
                         "of the base with the adapters merged")
     b.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="split the weights into files of at most this size (default 5GB)")
+    b.add_argument("--drop-expert-bias", action="store_true",
+                   help="an MoE model trained with a balancing bias (model.moe_bias_update_rate) "
+                        "that changes routing: export it without the bias, which Mixtral and "
+                        "Qwen3-MoE do not have (refused otherwise); the summary says how far "
+                        "the logits move")
     return p
 
 
@@ -61,5 +66,5 @@ def cmd_convert(argv: list[str]) -> int:
     else:
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
         print(tessel_to_hf(Path(args.source), Path(args.output), dtype,
-                           parse_size(args.max_shard_size)))
+                           parse_size(args.max_shard_size), args.drop_expert_bias))
     return 0

@@ -75,6 +75,7 @@ def cmd_launch(argv: list[str]) -> int:
     from tessel.checkpoint.init_from import load_config
     from tessel.parallel import launch
     from tessel.parallel.dims import ParallelDims
+    from tessel.train.harness_check import check_lm_eval_layout
 
     cfg = load_config(args.config, overrides)  # what `tessel train` would load: fail now
     if args.target == "slurm":
@@ -100,6 +101,7 @@ def cmd_launch(argv: list[str]) -> int:
         processes = args.nodes * (args.gpus_per_node or args.nproc_per_node or 1)
     # ... and the layout against the job's world size (after the builders checked the counts).
     ParallelDims.from_config(cfg.parallel, processes).validate(cfg)
+    check_lm_eval_layout(cfg)  # (its tasks are the cluster's files: checked by the job)
     if args.target == "slurm":
         # SLURM opens the log before the script runs: a missing directory fails the job
         # with no output anywhere, so it is made now, where the job will be submitted.

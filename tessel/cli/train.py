@@ -4,16 +4,21 @@ processes on this machine through torchrun (--nproc)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessel.cli.args import Parser, add_config_arguments, parse_config_args, toml_str
 from tessel.errors import TesselError
+
+if TYPE_CHECKING:
+    from tessel.config import Config
 
 EXIT_CODES = """\
 exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad input,
             3 a collective failed or timed out, or the watchdog saw no progress,
             4 paused by an alert (checkpoint written; --resume continues),
             5 stopped by an alert (checkpoint written), 6 spike recovery gave up
-            (recovery.max_rollbacks), 130 interrupted by Ctrl-C (a checkpoint was saved)
+            (recovery.max_rollbacks), 7 finished with its final checkpoint, but lm_eval
+            scoring failed on the way, 130 interrupted by Ctrl-C (a checkpoint was saved)
 """
 
 
@@ -51,6 +56,29 @@ def build_parser() -> Parser:
                    help="train as N processes on this machine, started through torchrun (on "
                         "several machines use torchrun yourself, or `tessel launch`)")
     return p
+
+
+def check_before_launch(cfg: Config, nproc: int) -> None:
+    """`--nproc N`: what every worker would refuse at start-up, checked once here, so that bad
+    input is one line and exit code 2 rather than N workers' lines and torchrun's traceback:
+    the layout (on this machine's device type), alert delivery, lm_eval (its layout, every
+    task loaded). What needs a worker's own GPU (memory, bf16, fp8) stays with the workers:
+    this process, which waits for torchrun the whole run, never starts CUDA."""
+    from tessel.observe.alerts import check_alerts
+    from tessel.parallel.check import check_layout
+    from tessel.parallel.dims import ParallelDims, resolved
+    from tessel.train.device import pick_device
+    from tessel.train.harness_check import check_lm_eval
+
+    dims = ParallelDims.from_config(cfg.parallel, nproc)
+    if cfg.parallel.auto:  # each worker chooses the layout
+        dims.validate(cfg)
+    else:
+        # The requested precision: only fp16 matters to the layout, and auto never means it.
+        check_layout(resolved(cfg)[0], dims, pick_device(cfg.train.device).type,
+                     cfg.train.precision)
+    check_alerts(cfg.alerts, cfg.notify)
+    check_lm_eval(cfg)
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -94,12 +122,9 @@ def cmd_train(argv: list[str]) -> int:
     else:
         cfg = load_config(args.config, overrides)
     if nproc is not None and nproc > 1:
-        # The config and layout are checked here, so bad input fails once rather than in N
-        # workers.
-        from tessel.parallel.dims import ParallelDims
         from tessel.parallel.launch import run_local
 
-        ParallelDims.from_config(cfg.parallel, nproc).validate(cfg)
+        check_before_launch(cfg, nproc)
         return run_local(nproc, argv)
 
     from tessel.train import Trainer

@@ -1,7 +1,7 @@
 """The [lm_eval] section: benchmark scores through lm-evaluation-harness during training.
 
 Only the shape of the settings is checked here (no disk, no import of lm_eval); whether the
-task names exist is checked before training starts (`tessel.train.harness.check_lm_eval`).
+tasks exist and load is checked before training starts (`tessel.train.harness_check`).
 """
 
 from __future__ import annotations

@@ -306,6 +306,12 @@ class CheckpointConfig(Section):
     hf_export_interval: int = Field(0, ge=0)
     """Also write a Hugging Face copy of the model (checkpoints/step_N/hf, loadable by
     transformers) with every checkpoint whose step is a multiple of N (0: never)."""
+    hf_export_drop_expert_bias: bool = False
+    """Let hf_export_interval export an MoE model that trains a balancing bias
+    (model.moe_bias_update_rate > 0) without it, as `tessel convert tessel-to-hf
+    --drop-expert-bias` does: Mixtral and Qwen3-MoE route without one, so those copies
+    compute other logits (hf-export.log says how far they move). Without it such a config is
+    refused."""
 
 
 class LoraConfig(Section):
@@ -397,6 +403,14 @@ class Config(BaseModel):
                 for_model(m).hf_config(m)
             except HFError as exc:
                 raise ValueError(f"checkpoint.hf_export_interval: {exc}; set it to 0") from None
+            if (m.moe_experts and m.moe_bias_update_rate
+                    and not self.checkpoint.hf_export_drop_expert_bias):
+                raise ValueError(
+                    f"checkpoint.hf_export_interval: model.moe_bias_update_rate="
+                    f"{m.moe_bias_update_rate} trains a balancing bias that "
+                    f"{for_model(m).hf_class} has no place for, so its copies would route "
+                    "tokens to other experts; set checkpoint.hf_export_drop_expert_bias = true "
+                    "to export without it, or checkpoint.hf_export_interval = 0")
         if self.lora.enabled and t.fp8:
             # float8 training swaps the projections for Float8Linear modules: the adapters
             # and their hooks would be dropped

@@ -318,7 +318,7 @@ def slurm_script(
         f"  {EXIT_REQUEUE})  # stopped by preemption or the time limit, checkpoint saved",
         '    echo "tessel: requeueing job $SLURM_JOB_ID; it resumes from its checkpoint"',
         '    scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
-        '  2|4|5|6) exit "$CODE" ;;  # bad input, or paused/stopped/diverged: a person decides',
+        '  2|4|5|6|7) exit "$CODE" ;;  # bad input, halted (docs/exit-codes.md): a person decides',
         "  *)  # a crash or a hang: try again from the last checkpoint, a few times",
         f'    if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_RESTARTS} ]; then',
         '      echo "tessel: the run failed (exit $CODE); requeueing job $SLURM_JOB_ID"',

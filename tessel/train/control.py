@@ -18,6 +18,8 @@ from tessel.observe.alerts import ACTIONS
 
 # Exit codes of runs that end early on purpose (docs/exit-codes.md).
 EXIT_INTERRUPTED, EXIT_PAUSED, EXIT_STOPPED = 130, 4, 5
+# A run that finished (final checkpoint saved) but whose lm_eval scoring failed on the way.
+EXIT_SCORING_FAILED = 7
 # Signals that ask for a checkpoint and a clean exit: SIGTERM (schedulers, torchrun),
 # SIGUSR1 (SLURM's warning before the time limit, `#SBATCH --signal=USR1@120`), SIGINT.
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")

@@ -10,93 +10,29 @@ Parallel layouts: every rank runs the whole evaluation on its replica, with the 
 requests in the same order and batches of the same shapes, so all ranks call the model's
 forward together the same number of times, as FSDP's all-gathers and tensor parallelism's
 collectives need (data-parallel replicas compute the same scores; rank 0 writes them).
-Pipeline and context parallelism are refused before launch (`check_lm_eval`).
+Pipeline and context parallelism are refused before launch, and every task is loaded and one
+request built before training (`tessel.train.harness_check`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import random
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from tessel.errors import TesselError
 from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.tensor import local_value
+from tessel.train.harness_check import generation_limit, require_lm_eval
 
 if TYPE_CHECKING:
     from tessel.config import Config
     from tessel.data.tokenizer import Tokenizer
     from tessel.train.step import TrainStep
-
-_INSTALL = "pip install 'tessel[eval]'"
-
-
-class LMEvalError(TesselError):
-    """lm_eval cannot run as configured (not installed, unknown task, unsupported layout)."""
-
-
-def _lm_eval() -> Any:
-    try:
-        import lm_eval
-    except ImportError:
-        raise LMEvalError(f"lm_eval.tasks needs lm-evaluation-harness; {_INSTALL}") from None
-    return lm_eval
-
-
-@functools.lru_cache(maxsize=4)
-def task_manager(include_path: str, defaults: bool = True) -> Any:
-    """lm_eval's task index, with the task YAMLs of `include_path` (a directory) added;
-    `defaults`: also lm_eval's own tasks (indexing them costs ~15 s of CPU)."""
-    _lm_eval()
-    from lm_eval.tasks import TaskManager
-
-    if include_path and not Path(include_path).is_dir():
-        raise LMEvalError(f"lm_eval.include_path={include_path!r} is not a directory; name "
-                          "the directory holding the task YAMLs")
-    return TaskManager(include_path=include_path or None, include_defaults=defaults)
-
-
-def _manager_for(tasks: list[str], include_path: str) -> tuple[Any, list[str]]:
-    """The cheapest task index that knows `tasks` (the local one when they are all local),
-    and the names no index knows."""
-    if include_path:
-        local = task_manager(include_path, defaults=False)
-        if all(t in set(local.all_tasks) for t in tasks):
-            return local, []
-    manager = task_manager(include_path)
-    known = set(manager.all_tasks)
-    return manager, [t for t in tasks if t not in known]
-
-
-def check_lm_eval(cfg: Config) -> Any:
-    """Refuse, before anything runs, what would fail at the first evaluation (possibly an
-    hour in): lm_eval missing, a layout it cannot run on, an unknown task name. Returns the
-    task manager (its index takes seconds to build), or None when lm_eval is off."""
-    e = cfg.lm_eval
-    if not e.enabled:
-        return None
-    p = cfg.parallel
-    if p.pp > 1:
-        # (Under context parallelism every cp rank scores the whole request: the model gets
-        # whole sequences, no positions, so its attention exchanges nothing.)
-        raise LMEvalError(f"lm_eval.tasks does not run under parallel.pp={p.pp} yet (pipeline "
-                          "parallelism); score an exported checkpoint with `lm_eval --model hf` "
-                          "instead, or set lm_eval.tasks = []")
-    manager, unknown = _manager_for(list(e.tasks), e.include_path)
-    if unknown:
-        hint = (f" (neither lm_eval's own nor in {e.include_path!r})" if e.include_path
-                else "")
-        raise LMEvalError(f"lm_eval.tasks: unknown task(s) {', '.join(map(repr, unknown))}{hint}; "
-                          "`lm_eval ls tasks` lists them")
-    return manager
-
 
 def score_keys(results: dict[str, Any]) -> dict[str, float]:
     """lm_eval's results (`simple_evaluate(...)["results"]`) as metrics-record fields:
@@ -116,7 +52,7 @@ def score_keys(results: dict[str, Any]) -> dict[str, float]:
 
 
 def _template_lm() -> type:
-    _lm_eval()
+    require_lm_eval()
     from lm_eval.api.model import TemplateLM
 
     return TemplateLM
@@ -257,22 +193,14 @@ def _define(base: type) -> type:  # noqa: C901 (one class, its methods are small
             `until` strings, the end-of-text token or `max_gen_toks`. No KV cache: each token
             is one forward pass. Rank 0's token is every rank's (one all-reduce per token),
             so the ranks stop together even if their float results ever differed in a tie."""
-            from lm_eval.models.utils import (
-                handle_stop_sequences,
-                normalize_gen_kwargs,
-                postprocess_generated_text,
-            )
+            from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
 
             eos = self.tok_decode([self.eot_token_id])
             out = []
             for req in requests:
                 context, gen_kwargs = req.args
-                kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_tokens)
+                kwargs, limit = generation_limit(gen_kwargs, self.max_gen_tokens, self.max_length)
                 until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-                limit = int(kwargs.pop("max_gen_toks"))
-                if limit >= self.max_length:
-                    raise LMEvalError(f"a task asks for {limit} generated tokens but the model's "
-                                      f"context is {self.max_length}; lower its max_gen_toks")
                 ids = self.tok_encode(context)[-(self.max_length - limit):]
                 new: list[int] = []
                 for _ in range(limit):

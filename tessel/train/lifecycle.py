@@ -8,11 +8,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from tessel.errors import CollectiveTimeout
 from tessel.generate import sample
 from tessel.models import active_param_count, param_count
-from tessel.train.control import EXIT_PAUSED, EXIT_STOPPED
+from tessel.train.control import EXIT_PAUSED, EXIT_SCORING_FAILED, EXIT_STOPPED
+from tessel.train.harness_check import describe_failure
 
 if TYPE_CHECKING:
     from tessel.train.trainer import Trainer
@@ -96,6 +98,30 @@ def ended(tr: Trainer, stopped_by: str | None) -> None:
         tr.events.write("finish", tr.step, f"finished at step {tr.step}",
                         val_loss=tr.last_val_loss)
         _finish_message(tr)
+        if tr.scoring_failure is not None:
+            # Recorded like a halt: an automatic restart must not turn it into success.
+            if tr.proc.is_main:
+                tr.run.write_halted(EXIT_SCORING_FAILED, tr.scoring_failure, tr.step)
+            tr.display.print(
+                f"tessel: {tr.scoring_failure}; the final checkpoint is saved, the scores from "
+                f"then on are missing (exit code {EXIT_SCORING_FAILED}): score the checkpoint "
+                "with `lm_eval --model hf` on its `tessel convert tessel-to-hf` export")
+
+
+def scoring_failed(tr: Trainer, exc: Exception) -> bool:
+    """lm_eval scoring raised `exc`. False for a collective that failed or timed out (the
+    run's failure: the caller re-raises it). Anything else (a task's data file gone, a
+    metric that fails) costs the scores only: said in one line, recorded as an
+    `lm_eval_failed` event, no more scoring in this run, and a run that finishes ends with
+    EXIT_SCORING_FAILED; its checkpoints are written as usual."""
+    if isinstance(exc, (dist.DistBackendError, CollectiveTimeout)) or (
+            isinstance(exc, RuntimeError) and tr.proc.distributed and is_collective_failure(exc)):
+        return False
+    tr.scoring_failure = f"lm_eval scoring failed at step {tr.step}: {describe_failure(exc)}"
+    tr.events.write("lm_eval_failed", tr.step, tr.scoring_failure)
+    tr.display.print(f"tessel: {tr.scoring_failure}; training goes on without benchmark "
+                     "scores")
+    return True
 
 
 def _finish_message(tr: Trainer) -> None:

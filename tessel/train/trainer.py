@@ -38,11 +38,12 @@ from tessel.parallel.dist import init_distributed, process_info, shutdown
 from tessel.parallel.fp8 import check_fp8
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
 from tessel.train import lifecycle
-from tessel.train.control import StopControl, exit_code_for
+from tessel.train.control import EXIT_SCORING_FAILED, StopControl, exit_code_for
 from tessel.train.device import pick_device
 from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
-from tessel.train.harness import Harness, check_lm_eval
+from tessel.train.harness import Harness
+from tessel.train.harness_check import check_lm_eval
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
 from tessel.train.recovery import (
@@ -72,9 +73,14 @@ class TrainResult:
     """Why training stopped early: a signal name (SIGTERM, SIGUSR1, SIGINT), "pause" or
     "stop" (an alert's action), else None."""
     run_dir: Path
+    scoring_failure: str | None = None
+    """Why lm_eval benchmark scoring failed during the run (there were no scores from then
+    on), else None. A run that finished anyway exits with code 7."""
 
     @property
     def exit_code(self) -> int:
+        if self.stopped_by is None and self.scoring_failure is not None:
+            return EXIT_SCORING_FAILED
         return exit_code_for(self.stopped_by)
 
 
@@ -170,6 +176,7 @@ class Trainer:
         self.harness = (Harness(cfg, self.lm_eval_tasks, self.train_step, self.tokenizer,
                                 beat=lambda what: self.watchdog.beat(self.step, what))
                         if cfg.lm_eval.enabled else None)
+        self.scoring_failure: str | None = None  # set once scoring fails: no more of it
         self.faults = Faults(proc.rank)
         self.recovery = Recovery(cfg.recovery, SkipList(
             self.run.skipped_batches, cfg.recovery.skip_batches, writer=proc.is_main))
@@ -179,7 +186,8 @@ class Trainer:
             from tessel.checkpoint.hf_export import HFExporter
 
             hf_export = HFExporter(cfg.checkpoint.hf_export_interval, self.run.hf_export_log, say,
-                                   peft=cfg.lora.enabled and cfg.lora.export == "peft")
+                                   peft=cfg.lora.enabled and cfg.lora.export == "peft",
+                                   drop_expert_bias=cfg.checkpoint.hf_export_drop_expert_bias)
         self.checkpoints = CheckpointManager(
             self.run.checkpoints, self.model.inner, self.optimizers,
             keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
@@ -197,8 +205,9 @@ class Trainer:
         is left to `auto` (a fine-tune must read text with the tokenizer the weights know)."""
         if not self.cfg.model.init_from:
             return None
-        from tessel.checkpoint.init_from import WeightSource
+        from tessel.checkpoint.init_from import WeightSource, check_shape
 
+        check_shape(self.cfg.model, Path(self.cfg.model.init_from))  # Config.load's defaults
         source = WeightSource(Path(self.cfg.model.init_from), self.cfg.model)
         self.display.print(f"tessel: initialising from {source.kind} {source.path}")
         if self.cfg.data.tokenizer == "auto" and source.tokenizer.is_file():
@@ -312,8 +321,8 @@ class Trainer:
                     self._evaluate(log, start)
                 if save_now:
                     self._save(start, loss, grad_norm)
-                scores_now = self.harness is not None and self.harness.due(
-                    self.step, self.step == t.steps)
+                scores_now = (self.harness is not None and self.scoring_failure is None
+                              and self.harness.due(self.step, self.step == t.steps))
                 if scores_now:
                     self._score(log, start)
                 if eval_now or save_now or scores_now or self.step == t.steps:
@@ -387,10 +396,16 @@ class Trainer:
                  elapsed_s=self.elapsed_prev + time.perf_counter() - start)
 
     def _score(self, log: StepLogger, start: float) -> None:
-        """Benchmark scores through lm_eval (every rank runs them; rank 0 writes)."""
+        """Benchmark scores through lm_eval (every rank runs them; rank 0 writes). A failure
+        costs the scores, never the training or its checkpoints (lifecycle.scoring_failed)."""
         assert self.harness is not None
         self.watchdog.phase("lm_eval benchmark scores (every rank calls the model together)")
-        scores = self.harness.scores()
+        try:
+            scores = self.harness.scores()
+        except Exception as exc:  # noqa: BLE001 (whatever a task makes lm_eval raise)
+            if not lifecycle.scoring_failed(self, exc):
+                raise
+            return
         log.scores(step=self.step, scores=scores, tokens_seen=self.tokens_seen,
                    elapsed_s=self.elapsed_prev + time.perf_counter() - start)
 
@@ -462,6 +477,7 @@ class Trainer:
             unigram_baseline=self.data.unigram_baseline,
             stopped_by=stopped_by,
             run_dir=self.run_dir,
+            scoring_failure=self.scoring_failure,
         )
 
     def close(self) -> None:

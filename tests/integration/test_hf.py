@@ -145,15 +145,50 @@ def test_fine_tuned_model_exports_to_transformers_with_the_same_logits(tmp_path:
     assert all(torch.equal(during[k], after[k]) for k in after)
 
 
-@pytest.mark.parametrize("arch", MODELS)
+def test_the_python_api_reads_the_shape_with_load_config_and_says_so(tmp_path: Path,
+                                                                     corpus: Path):
+    """README: `tessel.load_config` reads the shape of model.init_from's weights,
+    `Config.load` never does. A Trainer given the latter is refused in one line that says
+    so (it used to fail tensor by tensor while building); the former trains."""
+    from tessel import TesselError, Trainer
+
+    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
+    run = tmp_path / "run"
+    overrides = {"model.init_from": str(src), "run.dir": str(run), "data.source": "files",
+                 "data.paths": [str(corpus)], "data.cache_dir": str(tmp_path / "cache"),
+                 "train.seq_len": 32, "train.steps": 1, "train.micro_batch_size": 2,
+                 "train.global_batch_size": 2, "train.eval_interval": 0,
+                 "train.eval_iters": 1, "metrics.tensorboard": False, "run.sample_tokens": 0}
+    with pytest.raises(TesselError) as exc:
+        Trainer(Config.load(None, overrides), console=False)
+    message = str(exc.value)
+    assert "\n" not in message, message
+    assert ("with n_layers=2, d_model=64, n_heads=4, but the config's model has n_layers=4, "
+            "d_model=192, n_heads=6" in message), message
+    assert "load the config with tessel.load_config(path, overrides)" in message
+    assert not run.exists()
+    trainer = Trainer(load_config(None, overrides), console=False)
+    try:
+        assert trainer.train().step == 1
+    finally:
+        trainer.close()
+
+
+# A context shorter than train.seq_len's default (256): sampling must not care.
+SHORT_CONTEXT = {"gpt2_context_128": lambda: hf_gpt2(n_positions=128)}
+
+
+@pytest.mark.parametrize("arch", [*MODELS, *SHORT_CONTEXT])
 def test_generate_samples_an_imported_model_as_transformers_does(arch, tmp_path: Path,
                                                                   corpus: Path, capsys):
     """A user's first check after an import: `tessel generate` on the HF directory itself and
     on `hf-to-tessel` output ("has no complete checkpoint yet" before), greedy text equal to
-    transformers' generate."""
-    hf = MODELS[arch]().eval()
+    transformers' generate; the import's config.toml fine-tunes within the model's context."""
+    hf = {**MODELS, **SHORT_CONTEXT}[arch]().eval()
     src = save_hf(hf, tmp_path / "hf", corpus)
     assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "tessel")]) == 0
+    imported = Config.load(tmp_path / "tessel/config.toml")
+    assert imported.train.seq_len == imported.model.max_seq_len == hf.config.max_position_embeddings
     from tessel.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(src / "tokenizer.json"))

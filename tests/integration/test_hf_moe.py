@@ -209,3 +209,80 @@ def test_what_tessel_cannot_compute_is_refused_in_one_line(tmp_path: Path, capsy
     assert main(["convert", "tessel-to-hf", str(tmp_path / "mt"), str(tmp_path / "mb")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "moe_router='sigmoid', mlp='swiglu') has no Hugging Face" in err[0]
+
+
+def _with_bias(tessel_dir: Path, bias: dict[int, torch.Tensor]) -> None:
+    """Give the tessel weights in `tessel_dir` a balancing bias (layer -> one per expert), as
+    a run with model.moe_bias_update_rate > 0 leaves it."""
+    weights = tessel_dir / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(weights)
+    tensors.update({f"layers.{i}.feed_forward.expert_bias": b for i, b in bias.items()})
+    save_file(tensors, str(weights), meta)
+
+
+def _biased_model(path: Path):
+    """The tessel model at `path` with its balancing bias (tessel_model leaves it zero)."""
+    from tessel.checkpoint.init_from import WeightSource, load_config
+    from tessel.models.transformer import Transformer
+    from tessel.parallel.apply import materialise
+
+    m = load_config(None, {"model.init_from": str(path)}).model
+    with torch.device("meta"):
+        model = Transformer(m)
+    source = WeightSource(path, m)
+    materialise(model, torch.device("cpu"), 0, source.get, source.buffer)
+    return model.eval(), m
+
+
+def test_a_balancing_bias_is_refused_on_export_unless_dropped_with_its_effect(
+        tmp_path: Path, capsys):
+    """Mixtral routes without tessel's balancing bias: weights whose bias can change a choice
+    are refused in one line; --drop-expert-bias exports them and says how far the logits move,
+    which is what transformers computes on the export against tessel with the bias. A bias
+    equal for every expert changes no choice: exported as is, exactly."""
+    import re
+
+    from tessel.checkpoint.hf_bias import probe_tokens
+    from tessel.checkpoint.hf_export import HFExporter
+
+    src = save_moe(hf_mixtral(), tmp_path / "hf")
+    ours_dir = tmp_path / "tessel"
+    assert main(["convert", "hf-to-tessel", str(src), str(ours_dir)]) == 0
+    _with_bias(ours_dir, {0: torch.full((4,), 0.25), 1: torch.full((4,), -1.0)})
+    assert main(["convert", "tessel-to-hf", str(ours_dir), str(tmp_path / "exact")]) == 0
+    model, m = _biased_model(ours_dir)
+    x = probe_tokens(m)
+    with torch.no_grad():
+        exact = AutoModelForCausalLM.from_pretrained(tmp_path / "exact").eval()
+        assert max_diff(model(x), exact(x).logits) < TOL
+
+    _with_bias(ours_dir, {0: torch.zeros(4), 1: torch.tensor([0.0, 0.0, 0.3, 0.0])})
+    capsys.readouterr()
+    assert main(["convert", "tessel-to-hf", str(ours_dir), str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "differs between experts by up to 0.3 in 1 of 2 MoE layers" in err[0]
+    assert "--drop-expert-bias" in err[0] and not (tmp_path / "refused").exists()
+
+    assert main(["convert", "tessel-to-hf", str(ours_dir), str(tmp_path / "dropped"),
+                 "--drop-expert-bias"]) == 0
+    summary = capsys.readouterr().out
+    found = re.search(r"on 128 random tokens the logits move by up to (\S+) and the most likely "
+                      r"next token changes at (\d+) of 128 positions", summary)
+    assert found, summary
+    model, _ = _biased_model(ours_dir)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "dropped").eval()
+    with torch.no_grad():
+        ours, hf = model(x)[..., :VOCAB], theirs(x).logits
+    measured = (ours - hf).abs().max().item()
+    assert measured > 1e-3  # the bias changed choices: the export is not the model
+    assert float(found[1]) == pytest.approx(measured, rel=1e-2)
+    assert int(found[2]) == int((ours.argmax(-1) != hf.argmax(-1)).sum())
+
+    # Exports during training run that command, with the flag when the run's config says
+    # checkpoint.hf_export_drop_expert_bias (tests/unit/test_moe_training.py: refused without).
+    for drop in (False, True):
+        command = HFExporter(1, tmp_path / "log", print, drop_expert_bias=drop).command(ours_dir)
+        assert command[command.index("tessel-to-hf"):] == [
+            "tessel-to-hf", str(ours_dir), str(ours_dir / "hf"), *["--drop-expert-bias"] * drop]

@@ -1,7 +1,7 @@
 """Benchmark scores during training through lm-evaluation-harness, on a local multiple-choice
 task the test writes (a JSONL file and a task YAML; never the network): `tessel train` writes
 them at the interval and at the end, they equal what lm_eval's own `hf` model reports for the
-same model exported to Hugging Face, and two-process runs (DDP, ZeRO-3, TP2) score the same
+same model exported to Hugging Face, and two-process runs (DDP, ZeRO-3, TP2, CP2) score the same
 as one process."""
 
 from __future__ import annotations
@@ -182,23 +182,130 @@ def test_unknown_task_is_one_line_before_training(tmp_path: Path, corpus: Path):
     assert not (run / "metrics.jsonl").exists()
 
 
-def test_pipeline_and_context_parallelism_are_refused_before_launch():
+def test_pipeline_parallelism_is_refused_before_launch():
     from tessel.config import Config
-    from tessel.train.harness import LMEvalError, check_lm_eval
+    from tessel.train.harness_check import LMEvalError, check_lm_eval_layout
 
-    for key in ("parallel.pp", "parallel.cp"):
-        cfg = Config.load(None, {key: 2, "lm_eval.tasks": [TASK]})
-        with pytest.raises(LMEvalError, match=f"does not run under {key}=2"):
-            check_lm_eval(cfg)
+    cfg = Config.load(None, {"parallel.pp": 2, "lm_eval.tasks": [TASK]})
+    with pytest.raises(LMEvalError, match="does not run under parallel.pp=2"):
+        check_lm_eval_layout(cfg)
+    check_lm_eval_layout(Config.load(None, {"parallel.cp": 2, "lm_eval.tasks": [TASK]}))
+
+
+def test_launchers_refuse_what_the_workers_would_before_starting_them(
+        tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    """`tessel train --nproc 2` refuses lm_eval under pipeline parallelism (and a task that
+    does not load) itself, in one line, instead of starting torchrun; `tessel launch`
+    refuses the layout before printing a job."""
+    import tessel.parallel.launch
+
+    def launched(*args):
+        raise AssertionError(f"torchrun was started: {args}")
+
+    monkeypatch.setattr(tessel.parallel.launch, "run_local", launched)
+    tasks = write_task(tmp_path / "tasks")
+    run = tmp_path / "run"
+    for extra, needle in (({"parallel.pp": 2}, "does not run under parallel.pp=2"),
+                          ({"lm_eval.tasks": ["broken_mc"]}, "task 'broken_mc'")):
+        if "lm_eval.tasks" in extra:
+            _broken_task(tasks, "missing_data")
+        capsys.readouterr()
+        assert main([*train_args(run, corpus, tasks, **extra), "--nproc", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+        assert not run.exists()
+    capsys.readouterr()
+    root = Path(__file__).parents[2]
+    assert main(["launch", "slurm", str(root / "configs/tiny.toml"), "--nodes", "1",
+                 "--gpus-per-node", "2", "--parallel.pp=2", f"--lm_eval.tasks=['{TASK}']",
+                 f"--lm_eval.include_path={tasks}", f"--output-dir={tmp_path / 'logs'}"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "does not run under parallel.pp=2" in out.err
+
+
+BROKEN = {
+    # lm_eval raises a TypeError without a message at the first document
+    "no_doc_to_text": (lambda text: text.replace('doc_to_text: "{{question}}"\n', ""),
+                       "cannot be loaded: TypeError (in doc_to_text)"),
+    "missing_data": (lambda text: text.replace("mc.jsonl", "gone.jsonl"),
+                     "cannot be loaded: FileNotFoundError: Unable to find"),
+    "syntax_error": (lambda text: text.replace("output_type: multiple_choice",
+                                               "output_type: [multiple_choice"),
+                     "broken_mc.yaml cannot be parsed (while parsing a flow sequence from line 7, "
+                     "column 14: expected ',' or ']', but got ':' at line 8"),
+    "empty_data": (lambda text: text.replace("mc.jsonl", "empty.jsonl"),  # datasets' error
+                   "cannot be loaded: StopIteration (in _split_generators)"),
+    "long_generation": (lambda text: text.replace(
+        "output_type: multiple_choice",
+        "output_type: generate_until\ngeneration_kwargs:\n  until: ['.']\n  max_gen_toks: 4096"),
+        "a task asks for 4096 generated tokens but the model's context is 256"),
+}
+
+
+def _broken_task(tasks: Path, case: str) -> None:
+    """Task `broken_mc` beside the good one: its YAML edited as BROKEN[case] says."""
+    edit, _ = BROKEN[case]
+    (tasks / "empty.jsonl").write_text("")
+    text = (tasks / f"{TASK}.yaml").read_text().replace(f"task: {TASK}", "task: broken_mc")
+    (tasks / "broken_mc.yaml").write_text(edit(text))
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_task_that_cannot_be_scored_is_refused_before_training(case, tmp_path: Path,
+                                                                 corpus: Path, capsys):
+    """Each task is loaded and one request built before the first step (a broken task used to
+    train to the end and fail at the final scoring, with no checkpoint); a YAML that does not
+    parse is named with its line, not reported as an unknown task."""
+    tasks = write_task(tmp_path / "tasks")
+    _broken_task(tasks, case)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(train_args(run, corpus, tasks, **{"lm_eval.tasks": [TASK, "broken_mc"]})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lm_eval.tasks:" in err[0] and BROKEN[case][1] in err[0], err
+    assert str(tasks / "broken_mc.yaml") in err[0]
+    assert not run.exists()
+
+
+def test_a_scoring_failure_costs_the_scores_not_the_checkpoint(tmp_path: Path, corpus: Path):
+    """A task that loaded before training but fails at a scoring (its data file removed
+    since): one line and an event, training goes on to its final checkpoint, no more scoring,
+    and the run ends with exit code 7, which automatic restarts keep."""
+    from tessel.checkpoint import latest_checkpoint
+    from tessel.config import Config
+    from tessel.observe.events import read_events
+    from tessel.train import Trainer
+
+    tasks = write_task(tmp_path / "tasks")
+    run = tmp_path / "run"
+    cfg = Config.load(None, overrides(run, corpus, tasks, **{
+        "train.steps": 2, "lm_eval.interval": 1, "data.cache_dir": str(tmp_path / "cache")}))
+    trainer = Trainer(cfg, console=False)
+    (tasks / "mc.jsonl").rename(tmp_path / "mc.jsonl")
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    assert result.step == 2 and result.exit_code == 7
+    assert "lm_eval scoring failed at step 1: FileNotFoundError" in result.scoring_failure
+    assert latest_checkpoint(run / "checkpoints").name == "step_00000002"
+    failed = [e for e in read_events(run) if e["kind"] == "lm_eval_failed"]
+    assert [e["step"] for e in failed] == [1]
+    assert scores(run) == {}
+    (tmp_path / "mc.jsonl").rename(tasks / "mc.jsonl")
+    assert main(["train", "--auto-resume", f"--run.dir={run}", "--quiet"]) == 7
 
 
 @pytest.mark.slow
 def test_two_processes_score_like_one(trained, tmp_path: Path):
     """DDP (the wrapped module), ZeRO-3 (every rank calls forward together: FSDP's
-    all-gathers) and TP2 (vocabulary-sharded logits gathered), one after another in one
-    torchrun job (tests/distributed/worker.py), against the single-process run."""
+    all-gathers), TP2 (vocabulary-sharded logits gathered) and CP2 (training on half of each
+    sequence per rank; scoring on whole requests, replicated over the cp ranks), one after
+    another in one torchrun job (tests/distributed/worker.py), against the single-process
+    run."""
     run, corpus, tasks = trained
-    layouts = {"ddp": {"parallel.zero": 0}, "zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2}}
+    layouts = {"ddp": {"parallel.zero": 0}, "zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2},
+               "cp2": {"parallel.cp": 2}}
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"runs": [{"overrides": overrides(tmp_path / name, corpus, tasks,
                                                                  **extra)}
@@ -216,7 +323,7 @@ def test_two_processes_score_like_one(trained, tmp_path: Path):
 def test_a_local_task_can_run_python_as_the_docs_warn(tmp_path: Path):
     """docs/evaluation.md: a task YAML's `!function` imports a .py file beside it (lm_eval's
     design), so `lm_eval.include_path` must name only task files you trust. It does."""
-    from tessel.train.harness import task_manager
+    from tessel.train.harness_check import task_manager
 
     docs = (Path(__file__).parents[2] / "docs" / "evaluation.md").read_text()
     assert "point `lm_eval.include_path` only at task files you trust" in docs

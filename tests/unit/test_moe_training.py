@@ -156,3 +156,19 @@ def test_a_step_the_fp16_scaler_skips_leaves_the_bias_and_resets_the_counts():
     step.loss_factor = 1.0  # a finite step moves the bias again
     step(batches)
     assert layer.expert_bias.abs().sum() > 0
+
+
+def test_hf_exports_during_training_of_a_balancing_bias_are_refused_unless_dropped():
+    """Mixtral and Qwen3-MoE route without the balancing bias: checkpoint.hf_export_interval
+    with model.moe_bias_update_rate > 0 is refused when the config loads (not in every export
+    of the run), unless checkpoint.hf_export_drop_expert_bias says to export without it."""
+    from tessel.config import ConfigError
+
+    qwen3 = {"model.preset": "tiny-moe", "model.moe_shared_experts": 0, "model.qk_norm": True,
+             "checkpoint.hf_export_interval": 10, "model.moe_bias_update_rate": 0.001}
+    with pytest.raises(ConfigError, match="model.moe_bias_update_rate=0.001 trains a balancing "
+                                          "bias that Qwen3MoeForCausalLM has no place for") as exc:
+        Config.load(None, qwen3)
+    assert "checkpoint.hf_export_drop_expert_bias = true" in str(exc.value)
+    Config.load(None, {**qwen3, "checkpoint.hf_export_drop_expert_bias": True})
+    Config.load(None, {**qwen3, "model.moe_bias_update_rate": 0.0})
