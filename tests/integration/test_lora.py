@@ -5,11 +5,13 @@ LoRA run's checkpoints hold only the adapters, resume exactly and refuse another
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import write_corpus
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
@@ -57,14 +59,25 @@ def tessel_lora_model(src: Path, ckpt: Path, cfg) -> Transformer:  # noqa: ANN00
     return model.eval()
 
 
-@pytest.fixture
-def trained(tmp_path: Path, corpus: Path):  # noqa: ANN201
-    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def shared_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("lora-corpus") / "corpus")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, shared_corpus: Path):  # noqa: ANN201
+    """A 4-step LoRA run on a small random HF Llama (checkpoints at steps 2 and 4, the peft
+    export during training at 4): (base, run, config). Shared by the module: a test that
+    changes anything works on a copy."""
+    root = tmp_path_factory.mktemp("lora")
+    src = save_hf(hf_llama(), root / "hf", shared_corpus)
+    run = root / "run"
     # the peft export during training (lora.export) at the last step
-    cfg = load_config(None, lora_overrides(src, run, corpus, **{
+    cfg = load_config(None, lora_overrides(src, run, shared_corpus, **{
         "checkpoint.hf_export_interval": 4, "lora.export": "peft"}))
-    Trainer(cfg, console=False).train()
+    with pytest.MonkeyPatch.context() as mp:  # (the function-scoped cache fixture is not up yet)
+        mp.setenv("TESSEL_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        Trainer(cfg, console=False).train()
     return src, run, Config_of(run)
 
 
@@ -153,8 +166,10 @@ def test_tessel_lora_trains_as_peft_does(tmp_path: Path, corpus: Path):
 
 
 def test_checkpoints_hold_only_the_adapters_and_resume_exactly(trained, tmp_path: Path,
-                                                               corpus: Path):
-    src, run, cfg = trained
+                                                               shared_corpus: Path):
+    shared_src, run, cfg = trained
+    corpus = shared_corpus
+    src = Path(shutil.copytree(shared_src, tmp_path / "base"))  # replaced below
     ckpt = latest_checkpoint(run / "checkpoints")
     saved = read_full(ckpt, "model")
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
