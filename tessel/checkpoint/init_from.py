@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from tessel.checkpoint.hf_io import HFReader, read_json
 from tessel.checkpoint.hf_models import for_hf_config
 from tessel.config import Config
 from tessel.config.load import read_merged
+from tessel.models.lora import is_adapter
 
 if TYPE_CHECKING:
     from tessel.config import ModelConfig
@@ -122,6 +123,16 @@ def load_config(
     return Config.from_dict(merged, init_fields=fields)
 
 
+def _refuse_adapters(where: str, names: Iterable[str]) -> None:
+    """Weights that hold LoRA adapters hold nothing else of the model (a LoRA checkpoint, or
+    what `tessel checkpoint consolidate` wrote of one before it merged them): refused."""
+    if any(is_adapter(n) for n in names):
+        raise HFError(
+            f"{where!r} holds LoRA adapters only, not a model's weights; write the model they "
+            "make with their base by `tessel checkpoint consolidate LORA_RUN` (the adapters "
+            "merged) and use that file")
+
+
 class WeightSource:
     """Full tensors by tessel parameter name, from `path`, for a model of shape `m`."""
 
@@ -144,10 +155,13 @@ class WeightSource:
         if file is not None:
             handle = safe_open(str(file), framework="pt")
             names = set(handle.keys())
+            _refuse_adapters(str(file), names)
 
             def get(name: str) -> torch.Tensor:
                 if name not in names and name == "output.weight":  # stored once when tied
                     name = "tok_embeddings.weight"
+                if name not in names:
+                    raise KeyError(name)  # (safetensors' own error is no KeyError)
                 return handle.get_tensor(name)
 
             self._get = get
@@ -161,8 +175,10 @@ class WeightSource:
             raise HFError(f"model.init_from={str(path)!r} does not exist or holds no weights")
         from tessel.checkpoint.store import checkpoint_shapes, read_full
 
+        shapes = checkpoint_shapes(ckpt)
+        _refuse_adapters(str(ckpt), shapes)
         self._get = lambda name: read_full(ckpt, "model", only={name})[name]
-        self._has = checkpoint_shapes(ckpt).__contains__
+        self._has = shapes.__contains__
         self.kind = f"tessel checkpoint {ckpt.name}"
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
         self.eod_token, self.eod_from = run_eod(ckpt.parent.parent), "config.toml"

@@ -7,7 +7,8 @@ fingerprint, and refuses another one.
 Exports of a LoRA checkpoint:
 - merged (`tessel convert tessel-to-hf`, checkpoint.hf_export_interval): the base with
   W + alpha/rank B A in every adapted projection, written by the ordinary HF export
-  (`MergedSource` stands in for the checkpoint's weights);
+  (`MergedSource` stands in for the checkpoint's weights); `tessel checkpoint consolidate`
+  writes the same merged weights in tessel's names (`merged_tensors`);
 - peft (`tessel convert tessel-to-hf --peft`, or lora.export = "peft"): adapter_config.json
   and adapter_model.safetensors, keys as peft writes them
   (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), loadable with
@@ -101,10 +102,14 @@ def lora_config_of(src: Path) -> tuple[Config, Path] | None:
     return Config.from_dict(with_saved_defaults(saved)), ckpt
 
 
-def _adapters(ckpt: Path) -> dict[str, torch.Tensor]:
+def _saved(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model tensors of LoRA checkpoint `ckpt`: (its adapters, the rest: the persistent
+    buffers such as the MoE balancing bias)."""
     from tessel.checkpoint.store import read_full
 
-    return {k: v for k, v in read_full(ckpt, "model").items() if is_adapter(k)}
+    saved = read_full(ckpt, "model")
+    return ({k: v for k, v in saved.items() if is_adapter(k)},
+            {k: v for k, v in saved.items() if not is_adapter(k)})
 
 
 class MergedSource:
@@ -121,7 +126,7 @@ class MergedSource:
                 model = Transformer(m)
             seed = cfg.train.seed
             self.base_get = lambda name, shape: model.initial_value(name, shape, seed)
-        self.adapters = _adapters(ckpt)
+        self.adapters, self.buffers = _saved(ckpt)
         self.scaling = cfg.lora.alpha / cfg.lora.rank
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
         # the run's config.toml (the checkpoint's copy of the config has secrets redacted)
@@ -135,6 +140,20 @@ class MergedSource:
         if a is None:
             return w
         return merged_weight(w, a, self.adapters[f"{stem}.lora_B.weight"], self.scaling)
+
+
+def merged_tensors(cfg: Config, ckpt: Path) -> dict[str, torch.Tensor]:
+    """The whole model LoRA checkpoint `ckpt` stands for, by tessel name, as `tessel
+    checkpoint consolidate` writes a model: every parameter of the base with the adapters
+    merged (a tied output projection once, as the embedding) and the persistent buffers the
+    checkpoint holds. No adapter names: the result is an ordinary model."""
+    from tessel.models.transformer import Transformer
+
+    source = MergedSource(cfg, ckpt, cfg.model)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)  # the base's shapes (no adapters)
+    out = {name: source.get(name, tuple(p.shape)) for name, p in model.named_parameters()}
+    return {**out, **source.buffers}
 
 
 def export_peft(src: Path, out: Path) -> str:
@@ -152,7 +171,7 @@ def export_peft(src: Path, out: Path) -> str:
     if out.exists():
         raise HFError(f"{str(out)!r} already exists; choose a new output directory")
     tensors = {}
-    for name, t in _adapters(ckpt).items():
+    for name, t in _saved(ckpt)[0].items():
         # layers.{i}.attention.wq.lora_A.weight -> model.layers.{i}.self_attn.q_proj.lora_A...
         _, i, rest = name.split(".", 2)
         path, _, kind = rest.removesuffix(".weight").rpartition(".")  # attention.wq, lora_A

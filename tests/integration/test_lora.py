@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from conftest import write_corpus
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_cli import assert_one_line_error, tessel
-from test_hf import VOCAB, hf_llama, save_hf
+from test_hf import VOCAB, hf_llama, save_hf, tessel_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from tessel.checkpoint import latest_checkpoint, read_full
@@ -213,3 +213,53 @@ def test_lora_on_a_projection_that_does_not_exist_is_one_line(tmp_path: Path, co
                  "--lora.enabled=true", "--lora.targets=['up_proj']", "--train.steps=1")
     assert_one_line_error(out, "layers.0.feed_forward.w3 does not exist")
     assert not run.exists()
+
+
+def _refused(capsys: pytest.CaptureFixture, argv: list[str], needle: str) -> str:
+    """`tessel ARGV` in this process: exit code 2 and one line on stderr holding `needle`."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tessel: error: ") and needle in err[0], err
+    return err[0]
+
+
+def test_consolidating_a_lora_run_writes_the_merged_model(trained, tmp_path: Path, capsys):
+    """`tessel checkpoint consolidate` of a LoRA run wrote its adapters alone, which
+    model.init_from and `convert` then read with a SafetensorError traceback (issue 27, item
+    14): it writes the base with the adapters merged, a model like any other; adapters alone
+    (a file written before, or the LoRA run itself) given as weights are one line."""
+    src, run, cfg = trained
+    ckpt = latest_checkpoint(run / "checkpoints")
+    merged = tmp_path / "merged" / "model.safetensors"
+    capsys.readouterr()
+    assert main(["checkpoint", "consolidate", str(run), f"--output={merged}"]) == 0
+    printed = capsys.readouterr().out
+    x = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        want = tessel_lora_model(src, ckpt, cfg)(x)[..., :VOCAB]  # (the rest: padding, -inf)
+        got = tessel_model(merged)(x)[..., :VOCAB]  # as model.init_from reads it
+    assert (got - want).abs().max() <= 1e-5
+    assert not [k for k in load_file(merged) if ".lora_" in k]
+    assert "LoRA adapters merged into the base" in printed and "--peft" in printed
+    assert main(["convert", "tessel-to-hf", str(merged), str(tmp_path / "hf")]) == 0
+
+
+def test_adapters_alone_given_as_weights_are_one_line(trained, tmp_path: Path, capsys):
+    """What consolidate wrote of a LoRA run before (its adapters alone, as a tessel file),
+    and the LoRA run itself, given as a model's weights: one line, nothing written, never a
+    SafetensorError traceback (issue 27, item 14)."""
+    _, run, cfg = trained
+    ckpt = latest_checkpoint(run / "checkpoints")
+    adapters = tmp_path / "adapters.safetensors"
+    model_config = json.dumps(cfg.model.model_dump())
+    save_file(read_full(ckpt, "model"), str(adapters),
+              metadata={"format": "tessel", "step": "4", "model_config": model_config})
+    needle = "holds LoRA adapters only"
+    _refused(capsys, ["convert", "tessel-to-hf", str(adapters), str(tmp_path / "out")], needle)
+    assert not (tmp_path / "out").exists()
+    for weights in (adapters, run):  # as the base of a new run: before anything is written
+        new_run = tmp_path / "new-run"
+        _refused(capsys, ["train", f"--model.init_from={weights}", f"--run.dir={new_run}",
+                          "--data.source=synthetic", "--train.steps=1", "--quiet"], needle)
+        assert not new_run.exists()

@@ -195,7 +195,8 @@ def test_consolidate_writes_the_whole_model_once(tmp_path: Path):
     cfg = {"model": {"tie_embeddings": True}}
     path = save_checkpoint(tmp_path / "checkpoints", 5, model, None, {"config": cfg})
     out = tmp_path / "model.safetensors"
-    n, _ = consolidate(path, out)
+    n, _, note = consolidate(path, out)
+    assert note == ""  # not a LoRA run: the checkpoint's own tensors
     with safe_open(str(out), "pt") as f:
         saved = {k: f.get_tensor(k) for k in f.keys()}
         assert f.metadata()["step"] == "5"
