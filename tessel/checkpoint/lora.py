@@ -1,8 +1,8 @@
 """LoRA runs on disk: the fingerprint of the frozen base, and the two exports.
 
 A LoRA checkpoint holds only the adapters (and their optimizer state); the base comes from
-`model.init_from` every time the run starts, so a resume records which base it was, as a
-fingerprint, and refuses another one.
+`model.init_from` every time the run starts, so its checkpoints record which base it was, as
+a fingerprint, and a resume, a merge, an export or sampling refuses another one.
 
 Exports of a LoRA checkpoint:
 - merged (`tessel convert tessel-to-hf`, checkpoint.hf_export_interval): the base with
@@ -70,17 +70,29 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def check_base(state: dict[str, Any], fingerprint: str, ckpt: Path, init_from: str) -> None:
-    """Refuse to resume adapters trained on another base than the one model.init_from
-    holds now."""
+    """Refuse adapters (to resume, merge or export) trained on another base than the one
+    model.init_from holds now."""
     saved = state.get(FINGERPRINT_KEY)
     if saved is None:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} has no LoRA base fingerprint; it was "
                               "not written by a LoRA run (lora.enabled)")
     if saved != fingerprint:
+        where, fix = (f"model.init_from={init_from!r}", "put the weights the adapters were "
+                      "trained on back at that path") if init_from else (
+            "the random base of the run's model settings and train.seed",
+            "restore the settings the run was started with")
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} holds adapters trained on another base model (fingerprint "
-            f"{saved[:12]}) than model.init_from={init_from!r} holds now ({fingerprint[:12]}); "
-            "point model.init_from at the weights the adapters were trained on")
+            f"{saved[:12]}) than {where} holds now ({fingerprint[:12]}); {fix}")
+
+
+def check_base_now(cfg: Config, ckpt: Path) -> None:
+    """Refuse the adapters of LoRA checkpoint `ckpt` when the base the run names now holds
+    other weights than the ones they were trained on: merging, exporting and sampling read
+    the base from the run's model.init_from again, as a resume does."""
+    from tessel.checkpoint.store import read_state
+
+    check_base(read_state(ckpt), base_fingerprint(cfg), ckpt, cfg.model.init_from)
 
 
 def lora_config_of(src: Path) -> tuple[Config, Path] | None:
@@ -117,6 +129,7 @@ class MergedSource:
     tessel name) over the base of model.init_from and the checkpoint's adapters."""
 
     def __init__(self, cfg: Config, ckpt: Path, m: ModelConfig):
+        check_base_now(cfg, ckpt)
         if cfg.model.init_from:
             self.base_get = WeightSource(Path(cfg.model.init_from), m).get
         else:  # a random base is its seed's: drawn again, exactly as the run drew it
@@ -170,6 +183,7 @@ def export_peft(src: Path, out: Path) -> str:
                       "(LlamaForCausalLM); export merged weights instead (without --peft)")
     if out.exists():
         raise HFError(f"{str(out)!r} already exists; choose a new output directory")
+    check_base_now(cfg, ckpt)  # the adapters are only good on the base they were trained on
     tensors = {}
     for name, t in _saved(ckpt)[0].items():
         # layers.{i}.attention.wq.lora_A.weight -> model.layers.{i}.self_attn.q_proj.lora_A...

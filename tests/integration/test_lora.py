@@ -5,6 +5,7 @@ LoRA run's checkpoints hold only the adapters, resume exactly and refuse another
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -222,6 +223,61 @@ def _refused(capsys: pytest.CaptureFixture, argv: list[str], needle: str) -> str
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("tessel: error: ") and needle in err[0], err
     return err[0]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name != ".lock"}
+
+
+def test_a_resume_that_changes_the_adapters_is_refused(trained, tmp_path: Path, capsys):
+    """Other targets dropped adapters, another alpha rescaled them, another rank did not fit
+    (issue 27, item 7): each is refused in one line, nothing written; the same projections
+    by their other names are the same adapters."""
+    _, shared_run, _ = trained
+    run = Path(shutil.copytree(shared_run, tmp_path / "run", symlinks=True))
+    before = _files(run)
+    resume = ["train", "--resume", str(run), "--train.steps=6", "--quiet"]
+    for change, needle in [("--lora.targets=['q_proj']", "lora.targets was"),
+                           ("--lora.alpha=16", "lora.alpha was 8.0 in the run, now 16.0"),
+                           ("--lora.rank=8", "lora.rank was 4 in the run, now 8"),
+                           ("--lora.enabled=false", "lora.enabled was True in the run")]:
+        line = _refused(capsys, [*resume, change], needle)
+        assert "resume without changing it" in line
+        assert _files(run) == before, change
+    from tessel.config import Config, read_saved
+    from tessel.train.resume import resume_point
+    from tessel.train.run_dir import RunDir
+
+    tessel_names = ["wq", "wk", "wv", "wo", "w1", "w3", "feed_forward.w2"]  # = ALL, reordered
+    same = Config.from_dict(read_saved(run / "config.toml"),
+                            [f"--lora.targets={json.dumps(tessel_names)}"])
+    found = resume_point(RunDir(run), same, True, False, print)
+    assert found is not None and found[0].name == "step_00000004"
+
+
+def test_a_changed_base_is_refused_by_exports_and_sampling(trained, tmp_path: Path, capsys):
+    """The adapters' base is read from model.init_from again by every reader of a LoRA run:
+    with other weights there, each refuses in one line (issue 27, item 7), as a resume does."""
+    src, shared_run, _ = trained
+    base = Path(shutil.copytree(src, tmp_path / "base"))
+    run = Path(shutil.copytree(shared_run, tmp_path / "run", symlinks=True))
+    config = run / "config.toml"  # the run as if trained on the copy of its base
+    config.write_text(re.sub(r'(?m)^init_from = ".*"$', f"init_from = {json.dumps(str(base))}",
+                             config.read_text()))
+    assert main(["convert", "tessel-to-hf", str(run), str(tmp_path / "ok"), "--peft"]) == 0
+    torch.manual_seed(7)
+    save_hf(hf_llama(), base)  # other weights under the same path
+    needle = "holds adapters trained on another base model"
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "tessel-to-hf", str(run), str(out)], needle)
+    _refused(capsys, ["convert", "tessel-to-hf", str(run), str(out), "--peft"], needle)
+    _refused(capsys, ["convert", "tessel-to-hf", str(run / "checkpoints/step_00000002"),
+                      str(out)], needle)
+    _refused(capsys, ["generate", str(run), "--max-new-tokens=2"], needle)
+    _refused(capsys, ["checkpoint", "consolidate", str(run), f"--output={out}.safetensors"],
+             needle)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
 
 
 def test_consolidating_a_lora_run_writes_the_merged_model(trained, tmp_path: Path, capsys):
