@@ -1,5 +1,6 @@
 """`tessel checkpoint consolidate`: one safetensors file of the full model from a sharded
-checkpoint saved under any layout."""
+checkpoint saved under any layout. A LoRA checkpoint holds adapters only: its file is the
+base (model.init_from) with the adapters merged, an ordinary model like any other."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from tessel.checkpoint.errors import CheckpointError
@@ -22,14 +24,29 @@ def resolve_checkpoint(path: Path) -> Path:
     return found
 
 
-def consolidate(ckpt: Path, output: Path) -> tuple[int, int]:
+def consolidate(ckpt: Path, output: Path) -> tuple[int, int, str]:
     """Write every model tensor of `ckpt`, unsharded, to `output` (atomically); returns
-    (tensors, bytes). A tied output projection is stored once, as the embedding."""
+    (tensors, bytes, a note on what was written: "" for a checkpoint's own tensors). A tied
+    output projection is stored once, as the embedding."""
+    from tessel.checkpoint.lora import lora_config_of, merged_tensors
+
     state = read_state(ckpt)
-    tied = bool(state.get("config", {}).get("model", {}).get("tie_embeddings"))
-    tensors = read_full(ckpt, "model", skip={"output.weight"} if tied else set())
-    info = {"format": "tessel", "step": str(state["step"]),
-            "model_config": json.dumps(state.get("config", {}).get("model", {}))}
+    model_cfg = state.get("config", {}).get("model", {})
+    lora = lora_config_of(ckpt)
+    tensors: dict[str, torch.Tensor]
+    if lora is not None:  # adapters alone are no model: merge them into the base
+        cfg = lora[0]
+        tensors = merged_tensors(*lora)
+        base = cfg.model.init_from or f"the random base of train.seed={cfg.train.seed}"
+        note = (f"LoRA adapters merged into the base {base} (W + alpha/rank B A); for the "
+                "adapters alone: tessel convert tessel-to-hf RUN OUT --peft")
+    else:
+        tied = bool(model_cfg.get("tie_embeddings"))
+        tensors = read_full(ckpt, "model", skip={"output.weight"} if tied else set())
+        note = ""
+    info = {"format": "tessel", "step": str(state["step"]), "model_config": json.dumps(model_cfg)}
+    if lora is not None:
+        info["source"] = f"LoRA checkpoint {ckpt} merged into its base"
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     try:
@@ -38,4 +55,4 @@ def consolidate(ckpt: Path, output: Path) -> tuple[int, int]:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(output.parent)
-    return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()), note

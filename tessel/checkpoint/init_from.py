@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from tessel.checkpoint.hf_io import HFReader, read_json
 from tessel.checkpoint.hf_models import for_hf_config
 from tessel.config import SHAPE_FIELDS, Config, ModelConfig
 from tessel.config.load import read_merged, validate
+from tessel.models.lora import is_adapter
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -135,6 +136,16 @@ def check_shape(m: ModelConfig, path: Path) -> None:
             "tessel.load_config(path, overrides), which takes the shape from them")
 
 
+def _refuse_adapters(where: str, names: Iterable[str]) -> None:
+    """Weights that hold LoRA adapters hold nothing else of the model (a LoRA checkpoint, or
+    what `tessel checkpoint consolidate` wrote of one before it merged them): refused."""
+    if any(is_adapter(n) for n in names):
+        raise HFError(
+            f"{where!r} holds LoRA adapters only, not a model's weights; write the model they "
+            "make with their base by `tessel checkpoint consolidate LORA_RUN` (the adapters "
+            "merged) and use that file")
+
+
 class WeightSource:
     """Full tensors by tessel parameter name, from `path`, for a model of shape `m`."""
 
@@ -157,10 +168,13 @@ class WeightSource:
         if file is not None:
             handle = safe_open(str(file), framework="pt")
             names = set(handle.keys())
+            _refuse_adapters(str(file), names)
 
             def get(name: str) -> torch.Tensor:
                 if name not in names and name == "output.weight":  # stored once when tied
                     name = "tok_embeddings.weight"
+                if name not in names:
+                    raise KeyError(name)  # (safetensors' own error is no KeyError)
                 return handle.get_tensor(name)
 
             self._get = get
@@ -174,8 +188,10 @@ class WeightSource:
             raise HFError(f"model.init_from={str(path)!r} does not exist or holds no weights")
         from tessel.checkpoint.store import checkpoint_shapes, read_full
 
+        shapes = checkpoint_shapes(ckpt)
+        _refuse_adapters(str(ckpt), shapes)
         self._get = lambda name: read_full(ckpt, "model", only={name})[name]
-        self._has = checkpoint_shapes(ckpt).__contains__
+        self._has = shapes.__contains__
         self.kind = f"tessel checkpoint {ckpt.name}"
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
         self.eod_token, self.eod_from = run_eod(ckpt.parent.parent), "config.toml"

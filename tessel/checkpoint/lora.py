@@ -1,13 +1,14 @@
 """LoRA runs on disk: the fingerprint of the frozen base, and the two exports.
 
 A LoRA checkpoint holds only the adapters (and their optimizer state); the base comes from
-`model.init_from` every time the run starts, so a resume records which base it was, as a
-fingerprint, and refuses another one.
+`model.init_from` every time the run starts, so its checkpoints record which base it was, as
+a fingerprint, and a resume, a merge, an export or sampling refuses another one.
 
 Exports of a LoRA checkpoint:
 - merged (`tessel convert tessel-to-hf`, checkpoint.hf_export_interval): the base with
   W + alpha/rank B A in every adapted projection, written by the ordinary HF export
-  (`MergedSource` stands in for the checkpoint's weights);
+  (`MergedSource` stands in for the checkpoint's weights); `tessel checkpoint consolidate`
+  writes the same merged weights in tessel's names (`merged_tensors`);
 - peft (`tessel convert tessel-to-hf --peft`, or lora.export = "peft"): adapter_config.json
   and adapter_model.safetensors, keys as peft writes them
   (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), loadable with
@@ -69,17 +70,29 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def check_base(state: dict[str, Any], fingerprint: str, ckpt: Path, init_from: str) -> None:
-    """Refuse to resume adapters trained on another base than the one model.init_from
-    holds now."""
+    """Refuse adapters (to resume, merge or export) trained on another base than the one
+    model.init_from holds now."""
     saved = state.get(FINGERPRINT_KEY)
     if saved is None:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} has no LoRA base fingerprint; it was "
                               "not written by a LoRA run (lora.enabled)")
     if saved != fingerprint:
+        where, fix = (f"model.init_from={init_from!r}", "put the weights the adapters were "
+                      "trained on back at that path") if init_from else (
+            "the random base of the run's model settings and train.seed",
+            "restore the settings the run was started with")
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} holds adapters trained on another base model (fingerprint "
-            f"{saved[:12]}) than model.init_from={init_from!r} holds now ({fingerprint[:12]}); "
-            "point model.init_from at the weights the adapters were trained on")
+            f"{saved[:12]}) than {where} holds now ({fingerprint[:12]}); {fix}")
+
+
+def check_base_now(cfg: Config, ckpt: Path) -> None:
+    """Refuse the adapters of LoRA checkpoint `ckpt` when the base the run names now holds
+    other weights than the ones they were trained on: merging, exporting and sampling read
+    the base from the run's model.init_from again, as a resume does."""
+    from tessel.checkpoint.store import read_state
+
+    check_base(read_state(ckpt), base_fingerprint(cfg), ckpt, cfg.model.init_from)
 
 
 def lora_config_of(src: Path) -> tuple[Config, Path] | None:
@@ -101,10 +114,14 @@ def lora_config_of(src: Path) -> tuple[Config, Path] | None:
     return Config.from_dict(with_saved_defaults(saved)), ckpt
 
 
-def _adapters(ckpt: Path) -> dict[str, torch.Tensor]:
+def _saved(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model tensors of LoRA checkpoint `ckpt`: (its adapters, the rest: the persistent
+    buffers such as the MoE balancing bias)."""
     from tessel.checkpoint.store import read_full
 
-    return {k: v for k, v in read_full(ckpt, "model").items() if is_adapter(k)}
+    saved = read_full(ckpt, "model")
+    return ({k: v for k, v in saved.items() if is_adapter(k)},
+            {k: v for k, v in saved.items() if not is_adapter(k)})
 
 
 class MergedSource:
@@ -112,6 +129,7 @@ class MergedSource:
     tessel name) over the base of model.init_from and the checkpoint's adapters."""
 
     def __init__(self, cfg: Config, ckpt: Path, m: ModelConfig):
+        check_base_now(cfg, ckpt)
         if cfg.model.init_from:
             self.base_get = WeightSource(Path(cfg.model.init_from), m).get
         else:  # a random base is its seed's: drawn again, exactly as the run drew it
@@ -121,7 +139,7 @@ class MergedSource:
                 model = Transformer(m)
             seed = cfg.train.seed
             self.base_get = lambda name, shape: model.initial_value(name, shape, seed)
-        self.adapters = _adapters(ckpt)
+        self.adapters, self.buffers = _saved(ckpt)
         self.scaling = cfg.lora.alpha / cfg.lora.rank
         self.tokenizer = ckpt.parent.parent / "tokenizer.json"
         # the run's config.toml (the checkpoint's copy of the config has secrets redacted)
@@ -135,6 +153,20 @@ class MergedSource:
         if a is None:
             return w
         return merged_weight(w, a, self.adapters[f"{stem}.lora_B.weight"], self.scaling)
+
+
+def merged_tensors(cfg: Config, ckpt: Path) -> dict[str, torch.Tensor]:
+    """The whole model LoRA checkpoint `ckpt` stands for, by tessel name, as `tessel
+    checkpoint consolidate` writes a model: every parameter of the base with the adapters
+    merged (a tied output projection once, as the embedding) and the persistent buffers the
+    checkpoint holds. No adapter names: the result is an ordinary model."""
+    from tessel.models.transformer import Transformer
+
+    source = MergedSource(cfg, ckpt, cfg.model)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)  # the base's shapes (no adapters)
+    out = {name: source.get(name, tuple(p.shape)) for name, p in model.named_parameters()}
+    return {**out, **source.buffers}
 
 
 def export_peft(src: Path, out: Path) -> str:
@@ -151,8 +183,9 @@ def export_peft(src: Path, out: Path) -> str:
                       "(LlamaForCausalLM); export merged weights instead (without --peft)")
     if out.exists():
         raise HFError(f"{str(out)!r} already exists; choose a new output directory")
+    check_base_now(cfg, ckpt)  # the adapters are only good on the base they were trained on
     tensors = {}
-    for name, t in _adapters(ckpt).items():
+    for name, t in _saved(ckpt)[0].items():
         # layers.{i}.attention.wq.lora_A.weight -> model.layers.{i}.self_attn.q_proj.lora_A...
         _, i, rest = name.split(".", 2)
         path, _, kind = rest.removesuffix(".weight").rpartition(".")  # attention.wq, lora_A

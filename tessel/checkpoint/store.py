@@ -96,21 +96,45 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `root`, oldest first."""
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every published checkpoint directory under `root` (step_N), complete or not, oldest
+    first. A save cut short is never among them: it stays `.tmp-step_N` until its state.json
+    is written, and only then is it renamed into place."""
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = _STEP_DIR.match(child.name)
-        if m and (child / "state.json").is_file():
+        if m and child.is_dir():
             found.append((int(m.group(1)), child))
     return sorted(found)
 
 
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    return [(step, path) for step, path in _step_dirs(root) if (path / "state.json").is_file()]
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+    """The newest checkpoint under `root` (None when there is none). A newer step directory
+    without state.json was complete when it was published and damaged since: refused
+    (CheckpointError naming it) rather than passed over for an older checkpoint, since
+    which one to resume from is for a person to decide."""
+    found = _step_dirs(root)
+    if not found:
+        return None
+    newest = found[-1][1]
+    if not (newest / "state.json").is_file():
+        raise missing_state(newest)
+    return newest
+
+
+def missing_state(path: Path) -> CheckpointError:
+    """The error for published checkpoint `path` whose state.json is gone."""
+    return CheckpointError(
+        f"checkpoint {str(path)!r} is damaged: its state.json is missing (the checkpoint was "
+        f"complete when saved); {MOVE_ASIDE}"
+    )
 
 
 # A run directory keeps its checkpoints here (tessel.train.run_dir.RunDir names it too).
@@ -122,6 +146,8 @@ def find_checkpoint(path: Path) -> Path | None:
     latest complete checkpoint; None when it is neither (or the run has none yet)."""
     if (path / "state.json").is_file():
         return path
+    if _STEP_DIR.match(path.name) and path.is_dir():  # a checkpoint directory, damaged
+        raise missing_state(path)
     return latest_checkpoint(path / CHECKPOINTS_DIR)
 
 

@@ -13,6 +13,7 @@ from tessel.checkpoint import CheckpointError, read_state
 from tessel.config import Config, with_saved_defaults
 from tessel.data import load_tokenizer
 from tessel.errors import DataError, TesselError
+from tessel.models.lora import resolve_targets
 from tessel.train.control import EXIT_PAUSED
 from tessel.train.run_dir import RunDir
 
@@ -20,8 +21,13 @@ from tessel.train.run_dir import RunDir
 # (Mixture weights and cache locations may change; the loader checks the datasets themselves.)
 FROZEN_ON_RESUME = (
     "model", "data.source", "data.tokenizer", "data.split", "data.json_key", "train.seq_len",
-    "train.seed", "data.chat_template", "data.sft_overlong", "data.sft_pack",
+    "train.seed", "data.chat_template", "data.sft_overlong", "data.sft_pack", "lora.enabled",
 )
+# A LoRA run's checkpoints hold its adapters: which projections have them, their shape and
+# the scale (alpha / rank) their term is multiplied by. Other targets would drop adapters (or
+# leave new ones untrained beside them), another alpha would rescale them; lora.dropout,
+# lora.base_dtype and lora.export may change like any training setting.
+FROZEN_WITH_LORA = ("lora.rank", "lora.alpha", "lora.targets")
 
 
 class RunHalted(TesselError):
@@ -61,9 +67,9 @@ def resume_point(run: RunDir, cfg: Config, resume: bool, auto_resume: bool,
         then = Config.from_dict(with_saved_defaults(state["config"]))
     except KeyError:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks its config; it is damaged") from None
-    for key in FROZEN_ON_RESUME:
+    for key in FROZEN_ON_RESUME + (FROZEN_WITH_LORA if then.lora.enabled else ()):
         old, new = _get(then, key), _get(cfg, key)
-        if old != new:
+        if not _same(key, old, new):
             raise CheckpointError(
                 f"cannot resume {str(run.path)!r}: {_first_difference(key, old, new)}; resume "
                 "without changing it or start a new run"
@@ -86,6 +92,12 @@ def _get(cfg: Config, dotted: str) -> Any:
     for part in dotted.split("."):
         node = getattr(node, part)
     return node.model_dump() if hasattr(node, "model_dump") else node
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    if key == "lora.targets":  # the same projections, by tessel's or Hugging Face's names
+        return resolve_targets(old) == resolve_targets(new)
+    return old == new
 
 
 def _first_difference(key: str, old: Any, new: Any) -> str:

@@ -5,16 +5,19 @@ LoRA run's checkpoints hold only the adapters, resume exactly and refuse another
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import write_corpus
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_cli import assert_one_line_error, tessel
-from test_hf import VOCAB, hf_llama, save_hf
+from test_hf import VOCAB, hf_llama, save_hf, tessel_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from tessel.checkpoint import latest_checkpoint, read_full
@@ -57,14 +60,25 @@ def tessel_lora_model(src: Path, ckpt: Path, cfg) -> Transformer:  # noqa: ANN00
     return model.eval()
 
 
-@pytest.fixture
-def trained(tmp_path: Path, corpus: Path):  # noqa: ANN201
-    src = save_hf(hf_llama(), tmp_path / "hf", corpus)
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def shared_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("lora-corpus") / "corpus")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, shared_corpus: Path):  # noqa: ANN201
+    """A 4-step LoRA run on a small random HF Llama (checkpoints at steps 2 and 4, the peft
+    export during training at 4): (base, run, config). Shared by the module: a test that
+    changes anything works on a copy."""
+    root = tmp_path_factory.mktemp("lora")
+    src = save_hf(hf_llama(), root / "hf", shared_corpus)
+    run = root / "run"
     # the peft export during training (lora.export) at the last step
-    cfg = load_config(None, lora_overrides(src, run, corpus, **{
+    cfg = load_config(None, lora_overrides(src, run, shared_corpus, **{
         "checkpoint.hf_export_interval": 4, "lora.export": "peft"}))
-    Trainer(cfg, console=False).train()
+    with pytest.MonkeyPatch.context() as mp:  # (the function-scoped cache fixture is not up yet)
+        mp.setenv("TESSEL_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        Trainer(cfg, console=False).train()
     return src, run, Config_of(run)
 
 
@@ -153,8 +167,10 @@ def test_tessel_lora_trains_as_peft_does(tmp_path: Path, corpus: Path):
 
 
 def test_checkpoints_hold_only_the_adapters_and_resume_exactly(trained, tmp_path: Path,
-                                                               corpus: Path):
-    src, run, cfg = trained
+                                                               shared_corpus: Path):
+    shared_src, run, cfg = trained
+    corpus = shared_corpus
+    src = Path(shutil.copytree(shared_src, tmp_path / "base"))  # replaced below
     ckpt = latest_checkpoint(run / "checkpoints")
     saved = read_full(ckpt, "model")
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
@@ -198,3 +214,108 @@ def test_lora_on_a_projection_that_does_not_exist_is_one_line(tmp_path: Path, co
                  "--lora.enabled=true", "--lora.targets=['up_proj']", "--train.steps=1")
     assert_one_line_error(out, "layers.0.feed_forward.w3 does not exist")
     assert not run.exists()
+
+
+def _refused(capsys: pytest.CaptureFixture, argv: list[str], needle: str) -> str:
+    """`tessel ARGV` in this process: exit code 2 and one line on stderr holding `needle`."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tessel: error: ") and needle in err[0], err
+    return err[0]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name != ".lock"}
+
+
+def test_a_resume_that_changes_the_adapters_is_refused(trained, tmp_path: Path, capsys):
+    """Other targets dropped adapters, another alpha rescaled them, another rank did not fit
+    (issue 27, item 7): each is refused in one line, nothing written; the same projections
+    by their other names are the same adapters."""
+    _, shared_run, _ = trained
+    run = Path(shutil.copytree(shared_run, tmp_path / "run", symlinks=True))
+    before = _files(run)
+    resume = ["train", "--resume", str(run), "--train.steps=6", "--quiet"]
+    for change, needle in [("--lora.targets=['q_proj']", "lora.targets was"),
+                           ("--lora.alpha=16", "lora.alpha was 8.0 in the run, now 16.0"),
+                           ("--lora.rank=8", "lora.rank was 4 in the run, now 8"),
+                           ("--lora.enabled=false", "lora.enabled was True in the run")]:
+        line = _refused(capsys, [*resume, change], needle)
+        assert "resume without changing it" in line
+        assert _files(run) == before, change
+    from tessel.config import Config, read_saved
+    from tessel.train.resume import resume_point
+    from tessel.train.run_dir import RunDir
+
+    tessel_names = ["wq", "wk", "wv", "wo", "w1", "w3", "feed_forward.w2"]  # = ALL, reordered
+    same = Config.from_dict(read_saved(run / "config.toml"),
+                            [f"--lora.targets={json.dumps(tessel_names)}"])
+    found = resume_point(RunDir(run), same, True, False, print)
+    assert found is not None and found[0].name == "step_00000004"
+
+
+def test_a_changed_base_is_refused_by_exports_and_sampling(trained, tmp_path: Path, capsys):
+    """The adapters' base is read from model.init_from again by every reader of a LoRA run:
+    with other weights there, each refuses in one line (issue 27, item 7), as a resume does."""
+    src, shared_run, _ = trained
+    base = Path(shutil.copytree(src, tmp_path / "base"))
+    run = Path(shutil.copytree(shared_run, tmp_path / "run", symlinks=True))
+    config = run / "config.toml"  # the run as if trained on the copy of its base
+    config.write_text(re.sub(r'(?m)^init_from = ".*"$', f"init_from = {json.dumps(str(base))}",
+                             config.read_text()))
+    assert main(["convert", "tessel-to-hf", str(run), str(tmp_path / "ok"), "--peft"]) == 0
+    torch.manual_seed(7)
+    save_hf(hf_llama(), base)  # other weights under the same path
+    needle = "holds adapters trained on another base model"
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "tessel-to-hf", str(run), str(out)], needle)
+    _refused(capsys, ["convert", "tessel-to-hf", str(run), str(out), "--peft"], needle)
+    _refused(capsys, ["convert", "tessel-to-hf", str(run / "checkpoints/step_00000002"),
+                      str(out)], needle)
+    _refused(capsys, ["generate", str(run), "--max-new-tokens=2"], needle)
+    _refused(capsys, ["checkpoint", "consolidate", str(run), f"--output={out}.safetensors"],
+             needle)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
+
+
+def test_consolidating_a_lora_run_writes_the_merged_model(trained, tmp_path: Path, capsys):
+    """`tessel checkpoint consolidate` of a LoRA run wrote its adapters alone, which
+    model.init_from and `convert` then read with a SafetensorError traceback (issue 27, item
+    14): it writes the base with the adapters merged, a model like any other; adapters alone
+    (a file written before, or the LoRA run itself) given as weights are one line."""
+    src, run, cfg = trained
+    ckpt = latest_checkpoint(run / "checkpoints")
+    merged = tmp_path / "merged" / "model.safetensors"
+    capsys.readouterr()
+    assert main(["checkpoint", "consolidate", str(run), f"--output={merged}"]) == 0
+    printed = capsys.readouterr().out
+    x = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        want = tessel_lora_model(src, ckpt, cfg)(x)[..., :VOCAB]  # (the rest: padding, -inf)
+        got = tessel_model(merged)(x)[..., :VOCAB]  # as model.init_from reads it
+    assert (got - want).abs().max() <= 1e-5
+    assert not [k for k in load_file(merged) if ".lora_" in k]
+    assert "LoRA adapters merged into the base" in printed and "--peft" in printed
+    assert main(["convert", "tessel-to-hf", str(merged), str(tmp_path / "hf")]) == 0
+
+
+def test_adapters_alone_given_as_weights_are_one_line(trained, tmp_path: Path, capsys):
+    """What consolidate wrote of a LoRA run before (its adapters alone, as a tessel file),
+    and the LoRA run itself, given as a model's weights: one line, nothing written, never a
+    SafetensorError traceback (issue 27, item 14)."""
+    _, run, cfg = trained
+    ckpt = latest_checkpoint(run / "checkpoints")
+    adapters = tmp_path / "adapters.safetensors"
+    model_config = json.dumps(cfg.model.model_dump())
+    save_file(read_full(ckpt, "model"), str(adapters),
+              metadata={"format": "tessel", "step": "4", "model_config": model_config})
+    needle = "holds LoRA adapters only"
+    _refused(capsys, ["convert", "tessel-to-hf", str(adapters), str(tmp_path / "out")], needle)
+    assert not (tmp_path / "out").exists()
+    for weights in (adapters, run):  # as the base of a new run: before anything is written
+        new_run = tmp_path / "new-run"
+        _refused(capsys, ["train", f"--model.init_from={weights}", f"--run.dir={new_run}",
+                          "--data.source=synthetic", "--train.steps=1", "--quiet"], needle)
+        assert not new_run.exists()

@@ -100,6 +100,21 @@ def test_a_shard_with_flipped_bytes_is_refused_on_resume(finished: Path, tmp_pat
     assert [s for s, _ in list_checkpoints(run / "checkpoints")][-1] == 5
 
 
+def test_a_checkpoint_without_state_json_is_refused_on_resume(finished: Path, tmp_path: Path,
+                                                              capsys):
+    """Resume used to fall back to the checkpoint before without a word (issue 27, item
+    10); the docs say a person decides, as for other damage."""
+    run = _copy(finished, tmp_path / "run")
+    (run / "checkpoints" / "step_00000004" / "state.json").unlink()
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    metrics = (run / "metrics.jsonl").read_text()
+    assert main(["train", "--resume", str(run), "--train.steps=8", "--quiet"]) == 2
+    line = _one_line(capsys, "step_00000004' is damaged: its state.json is missing")
+    assert "move that directory out of checkpoints/" in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
 def test_every_checkpoint_file_has_a_checksum(finished: Path):
     for ckpt in (finished / "checkpoints").glob("step_*"):
         state = json.loads((ckpt / "state.json").read_text())

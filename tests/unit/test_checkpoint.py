@@ -88,6 +88,31 @@ def test_failure_during_save_leaves_previous_checkpoint_intact(tmp_path: Path, m
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_a_checkpoint_that_lost_its_state_json_is_refused_not_passed_over(tmp_path: Path):
+    """A published checkpoint without state.json was complete and damaged since: refused,
+    naming it, rather than falling back to the one before on its own (issue 27, item 10). A
+    save that never completed (a crash before state.json, a hidden temporary) is skipped."""
+    from tessel.checkpoint import find_checkpoint
+
+    model, opt = _model_and_opt()
+    root = tmp_path / "checkpoints"
+    first = save_checkpoint(root, 1, model, opt, {})
+    second = save_checkpoint(root, 2, model, opt, {})
+    unfinished = root / ".tmp-step_00000003"  # what a crash mid-save leaves
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"partial")
+    assert latest_checkpoint(root) == second
+    (second / "state.json").unlink()
+    needle = r"step_00000002' is damaged: its state.json is missing.*move that directory out"
+    for look in (lambda: latest_checkpoint(root), lambda: find_checkpoint(tmp_path),
+                 lambda: find_checkpoint(second)):
+        with pytest.raises(CheckpointError, match=needle):
+            look()
+    assert [s for s, _ in list_checkpoints(root)] == [1]  # (retention ignores it)
+    second.rename(tmp_path / "aside")  # what the message advises: then the one before
+    assert latest_checkpoint(root) == first == find_checkpoint(tmp_path)
+
+
 def test_damaged_checkpoints_are_refused_in_one_line(tmp_path: Path):
     model, opt = _model_and_opt()
     path = save_checkpoint(tmp_path, 1, model, opt, {})
@@ -170,7 +195,8 @@ def test_consolidate_writes_the_whole_model_once(tmp_path: Path):
     cfg = {"model": {"tie_embeddings": True}}
     path = save_checkpoint(tmp_path / "checkpoints", 5, model, None, {"config": cfg})
     out = tmp_path / "model.safetensors"
-    n, _ = consolidate(path, out)
+    n, _, note = consolidate(path, out)
+    assert note == ""  # not a LoRA run: the checkpoint's own tensors
     with safe_open(str(out), "pt") as f:
         saved = {k: f.get_tensor(k) for k in f.keys()}
         assert f.metadata()["step"] == "5"
