@@ -444,3 +444,23 @@ def test_launch_checks_the_layout_against_nodes_times_gpus(capsys):
                              "--parallel.tp=3")
     assert_one_line_error(code, err, "does not divide the 8 processes")
     assert out == ""
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nproc", "2", "--parallel.cp=2", "--train.seq_len=30"],
+     "context parallelism cuts train.seq_len=30 into 2*cp = 4 equal chunks"),
+    # tiny: 4 heads (and 4 KV heads), which Ulysses cannot split over 3 ranks
+    (["--nproc", "3", "--parallel.cp=3", "--parallel.cp_mode=ulysses", "--train.seq_len=120",
+      "--train.global_batch_size=8"],
+     "parallel.cp_mode='ulysses' splits the 4 attention heads (model.n_heads) over cp=3"),
+    # 12 cuts into 4 chunks and divides by tp = 4, but a cp rank's 6 positions do not
+    (["--nproc", "8", "--parallel.cp=2", "--parallel.tp=4", "--train.seq_len=12"],
+     "sequence parallelism splits each context-parallel rank's 6 positions"),
+])
+def test_context_parallel_rules_are_one_line_and_nothing_is_written(capsys, monkeypatch, tmp_path,
+                                                                    args, needle):
+    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    run = tmp_path / "run"
+    code, out, err = run_cli(capsys, "train", CONFIG, *args, f"--run.dir={run}")
+    assert_one_line_error(code, err, needle)
+    assert not run.exists() and out == ""
