@@ -90,3 +90,80 @@ def forge_state(path: Path) -> None:
     state[DIGEST_KEY] = file_digests([path / f for f in state["files"]])
     state.pop("state_sha256", None)  # its self-checksum: an attacker drops it too
     (path / "state.json").write_text(json.dumps(state))
+
+
+# ---- the time budget: a test that grows past its budget is named in every run's summary ----
+#
+# Budgets are in seconds on the reference machine (the slower CI host: a 2-core AMD EPYC with
+# AVX2, on which the demo trains at ~3k tokens/s) and scale with this machine's speed,
+# measured once per session by a fixed workload (`_machine_factor`). Tests assert behaviour,
+# never time: an overrun is reported (CI prints it; `TESSEL_TEST_BUDGET=strict` turns it into a
+# failed session), so growth is seen when it happens rather than at the 90-minute limit.
+BUDGET_S = {"default": 20.0, "slow": 120.0}
+"""Seconds (reference machine) a test may take, setup and teardown included; a test states
+its own with @pytest.mark.budget(seconds)."""
+SUITE_BUDGET_S = 25 * 60
+"""The whole suite on the reference machine (15 minutes on the fast CI machine)."""
+_REFERENCE_WORKLOAD_S = 1.0
+"""What `_machine_factor`'s workload takes on the reference machine, alone."""
+_durations: dict[str, float] = {}
+_budgets: dict[str, float] = {}
+
+
+def _machine_factor() -> float:
+    """This machine's time for a fixed workload (a tiny model's training steps, the kind of
+    work the suite does) over the reference machine's: < 1 on a faster machine."""
+    import time
+
+    from tessel.models import build_model
+
+    cfg = Config.load(None, {"model.preset": "tiny-llama", "model.n_layers": 2}).model
+    model = build_model(cfg, "cpu", seed=0)
+    x = torch.randint(0, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    for _ in range(20):
+        model(x).float().logsumexp(-1).mean().backward()
+    return (time.perf_counter() - start) / _REFERENCE_WORKLOAD_S
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        mark = item.get_closest_marker("budget")
+        if mark is not None:
+            _budgets[item.nodeid] = float(mark.args[0])
+        else:
+            _budgets[item.nodeid] = BUDGET_S["slow" if item.get_closest_marker("slow") else "default"]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+_verdict: dict[str, object] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if len(_durations) < 50:  # a few tests picked by hand: nothing to say
+        return
+    factor = _machine_factor()
+    over = sorted(((d, nodeid, _budgets.get(nodeid, BUDGET_S["default"]) * factor)
+                   for nodeid, d in _durations.items()
+                   if d > _budgets.get(nodeid, BUDGET_S["default"]) * factor), reverse=True)
+    total = sum(_durations.values())
+    _verdict.update(factor=factor, over=over, total=total)
+    if os.environ.get("TESSEL_TEST_BUDGET") == "strict" and (over or total > SUITE_BUDGET_S * factor):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    if not _verdict:
+        return
+    factor, over, total = _verdict["factor"], _verdict["over"], _verdict["total"]
+    write = terminalreporter.write_line
+    terminalreporter.section("time budget")
+    write(f"machine factor {factor:.2f} (1.0 = the reference 2-core AMD EPYC); tests took "
+          f"{total / 60:.1f} min of {SUITE_BUDGET_S * factor / 60:.1f} min budgeted")
+    for d, nodeid, budget in over:  # type: ignore[attr-defined]
+        write(f"over budget: {nodeid} took {d:.1f} s, budget {budget:.1f} s")
+    if not over:
+        write("every test within its budget")
