@@ -137,6 +137,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    log = os.environ.get("TESSEL_TEST_DURATIONS")
+    if log:  # every phase as it ends: a run cut short still says where its time went
+        with open(log, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
 
 
 _verdict: dict[str, object] = {}

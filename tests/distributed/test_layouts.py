@@ -61,6 +61,9 @@ def base(run_dir: Path, corpus: Path, **extra) -> dict:
         "train.eval_iters": 4,  # the same 4 validation micro-batches under every layout
         "optim.lr": 3e-3,
         "optim.warmup_steps": 2,
+        # Constant after the warm-up, so a layout's first SHORT steps are the reference's
+        # (a decay would depend on train.steps); resumes still cross the warm-up's end.
+        "optim.schedule": "constant",
         "checkpoint.interval": 2,
         "metrics.log_interval": 1,
         "metrics.tensorboard": False,
