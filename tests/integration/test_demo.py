@@ -34,9 +34,11 @@ def test_stdlib_corpus_goes_through_the_pipeline_once():
 @pytest.mark.slow
 def test_demo_beats_the_unigram_baseline(tmp_path: Path):
     env = {**os.environ, "CI": "true"}
+    # 40 steps with a 10-step warm-up (the demo's 400 with 50, shortened): val loss 5.71
+    # against the unigram baseline's 6.46 on the CI machines
     out = subprocess.run(
-        [sys.executable, "-m", "tessel", "train", "--train.steps=80",
-         "--train.eval_interval=80", "--checkpoint.interval=0", "--run.sample_tokens=40"],
+        [sys.executable, "-m", "tessel", "train", "--train.steps=40", "--optim.warmup_steps=10",
+         "--train.eval_interval=40", "--checkpoint.interval=0", "--run.sample_tokens=40"],
         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900,
     )
     assert out.returncode == 0, out.stderr
@@ -44,5 +46,5 @@ def test_demo_beats_the_unigram_baseline(tmp_path: Path):
     assert "sample:\ndef " in out.stdout
     val = [r for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
     baseline = float(out.stdout.split("unigram baseline ")[1].split(")")[0])
-    assert val[-1]["step"] == 80
+    assert val[-1]["step"] == 40
     assert val[-1]["val_loss"] < baseline - 0.5, (val[-1], baseline)
