@@ -13,7 +13,8 @@ exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad inpu
             3 a collective failed or timed out, or the watchdog saw no progress,
             4 paused by an alert (checkpoint written; --resume continues),
             5 stopped by an alert (checkpoint written), 6 spike recovery gave up
-            (recovery.max_rollbacks), 130 interrupted by Ctrl-C (a checkpoint was saved)
+            (recovery.max_rollbacks), 130 interrupted by Ctrl-C (a checkpoint was saved),
+            143 stopped by SIGTERM while preparing the data (before training: nothing saved)
 """
 
 
