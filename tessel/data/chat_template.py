@@ -93,8 +93,9 @@ def model_template(directory: Path) -> str | None:
     """The model's own template from the tokenizer files in `directory`, or None.
 
     `chat_template.jinja` (transformers >= 4.50 writes it) wins over tokenizer_config.json's
-    `chat_template`, which is a string or a list of {name, template} (the "default" one is
-    taken), as transformers reads them.
+    `chat_template`, read as transformers reads it: text, or named templates (a list of
+    {"name", "template"} objects, or an object of name -> template) of which "default" is
+    taken. Any other value is malformed, a DataError (transformers fails on it too).
     """
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
@@ -103,10 +104,39 @@ def model_template(directory: Path) -> str | None:
     if not cfg_file.is_file():
         return None
     value = _read_json(cfg_file).get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    return value if isinstance(value, str) and value else None
+    if value is None or value == "":
+        return None
+    return _configured_template(value, cfg_file)
+
+
+def _configured_template(value: Any, where: Path) -> str:
+    """tokenizer_config.json's `chat_template` value as transformers reads it (see
+    `model_template`)."""
+    if isinstance(value, str):
+        return value
+    fix = "fix the file, or name a template with data.chat_template (--chat-template)"
+    named = None
+    if isinstance(value, list) and all(isinstance(t, dict) and "name" in t and "template" in t
+                                       for t in value):
+        # later entries win, as in transformers' {t["name"]: t["template"] for t in value}
+        named = {t["name"]: t["template"] for t in value if isinstance(t["name"], str)}
+    elif isinstance(value, dict):
+        named = value
+    if named is None:
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise DataError(f"{where}: chat_template is malformed: {shown} is neither text nor a "
+                        "list of {\"name\": ..., \"template\": ...} objects; " + fix)
+    if "default" not in named:
+        names = ", ".join(repr(n) for n in sorted(map(str, named))[:8])
+        held = f"templates named {names} but none" if named else "an empty list of templates, no"
+        raise DataError(f"{where}: chat_template is malformed: {held} \"default\", the one "
+                        "transformers and tessel use; " + fix)
+    template = named["default"]
+    if not isinstance(template, str):
+        raise DataError(f"{where}: chat_template is malformed: its \"default\" template is a "
+                        f"{type(template).__name__}, not text; " + fix)
+    return template
 
 
 def special_tokens(directory: Path | None) -> tuple[str, str]:

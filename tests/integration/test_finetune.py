@@ -183,12 +183,19 @@ def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
 
 def _hostile_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (extra overrides, the words of the one error line): chat templates that were
-    tracebacks."""
+    tracebacks, and a model directory whose tokenizer_config.json chat_template is a number
+    (it was "the model has none", and ChatML was used)."""
+    from tessel.data.tokenizer import load_tokenizer
+
     def jinja(name: str, text: str | bytes) -> str:
         path = tmp / f"{name}.jinja"
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
         return f"--data.chat_template={path}"
 
+    model = tmp / "model"
+    model.mkdir()
+    load_tokenizer("bytes").save(model / "tokenizer.json")
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": 7}))
     return {
         "overflow": ([jinja("range", "{{ range(10**9) }}")], "OverflowError: Range too big"),
         "zero": ([jinja("zero", "{{ 1/0 }}")], "ZeroDivisionError: division by zero"),
@@ -196,11 +203,13 @@ def _hostile_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
                       "recursed too deeply"),
         "latin1": ([jinja("latin1", "{{ messages }} caf\xe9".encode("latin-1"))],
                    "latin1.jinja: a chat template must be UTF-8 text"),
+        "malformed": ([f"--data.tokenizer={model / 'tokenizer.json'}", "--data.chat_template=auto"],
+                      "tokenizer_config.json: chat_template is malformed: 7 is neither text"),
     }
 
 
-@pytest.mark.parametrize("case", ["overflow", "zero", "recursion", "latin1"])
-def test_a_hostile_chat_template_is_one_line_exit_2(tmp_path: Path, case: str,
+@pytest.mark.parametrize("case", ["overflow", "zero", "recursion", "latin1", "malformed"])
+def test_a_hostile_or_malformed_chat_template_is_one_line_exit_2(tmp_path: Path, case: str,
                                                                  capsys):
     from tessel.cli import main
 

@@ -1,6 +1,7 @@
 """Chat templates are someone else's files: one that loops forever, builds gigabytes or fails
 in any way is refused in one line naming it (`tessel.data.template_sandbox`), while real
-templates render exactly as transformers renders them.
+templates render exactly as transformers renders them; and a model's tokenizer_config.json
+`chat_template` is read as transformers reads it, a malformed one refused, not replaced.
 
 The limits are set low here (`tight`, `quick`), so that a template that goes past them is
 stopped in a fraction of a second, and each is sized so that, were it not stopped, it would
@@ -9,6 +10,7 @@ exhausting the machine."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -216,6 +218,54 @@ def test_a_template_file_that_is_not_utf8_is_refused(tmp_path: Path):
         resolve_template("auto", tmp_path)
 
 
+def _config_dir(tmp_path: Path, chat_template) -> Path:
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0}, "<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": chat_template, "eos_token": "</s>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("value", [
+    {"default": "D{{ messages[0]['content'] }}", "tool_use": "T"},
+    [{"name": "default", "template": "first"}, {"name": "default", "template": "L{{ eos_token }}"}],
+    [{"name": "rag", "template": "R"}, {"name": "default", "template": "N"}],
+])
+def test_named_chat_templates_are_read_as_transformers_reads_them(tmp_path: Path, value):
+    from transformers import AutoTokenizer
+
+    directory = _config_dir(tmp_path, value)
+    ours = resolve_template("auto", directory)
+    assert "the model's own" in ours.origin
+    theirs = AutoTokenizer.from_pretrained(directory).apply_chat_template(CHAT, tokenize=False)
+    assert ours.render(CHAT) == theirs
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    (5, "5 is neither text nor a list"),
+    ([1, 2], "[1, 2] is neither text nor a list"),
+    ([{"name": "default"}], "is neither text nor a list"),
+    ({"tool_use": "T", "rag": "R"}, "templates named 'rag', 'tool_use' but none \"default\""),
+    ([], "an empty list of templates, no \"default\""),
+    ({"default": ["not", "text"]}, "its \"default\" template is a list, not text"),
+])
+def test_a_malformed_chat_template_is_refused_not_replaced_by_chatml(tmp_path: Path, value,
+                                                                     needle):
+    """transformers fails on each of these too; tessel said "the model has none" and
+    trained with ChatML."""
+    from transformers import AutoTokenizer
+
+    directory = _config_dir(tmp_path, value)
+    with pytest.raises(DataError) as info:
+        resolve_template("auto", directory)
+    msg = str(info.value)
+    assert "tokenizer_config.json: chat_template is malformed" in msg and needle in msg, msg
+    with pytest.raises(Exception):  # noqa: B017 (transformers' own errors differ by case)
+        AutoTokenizer.from_pretrained(directory).apply_chat_template(CHAT, tokenize=False)
+
+
 def test_ctrl_c_stops_a_rendering_at_once():
     """KeyboardInterrupt is not a template's failure: it goes through, whatever the template
     is doing (here: a loop that runs for seconds)."""
@@ -235,12 +285,16 @@ def test_ctrl_c_stops_a_rendering_at_once():
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_generate_chat_refuses_what_training_refuses(quick):
-    """`tessel generate --chat` renders the template the same way: a hanging one stopped."""
+def test_generate_chat_refuses_what_training_refuses(tmp_path: Path, quick):
+    """`tessel generate --chat` resolves and renders the template the same way: a malformed
+    tokenizer_config.json is refused (it fell back to ChatML), a hanging template stopped."""
     from tessel.data.tokenizer import load_tokenizer
-    from tessel.generate import chat_prompt
+    from tessel.generate import chat_prompt, chat_template_for
 
     tok = load_tokenizer("bytes")
+    directory = _config_dir(tmp_path, {"tool_use": "T"})
+    with pytest.raises(DataError, match="chat_template is malformed"):
+        chat_template_for(directory, None, tok)
     hang = ChatTemplate("{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}"
                         "{% endfor %}", "hang.jinja")
     with pytest.raises(DataError, match=r"chat template \(hang.jinja\) failed to render: it "
