@@ -25,3 +25,17 @@ class CollectiveTimeout(TesselError):
     input: the CLI exits with code 3 so job scripts can tell it apart and restart."""
 
     exit_code = 3
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM) that arrived where there is nothing to save yet, while the
+    data is being prepared: the command ends at once, with one line and exit code 128 + the
+    signal's number, as a process killed by it would. A BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int, during: str):
+        import signal
+
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} while {during}, before "
+                         "training (nothing to save; what was half prepared is discarded)")

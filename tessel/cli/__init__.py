@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from tessel.cli import bench, checkpoint, convert, data, generate, info, launch, plan, report, train
-from tessel.errors import TesselError
+from tessel.errors import Stopped, TesselError
 
 HELP = """\
 usage: tessel COMMAND [ARGS ...]       (tessel COMMAND --help for each one's options)
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tessel: interrupted", file=sys.stderr)
         return 130
+    except Stopped as exc:  # SIGTERM while preparing the data: nothing to save yet
+        print(f"tessel: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def run() -> NoReturn:

@@ -18,7 +18,8 @@ exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad inpu
             4 paused by an alert (checkpoint written; --resume continues),
             5 stopped by an alert (checkpoint written), 6 spike recovery gave up
             (recovery.max_rollbacks), 7 finished with its final checkpoint, but lm_eval
-            scoring failed on the way, 130 interrupted by Ctrl-C (a checkpoint was saved)
+            scoring failed on the way, 130 interrupted by Ctrl-C (a checkpoint was saved),
+            143 stopped by SIGTERM while preparing the data (before training: nothing saved)
 """
 
 

@@ -3,22 +3,21 @@
 A template is Jinja2 text, the model's own (`chat_template` in the `tokenizer_config.json` or
 `chat_template.jinja` beside its `tokenizer.json`), one of the built-ins below, or a `.jinja`
 file. It is rendered exactly as Hugging Face transformers renders it
-(`PreTrainedTokenizerBase.apply_chat_template`): an `ImmutableSandboxedEnvironment` with
-`trim_blocks` and `lstrip_blocks`, the loop-controls extension, transformers' `tojson`
-filter and the `raise_exception` and `strftime_now` globals, with `messages`,
-`add_generation_prompt`, `bos_token` and `eos_token` as variables. The sandbox matters: a
-template comes from whoever published the model, and rendering it must not run their code.
+(`PreTrainedTokenizerBase.apply_chat_template`), in the environment of
+`tessel.data.template_sandbox`, with `messages`, `add_generation_prompt`, `bos_token` and
+`eos_token` as variables. The sandbox matters: a template comes from whoever published the
+model, and rendering it must neither run their code nor take the machine (its limits).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from tessel.data import template_sandbox
+from tessel.data.template_sandbox import TemplateFailure
 from tessel.errors import DataError
 
 BUILTIN_TEMPLATES: dict[str, str] = {
@@ -53,104 +52,16 @@ class ChatTemplate:
     eos_token: str = ""
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The text of `messages`; DataError (one line) when the template fails."""
-        import jinja2
-
+        """The text of `messages`; DataError (one line) when the template does not parse,
+        fails, or goes past the limits of `tessel.data.template_sandbox` (time, size)."""
+        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                     "bos_token": self.bos_token, "eos_token": self.eos_token,
+                     "tools": None, "documents": None}
         try:
-            return _compile(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None)
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
-            # a template's own raise_exception, or one that does not fit these messages
-            msg = " ".join(str(exc).split())
-            raise DataError(f"chat template ({self.origin}) failed to render: {msg}") from None
-
-
-def _raise_exception(message: str) -> None:
-    import jinja2
-
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    # transformers' own filter: Jinja's built-in one escapes HTML characters, which would
-    # change the text models were trained on.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=1)
-def _environment() -> Any:
-    import jinja2
-    import jinja2.ext
-    import jinja2.utils
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(jinja2.ext.Extension):
-        # `{% generation %}...{% endgeneration %}` marks assistant text in some templates
-        # (transformers' assistant-token mask); it renders its body unchanged. tessel finds
-        # the assistant spans by rendering prefixes, which works for every template.
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    class TemplateDict:
-        # as transformers: `dict(...)` without attribute access to the type itself
-        def __call__(self, *args: Any, **kwargs: Any) -> dict:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        # as transformers: namespaces refuse underscore names (no path to CPython internals)
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore names on a namespace ({name!r})")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env
-
-
-@lru_cache(maxsize=16)
-def _compile(source: str) -> Any:
-    import jinja2
-
-    try:
-        return _environment().from_string(source)
-    except jinja2.TemplateError as exc:
-        msg = " ".join(str(exc).split())
-        raise DataError(f"chat template does not parse: {msg}") from None
+            return template_sandbox.render(self.source, variables)
+        except TemplateFailure as exc:
+            what = "does not parse" if exc.parse else "failed to render"
+            raise DataError(f"chat template ({self.origin}) {what}: {exc}") from None
 
 
 def _token_text(value: Any) -> str:
@@ -162,29 +73,70 @@ def _token_text(value: Any) -> str:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise DataError(f"{path}: cannot be read as JSON ({exc})") from None
     return data if isinstance(data, dict) else {}
+
+
+def read_template_file(path: Path) -> str:
+    """A `.jinja` file's text; DataError (one line) when it cannot be read or is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: a chat template must be UTF-8 text, and byte {exc.start} is "
+                        f"not ({exc.reason}); save it as UTF-8") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
 
 
 def model_template(directory: Path) -> str | None:
     """The model's own template from the tokenizer files in `directory`, or None.
 
     `chat_template.jinja` (transformers >= 4.50 writes it) wins over tokenizer_config.json's
-    `chat_template`, which is a string or a list of {name, template} (the "default" one is
-    taken), as transformers reads them.
+    `chat_template`, read as transformers reads it: text, or named templates (a list of
+    {"name", "template"} objects, or an object of name -> template) of which "default" is
+    taken. Any other value is malformed, a DataError (transformers fails on it too).
     """
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        return read_template_file(jinja_file)
     cfg_file = directory / "tokenizer_config.json"
     if not cfg_file.is_file():
         return None
     value = _read_json(cfg_file).get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    return value if isinstance(value, str) and value else None
+    if value is None or value == "":
+        return None
+    return _configured_template(value, cfg_file)
+
+
+def _configured_template(value: Any, where: Path) -> str:
+    """tokenizer_config.json's `chat_template` value as transformers reads it (see
+    `model_template`)."""
+    if isinstance(value, str):
+        return value
+    fix = "fix the file, or name a template with data.chat_template (--chat-template)"
+    named = None
+    if isinstance(value, list) and all(isinstance(t, dict) and "name" in t and "template" in t
+                                       for t in value):
+        # later entries win, as in transformers' {t["name"]: t["template"] for t in value}
+        named = {t["name"]: t["template"] for t in value if isinstance(t["name"], str)}
+    elif isinstance(value, dict):
+        named = value
+    if named is None:
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise DataError(f"{where}: chat_template is malformed: {shown} is neither text nor a "
+                        "list of {\"name\": ..., \"template\": ...} objects; " + fix)
+    if "default" not in named:
+        names = ", ".join(repr(n) for n in sorted(map(str, named))[:8])
+        held = f"templates named {names} but none" if named else "an empty list of templates, no"
+        raise DataError(f"{where}: chat_template is malformed: {held} \"default\", the one "
+                        "transformers and tessel use; " + fix)
+    template = named["default"]
+    if not isinstance(template, str):
+        raise DataError(f"{where}: chat_template is malformed: its \"default\" template is a "
+                        f"{type(template).__name__}, not text; " + fix)
+    return template
 
 
 def special_tokens(directory: Path | None) -> tuple[str, str]:
@@ -213,4 +165,4 @@ def resolve_template(spec: str, tokenizer_dir: Path | None, eos_fallback: str = 
     if not path.is_file():
         raise DataError(f"data.chat_template={spec!r} is neither a built-in template "
                         f"({', '.join(BUILTIN_TEMPLATES)}), \"auto\", nor a .jinja file")
-    return ChatTemplate(path.read_text(encoding="utf-8"), str(path), bos, eos)
+    return ChatTemplate(read_template_file(path), str(path), bos, eos)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,14 +214,7 @@ def _json_text(line: bytes, path: Path, lineno: int, json_key: str, stats: ReadS
         replaced = False
     except UnicodeDecodeError:
         text, replaced = line.decode("utf-8", errors="replace"), True
-    try:
-        obj: Any = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                        "JSONL inputs need one JSON object per line") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}; "
-                        "JSONL inputs need one object per line")
+    obj = _json_object(text, path, lineno)
     if json_key not in obj:
         keys = ", ".join(map(repr, list(obj)[:8])) or "none"
         raise DataError(f"{path}:{lineno}: no {json_key!r} key (keys: {keys}); set the JSON key "
@@ -236,6 +231,23 @@ def _json_text(line: bytes, path: Path, lineno: int, json_key: str, stats: ReadS
                       f":{lineno}")
         stats.invalid_utf8 += 1
     return doc
+
+
+def _json_object(text: str, path: Path, lineno: int) -> dict[str, Any]:
+    """The JSON object of one JSONL line; `DataError` naming file:line when it is not one."""
+    try:
+        obj: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                        "JSONL inputs need one JSON object per line") from None
+    except RecursionError:  # Python's parser recurses once per level
+        raise DataError(f"{path}:{lineno}: JSON nested too deeply to read (more than about "
+                        f"{sys.getrecursionlimit()} levels); JSONL inputs need one JSON object "
+                        "per line") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}; "
+                        "JSONL inputs need one object per line")
+    return obj
 
 
 def _is_utf8_clean(text: str) -> bool:
@@ -306,40 +318,94 @@ def _columnar_documents(path: Path, kind: str, json_key: str, stats: ReadStats) 
         raise DataError(f"{path}: damaged after row {row} ({exc})") from None
 
 
-def iter_json_records(inputs: InputPath | Sequence[InputPath]) -> Iterator[tuple[str, dict[str, Any]]]:
+def iter_json_records(inputs: InputPath | Sequence[InputPath],
+                      stats: ReadStats | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """("file:line", object) for every JSON object line of the JSONL `inputs` (compressed
     ones too, decided by their magic bytes as for `iter_documents`); blank lines are
     skipped. A line that is not a JSON object, or an input that is not JSONL, is a
     `DataError` naming it. The inputs are resolved and their formats checked before the
-    first record is read."""
+    first record is read.
+
+    Text that is not UTF-8 is handled as `iter_documents` handles it, string by string:
+    bytes that are not UTF-8 (and lone surrogates such as a JSON "\\ud800", which no
+    tokenizer takes) are replaced by U+FFFD and the record is counted in `stats.invalid_utf8`;
+    a string where more than 8 characters, and more than half of them, are not UTF-8 is
+    refused (binary data or another encoding)."""
     files = resolve_inputs(inputs)
     formats = {path: detect(path) for path in files}
     for path, fmt in formats.items():
         if fmt.kind != "jsonl":
             raise DataError(f"{path}: not JSON lines ({fmt.kind}); fine-tuning data is JSONL "
                             "(.jsonl, optionally .gz/.zst), one record per line")
-    return _json_records(files, formats)
+    return _json_records(files, formats, stats if stats is not None else ReadStats())
 
 
-def _json_records(files: list[Path], formats: dict[Path, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _json_records(files: list[Path], formats: dict[Path, Any],
+                  stats: ReadStats) -> Iterator[tuple[str, dict[str, Any]]]:
     for path in files:
+        stats.files += 1
         compression = formats[path].compression
         try:
             with open_decompressed(path, compression) as f:
                 for lineno, line in enumerate(f, 1):
+                    stats.bytes_read += len(line)
                     if line.isspace():
                         continue
-                    try:
-                        obj: Any = json.loads(line.decode("utf-8", errors="replace"))
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column "
-                                        f"{exc.colno}); JSONL inputs need one JSON object per "
-                                        "line") from None
-                    if not isinstance(obj, dict):
-                        raise DataError(f"{path}:{lineno}: expected a JSON object, got "
-                                        f"{type(obj).__name__}")
-                    yield f"{path}:{lineno}", obj
+                    yield f"{path}:{lineno}", _json_record(line, path, lineno, stats)
         except DECOMPRESS_ERRORS as exc:
             if isinstance(exc, OSError) and not compression:
                 raise
             raise bad_compressed(path, compression, exc) from None
+
+
+def _json_record(line: bytes, path: Path, lineno: int, stats: ReadStats) -> dict[str, Any]:
+    try:
+        text, dirty = line.decode("utf-8"), b"\\ud" in line or b"\\uD" in line
+    except UnicodeDecodeError:  # the bad bytes become U+DC80..U+DCFF, put right below
+        text, dirty = line.decode("utf-8", errors="surrogateescape"), True
+    obj = _json_object(text, path, lineno)
+    if dirty and _clean_strings(obj, path, f":{lineno}"):
+        stats.invalid_utf8 += 1
+    stats.documents += 1
+    return obj
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NOT_AN_ESCAPED_BYTE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+
+
+def _clean_strings(obj: dict[str, Any], path: Path, where: str) -> bool:
+    """Replace, in place, what is not UTF-8 in every string of `obj` (keys too); whether
+    anything was. Iterative: the object may be nested as deep as the JSON parser allows."""
+    replaced = False
+
+    def clean(s: str) -> str:
+        nonlocal replaced
+        if s.isascii() or not _SURROGATE.search(s):
+            return s
+        # lone surrogates (JSON escapes) first, then the escaped bytes decoded as
+        # `iter_documents` decodes a line (one U+FFFD per invalid sequence)
+        fixed, count = _NOT_AN_ESCAPED_BYTE.subn("\ufffd", s)
+        decoded = fixed.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        count += decoded.count("\ufffd") - fixed.count("\ufffd")
+        check_decoded(path, decoded, count, where)
+        replaced = True
+        return decoded
+
+    stack: list[Any] = [obj]
+    while stack:
+        node = stack.pop()
+        items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+        renamed = False
+        for key, value in items:
+            if isinstance(value, str):
+                node[key] = clean(value)
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+            if isinstance(key, str) and clean(key) is not key:
+                renamed = True
+        if renamed:  # rebuilt in order with the keys cleaned
+            cleaned = [(clean(k), v) for k, v in node.items()]
+            node.clear()
+            node.update(cleaned)
+    return replaced

@@ -41,9 +41,10 @@ from tessel.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
 
-FORMAT = 2
+FORMAT = 3
 """Bumped when what is cached changes meaning; part of the key (2: a reply starting with
-"<", or an empty one, learns its first / end-of-turn token)."""
+"<", or an empty one, learns its first / end-of-turn token; 3: text that is not UTF-8 is
+replaced string by string and counted, mostly invalid strings refused)."""
 _MANIFEST = "manifest.json"
 _SPLITS = ("train", "val")
 _ARRAYS = ("tokens", "learned", "docs")
@@ -134,10 +135,11 @@ def ensure_sft(d: DataConfig, seq_len: int, vocab_size: int, cache: Path,
 
 def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTemplate,
            seq_len: int, vocab_size: int, d: DataConfig) -> None:
-    from tessel.data.readers import iter_json_records
+    from tessel.data.readers import ReadStats, iter_json_records
 
     rendered: list[tuple[str, list[tuple[int, int]]]] = []
-    for where, obj in iter_json_records(files):
+    read = ReadStats()
+    for where, obj in iter_json_records(files, read):
         rendered.append(assistant_spans(template, to_messages(obj, where), where))
     if not rendered:
         raise DataError(f"data.paths {list(d.paths)} hold no records")
@@ -159,7 +161,8 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
         examples += [learned_example(enc, spans) for enc, (_, spans) in zip(encodings, chunk)]
     length = seq_len + 1
     ranges = split_ranges(len(examples), d.split_fractions())
-    manifest: dict = {"format": FORMAT, "seq_len": seq_len, "files": {}, "stats": {}}
+    manifest: dict = {"format": FORMAT, "seq_len": seq_len, "files": {}, "stats": {},
+                      "read": {"records": read.documents, "invalid_utf8": read.invalid_utf8}}
     for name, (lo, hi) in zip(_SPLITS, ranges):
         stats = PackStats()
         kept = fit(examples[lo:hi], length, d.sft_overlong, stats)
@@ -214,11 +217,14 @@ def _open(target: Path, seq_len: int, template: ChatTemplate) -> SFTCorpus:
     efficiency = s["tokens"] / s["capacity"] if s["capacity"] else 0.0
     learned = s["learned"] / s["targets"] if s["targets"] else 0.0
     val = stats["val"]
+    read = manifest.get("read") if isinstance(manifest.get("read"), dict) else {}
+    invalid = (f"; invalid UTF-8 replaced in {read['invalid_utf8']:,} of {read['records']:,} "
+               "records" if read.get("invalid_utf8") else "")  # as pretraining counts them
     summary = (f"sft: {s['examples']:,} examples, {s['truncated']:,} truncated, "
                f"{s['dropped']:,} dropped, packing efficiency {100 * efficiency:.1f}%, "
                f"{100 * learned:.1f}% of targets learned ({s['samples']:,} samples of "
                f"{seq_len + 1} tokens; validation: {val['examples']:,} examples, "
-               f"{val['samples']:,} samples)")
+               f"{val['samples']:,} samples{invalid})")
     figures = {"sft_examples": float(s["examples"]), "sft_truncated": float(s["truncated"]),
                "sft_dropped": float(s["dropped"]), "sft_packing_efficiency": efficiency,
                "sft_learned_fraction": learned}

@@ -9,11 +9,14 @@ settles whether an asynchronous checkpoint has been written on every rank.
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tessel.errors import Stopped
 from tessel.observe.alerts import ACTIONS
 
 # Exit codes of runs that end early on purpose (docs/exit-codes.md).
@@ -54,6 +57,35 @@ def catch_early_signals() -> Any:
         _EARLY.clear()
 
     return restore
+
+
+@contextmanager
+def stop_at_once(during: str) -> Iterator[None]:
+    """While `during` runs (preparing the data: before the first step, so there is no
+    checkpoint to write), SIGTERM ends the command at once (`Stopped`: one line, exit code
+    143) instead of waiting, as `catch_early_signals` makes it, for the first step
+    boundary: a template or a tokenizer that takes hours would otherwise leave SIGKILL as the
+    only way out. A SIGTERM that came earlier in the start-up stops it here. SIGUSR1 (a time
+    limit's warning, with time left) still waits for the first boundary, and Ctrl-C
+    interrupts at once as everywhere. Outside the main thread signals cannot be handled:
+    nothing changes there."""
+    if signal.SIGTERM in _EARLY:
+        raise Stopped(signal.SIGTERM, during)
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        # once: a second SIGTERM must not interrupt the clean-up of the first
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        raise Stopped(signum, during)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_code_for(stopped_by: str | None) -> int:

@@ -38,7 +38,7 @@ from tessel.parallel.dist import init_distributed, process_info, shutdown
 from tessel.parallel.fp8 import check_fp8
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
 from tessel.train import lifecycle
-from tessel.train.control import EXIT_SCORING_FAILED, StopControl, exit_code_for
+from tessel.train.control import EXIT_SCORING_FAILED, StopControl, exit_code_for, stop_at_once
 from tessel.train.device import pick_device
 from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
@@ -217,13 +217,15 @@ class Trainer:
         return source
 
     def _build_data(self, dp_rank: int):  # noqa: ANN202
-        """Rank 0 builds any corpus cache first; the others then read it."""
+        """Rank 0 builds any corpus cache first; the others then read it. SIGTERM stops it
+        at once (nothing to checkpoint yet)."""
         build = lambda: build_data(self.cfg, dp_rank, self.dims.dp, console=self.display.print)
-        if not self.proc.distributed:
-            return build()
-        data = build() if self.proc.is_main else None
-        dist.barrier()
-        return data if data is not None else build()
+        with stop_at_once("preparing the data"):
+            if not self.proc.distributed:
+                return build()
+            data = build() if self.proc.is_main else None
+            dist.barrier()
+            return data if data is not None else build()
 
     def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
         self.checkpoints.restore(ckpt, self.device)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from test_cli import ROOT, assert_one_line_error, tessel
+from test_cli import ROOT, assert_one_line_error, start, tessel
 
 from tessel.observe.metrics import read_metrics
 
@@ -256,3 +259,79 @@ def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
     from tessel.generate import chat_template_for
 
     assert chat_template_for(export, None, load_tokenizer(export / "tokenizer.json")).source == CHATML
+
+
+def _hostile_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (extra overrides, the words of the one error line): chat templates that were
+    tracebacks, and a model directory whose tokenizer_config.json chat_template is a number
+    (it was "the model has none", and ChatML was used)."""
+    from tessel.data.tokenizer import load_tokenizer
+
+    def jinja(name: str, text: str | bytes) -> str:
+        path = tmp / f"{name}.jinja"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return f"--data.chat_template={path}"
+
+    model = tmp / "model"
+    model.mkdir()
+    load_tokenizer("bytes").save(model / "tokenizer.json")
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": 7}))
+    return {
+        "overflow": ([jinja("range", "{{ range(10**9) }}")], "OverflowError: Range too big"),
+        "zero": ([jinja("zero", "{{ 1/0 }}")], "ZeroDivisionError: division by zero"),
+        "recursion": ([jinja("macro", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")],
+                      "recursed too deeply"),
+        "latin1": ([jinja("latin1", "{{ messages }} caf\xe9".encode("latin-1"))],
+                   "latin1.jinja: a chat template must be UTF-8 text"),
+        "malformed": ([f"--data.tokenizer={model / 'tokenizer.json'}", "--data.chat_template=auto"],
+                      "tokenizer_config.json: chat_template is malformed: 7 is neither text"),
+    }
+
+
+@pytest.mark.parametrize("case", ["overflow", "zero", "recursion", "latin1", "malformed"])
+def test_a_hostile_or_malformed_chat_template_is_one_line_exit_2(tmp_path: Path, case: str,
+                                                                 capsys):
+    from tessel.cli import main
+
+    extra, needle = _hostile_inputs(tmp_path)[case]
+    args = ["train", str(ROOT / "configs/sft-tiny.toml"), f"--run.dir={tmp_path / 'run'}",
+            f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=bytes", *extra]
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("tessel: error: "), err
+    assert needle in err[0], err[0]
+    _nothing_written(tmp_path)
+
+
+def test_sigterm_ends_data_preparation_at_once(tmp_path: Path):
+    """A slow chat template kept `tessel train` preparing data for as long as it took:
+    SIGTERM was deferred to the first step boundary, so only SIGKILL stopped it. (Ctrl-C:
+    tests/unit/test_chat_template_limits.py.)"""
+    template = tmp_path / "slow.jinja"
+    # ~0.01-0.05 s a rendering, far within the limits: 2,000 records take minutes
+    template.write_text("{% for i in range(300) %}{% for j in range(300) %}{% endfor %}{% endfor %}"
+                        + CHATML)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(2000)))
+    cache = tmp_path / "cache"
+    proc = start("train", str(ROOT / "configs/sft-tiny.toml"), f"--run.dir={tmp_path / 'run'}",
+                 f"--data.cache_dir={cache}", "--data.tokenizer=bytes",
+                 f"--data.paths=['{data}']", f"--data.chat_template={template}")
+    deadline = time.monotonic() + 120
+    while not list(cache.glob(".tmp-sft-*")):  # build_once's directory: preparing
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "preparation did not start"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("still preparing 30 s after the signal") from None
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == [
+        "tessel: stopped by SIGTERM while preparing the data, before training (nothing to "
+        "save; what was half prepared is discarded)"], err
+    assert not list(cache.glob("*")) and not list((tmp_path / "run").glob("*"))

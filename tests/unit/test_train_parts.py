@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,16 @@ import torch.nn.functional as F
 from tessel.checkpoint.manager import CheckpointManager
 from tessel.config import Config
 from tessel.data import Batch
+from tessel.errors import Stopped
 from tessel.observe.console import ConsoleDisplay
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.dims import ParallelDims
-from tessel.train.control import StopControl, catch_early_signals, exit_code_for
+from tessel.train.control import (
+    StopControl,
+    catch_early_signals,
+    exit_code_for,
+    stop_at_once,
+)
 from tessel.train.eval import Evaluator
 from tessel.train.optim import build_optimizer
 from tessel.train.precision import resolve_precision
@@ -185,6 +192,31 @@ def test_a_stop_signal_during_start_up_stops_the_run_at_its_first_boundary():
     finally:
         restore()
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_sigterm_while_preparing_the_data_stops_at_once():
+    """SIGTERM during start-up waits for the first step boundary, which data preparation
+    (a slow chat template, a large corpus) could put off for hours: there it stops at once,
+    with exit code 143 and nothing to save; SIGUSR1 (time left) still waits."""
+    before = signal.getsignal(signal.SIGTERM)
+    restore = catch_early_signals()
+    try:
+        with pytest.raises(Stopped) as info, stop_at_once("preparing the data"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # interrupted long before
+        assert info.value.exit_code == 143 and "while preparing the data" in str(info.value)
+        with stop_at_once("preparing the data"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # start-up, not preparing: remembered
+        with pytest.raises(Stopped), stop_at_once("preparing the data"):
+            pass  # ... and it stops the preparation that follows
+        control = StopControl(distributed=False, device_type="cpu")
+        control.install()
+        control.restore()
+        assert control.reason() == "SIGUSR1"
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_recovery_judges_and_refuses_rollbacks_it_cannot_do(tmp_path: Path):
