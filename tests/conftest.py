@@ -104,9 +104,9 @@ BUDGET_S = {"default": 20.0, "slow": 120.0}
 its own with @pytest.mark.budget(seconds)."""
 SUITE_BUDGET_S = 25 * 60
 """The whole suite on the reference machine (15 minutes on the fast CI machine)."""
-_REFERENCE_WORKLOAD_S = 0.45
-"""What `_machine_factor`'s workload takes on the reference machine, alone (measured there:
-0.45 s, steady after the first call)."""
+_REFERENCE_WORKLOAD_S = 0.20
+"""What `_machine_factor`'s workload takes on the reference machine (measured there: 0.18 to
+0.23 s with the other core busy)."""
 _durations: dict[str, float] = {}
 _budgets: dict[str, float] = {}
 
@@ -121,11 +121,19 @@ def _machine_factor() -> float:
     cfg = Config.load(None, {"model.preset": "tiny-llama", "model.n_layers": 2}).model
     model = build_model(cfg, "cpu", seed=0)
     x = torch.randint(0, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    model(x).float().logsumexp(-1).mean().backward()  # warm-up: allocator, first-call costs
-    start = time.perf_counter()
-    for _ in range(20):
-        model(x).float().logsumexp(-1).mean().backward()
-    return (time.perf_counter() - start) / _REFERENCE_WORKLOAD_S
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a busy second core must not make it 20x slower
+    try:
+        model(x).float().logsumexp(-1).mean().backward()  # warm-up: allocator, first calls
+        best = float("inf")
+        for _ in range(3):  # the best of three: what the machine can do, not what it did
+            start = time.perf_counter()
+            for _ in range(10):
+                model(x).float().logsumexp(-1).mean().backward()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best / _REFERENCE_WORKLOAD_S
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
