@@ -59,8 +59,8 @@ ASSUMPTIONS = (
     "tokens, measured on the probe run as one rank of cp 2 with a stand-in exchange of the "
     "real shapes; allgather also keeps, per layer, the whole sequence's keys and values as "
     "the kernel takes them (repeated per query group, so query width / tp per position: the "
-    "size of cp x its own tokens' keys and values) and its mask rows over the whole sequence "
-    "(always, under cp); ulysses keeps its head-sharded queries, keys, values and output "
+    "size of cp x its own tokens' keys and values) and, on CPU, its dense mask rows over the "
+    "whole sequence (always, under cp); ulysses keeps its head-sharded queries, keys, values and output "
     "(the size of its own tokens'), a copy of the output and, with documents, a mask over "
     "the whole sequence; buffers: one layer's gathered keys and values (ulysses: the "
     "all-to-all's send and receive buffers)",

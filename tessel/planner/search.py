@@ -20,15 +20,10 @@ from tessel.parallel.dims import ParallelDims
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
 from tessel.planner.memory import GIB, Memory, estimate_memory
-from tessel.planner.speed import StepTime, estimate_step
+from tessel.planner.speed import MIN_CP_POSITIONS, StepTime, estimate_step
 
 MAX_MICRO_BATCH = 64
-MAX_CP = 64  # context-parallel degrees tried: 1, 2, 4, ... up to this
-# ... while each rank keeps at least this many positions (so cp from 8K sequences on, as
-# NeMo advises). Shorter pieces are left out: the time model counts the exchange's bytes but
-# not its per-collective latency nor the masked kernel's lower efficiency, which would credit
-# splitting short sequences with more than they give.
-MIN_CP_POSITIONS = 4096
+MAX_CP = 64  # context-parallel degrees tried: 1, 2, 4, ... up to this (and MIN_CP_POSITIONS)
 HOST_USABLE = 0.8  # of a node's host memory, for offloaded state
 # Zero-bubble is left out: its memory is predicted only roughly (see memory.in_flight).
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4))

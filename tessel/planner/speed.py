@@ -40,6 +40,11 @@ ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
 # 32,768 tokens, 128 experts of 768, top-8): 242 TFLOP/s, 0.46 of the 530 TFLOP/s this model
 # gives dense matmuls of that size (0.625 x 768/896 of 989), rounded to 0.5.
 GROUPED_GEMM_EFFICIENCY = 0.5
+# The search splits a sequence over cp ranks only while each keeps at least this many
+# positions (cp from 8K sequences on, as NeMo advises): the model counts the exchange's bytes
+# but not its per-collective latency nor the masked kernel's lower efficiency, which would
+# credit splitting short sequences with more than they give.
+MIN_CP_POSITIONS = 4096
 
 ASSUMPTIONS = (
     f"compute: each matmul's FLOPs (causal attention at half its full-matrix FLOPs) at peak x "
@@ -59,7 +64,9 @@ ASSUMPTIONS = (
     "of the rank's queries, keys, values and attention output, (2 x q_dim + 2 x kv_dim)/tp x "
     "its tokens x (cp-1)/cp bytes, each way; again when checkpointing recomputes the layer "
     "(full or selective: the exchange is not a saved operator); over NVLink when the cp x tp "
-    "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange)",
+    "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange); "
+    "per-collective latency is not modelled, so the search splits a sequence only where each "
+    f"rank keeps {MIN_CP_POSITIONS:,} positions or more",
     f"MoE layers: routed experts' FLOPs for each token's top_k experts (active parameters) at "
     f"{GROUPED_GEMM_EFFICIENCY} x a dense matmul's rate (grouped GEMM), each expert's rows "
     "tokens x top_k x ep / experts (balanced routing); the fp32 router at half the BF16 rate; "
