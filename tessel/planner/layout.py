@@ -26,7 +26,11 @@ class Layout:
     pp_layers_last: int = 0
     sequence_parallel: bool = True
     ep: int = 1
-    """Expert-parallel degree: ranks borrowed from dp_shard x tp (adds no processes)."""
+    """Expert-parallel degree: ranks borrowed from dp_shard x cp x tp (adds no processes)."""
+    cp_mode: str = "allgather"
+    """How the cp ranks meet in attention: all-gather of keys/values, or Ulysses' all-to-all."""
+    cp_load_balance: bool = True
+    """Head-tail chunks (every cp rank the same causal work), else contiguous pieces."""
 
     @property
     def dp(self) -> int:
@@ -39,11 +43,12 @@ class Layout:
     @property
     def expert_dp_shard(self) -> int:
         """The routed experts' own FSDP shard group (efsdp) under ZeRO >= 1: with ep > 1 the
-        dp_shard x tp ranks that ep does not split the experts over; with ep = 1 the dense
-        weights' group (dp_shard x cp). Replicated over dp_replicate like the dense weights."""
+        dp_shard x cp x tp ranks that ep does not split the experts over (ParallelDims.efsdp);
+        with ep = 1 the dense weights' group (dp_shard x cp). Replicated over dp_replicate
+        like the dense weights."""
         if self.ep == 1:
             return self.dp_shard * self.cp
-        return max(self.dp_shard * self.tp // self.ep, 1)
+        return max(self.dp_shard * self.cp * self.tp // self.ep, 1)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -55,18 +60,21 @@ class Layout:
             dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, resolve_zero(p),
             cfg.train.micro_batch_size, p.activation_checkpointing, p.offload, p.pp_schedule,
             p.pp_virtual_stages, p.pp_layers_first, p.pp_layers_last, p.sequence_parallel,
-            p.ep,
+            p.ep, p.cp_mode, p.cp_load_balance,
         )
 
     def overrides(self) -> dict[str, Any]:
         """The config settings that select this layout."""
         out = {f"parallel.{k}": v for k, v in asdict(self).items() if k != "micro_batch"}
+        if self.cp == 1:  # the context-parallel settings mean nothing without cp
+            del out["parallel.cp_mode"], out["parallel.cp_load_balance"]
         out["train.micro_batch_size"] = self.micro_batch
         return out
 
     def short(self) -> str:
         """One line, e.g. `dp=8 (hsdp 4x2) tp=4 pp=8 interleaved-1f1b/v2 zero=3 mbs=1 ac=full`
-        (`ep=N` after pp when experts are split)."""
+        (`ep=N` after pp when experts are split; `cp=N` after the pipeline when sequences are,
+        with `/ulysses` or `/contiguous` where cp_mode or cp_load_balance is not the default)."""
         dp = f"dp={self.dp}"
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" (hsdp {self.dp_replicate}x{self.dp_shard})"
@@ -77,7 +85,8 @@ class Layout:
             if self.pp_layers_first or self.pp_layers_last:
                 parts.append(f"first/last {self.pp_layers_first}/{self.pp_layers_last} layers")
         if self.cp > 1:
-            parts.append(f"cp={self.cp}")
+            parts.append(f"cp={self.cp}" + ("/ulysses" if self.cp_mode == "ulysses" else "")
+                         + ("" if self.cp_load_balance else "/contiguous"))
         parts += [f"zero={self.zero}", f"mbs={self.micro_batch}"]
         if self.activation_checkpointing != "none":
             parts.append(f"ac={self.activation_checkpointing}")

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 from tessel.config import LoraConfig, ModelConfig
 from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
 from tessel.planner.layout import Layout
 from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes
-from tessel.planner.probe import ActivationProfile, activation_profile
+from tessel.planner.probe import activation_profile, context_profile
+from tessel.planner.saved import ActivationProfile, ContextProfile
+from tessel.planner.schedule import in_flight, peak_in_flight, pipeline_order
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 0.75 * GIB  # the CUDA context and kernel images, outside the allocator
@@ -33,8 +34,6 @@ GRAD_BYTES = 4  # gradients are fp32 (FSDP reduces in fp32)
 # The head's transient during the loss: logits in the compute dtype, their fp32 copy and the
 # fp32 gradient, per vocabulary entry of a token.
 HEAD_TRANSIENT_FP32_COPIES = 2
-MAX_SIMULATED_CHUNKS = 128  # longer schedules use in_flight's formula
-ZERO_BUBBLE_MEMORY = 1.75  # in-flight chunks over the warm-up count (see in_flight)
 
 ASSUMPTIONS = (
     "parameters and gradients fp32, AdamW state 8 bytes per parameter, all sharded over "
@@ -43,7 +42,9 @@ ASSUMPTIONS = (
     "parameters (ZeRO-1/2: all, kept from forward to backward; ZeRO-3: the root module and "
     "two blocks), DDP's autocast keeps one bf16 copy of the matmul weights",
     "activations: the tensors tessel's model saves for backward, measured on a probe of the "
-    "real code (flash-style attention: no seq x seq matrix without a document mask), times "
+    "real code (flash-style attention: no seq x seq matrix without a mask; a dense mask, on "
+    "CPU or with attention dropout, 1 byte per position plus SDPA's additive copy in each "
+    "layer; FlexAttention's block masks, on CUDA, counted as nothing), times "
     "the micro-batches in flight: gpipe all, 1f1b pp - rank, interleaved 1F1B the peak of "
     "PyTorch's own action order (each stage's chunk weighed by its size); zero-bubble 1.75 x "
     "its warm-up count (a rough bound: deferred weight passes keep graphs longer; not "
@@ -54,6 +55,15 @@ ASSUMPTIONS = (
     "copies, expert hidden units, fp32 router logits, ...) assuming balanced routing (every "
     "rank's experts get tokens x top_k slots); expert parallelism adds the dispatch and "
     "combine buffers of one layer (2 x tokens x top_k x d_model in the compute dtype)",
+    "context parallelism: a rank's activations are those of its micro_batch x seq_len / cp "
+    "tokens, measured on the probe run as one rank of cp 2 with a stand-in exchange of the "
+    "real shapes; allgather also keeps, per layer, the whole sequence's keys and values as "
+    "the kernel takes them (repeated per query group, so query width / tp per position: the "
+    "size of cp x its own tokens' keys and values) and, on CPU, its dense mask rows over the "
+    "whole sequence (always, under cp); ulysses keeps its head-sharded queries, keys, values and output "
+    "(the size of its own tokens'), a copy of the output and, with documents, a mask over "
+    "the whole sequence; buffers: one layer's gathered keys and values (ulysses: the "
+    "all-to-all's send and receive buffers)",
     "LoRA (lora.enabled): the frozen base has no gradients or AdamW state (the blocks' "
     "projections held in lora.base_dtype), the adapters have both; activations and step "
     "time as for full training (upper bounds)",
@@ -228,31 +238,6 @@ def parameter_elements(m: ModelConfig, layout: Layout, lora: LoraConfig | None =
     return total
 
 
-def in_flight(layout: Layout, rank: int, micro_batches: int) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of
-    all its layers (an interleaved chunk is 1/v of them)."""
-    pp, v = layout.pp, layout.pp_virtual_stages
-    if pp == 1:
-        return 1.0
-    if layout.pp_schedule == "gpipe":
-        return float(micro_batches)
-    if layout.pp_schedule == "1f1b":
-        return float(min(pp - rank, micro_batches))
-    # PyTorch's interleaved schedules: warm-up forwards before the first backward.
-    rounds = max(1, micro_batches // pp)
-    per_round = micro_batches // rounds
-    zero_bubble = layout.pp_schedule == "zero-bubble"
-    factor = 1 if zero_bubble else 2
-    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), micro_batches * v)
-    chunks = min(warmup + 1, micro_batches * v)
-    if zero_bubble:
-        # Deferred weight gradients keep each graph until its weight pass, and the last
-        # stage's loss graphs until the step ends: measured up to 70% above the warm-up
-        # count with pp = 2. A rough bound; the search does not propose zero-bubble.
-        chunks = min(chunks * ZERO_BUBBLE_MEMORY, micro_batches * v)
-    return chunks / v
-
-
 def precision_regime(precision: str, layout: Layout) -> str:
     """How the trainer runs `precision` under `layout` (see probe.REGIMES)."""
     if precision == "bf16":
@@ -267,92 +252,101 @@ def fsdp_active(layout: Layout) -> bool:
 
 def estimate_memory(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
-    document_mask: bool = False, lora: LoraConfig | None = None,
+    document_mask: bool = False, lora: LoraConfig | None = None, flex_attention: bool = False,
 ) -> Memory:
-    """Memory of the busiest pipeline rank (`lora`: a LoRA run's, see rank_memory)."""
-    ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask, lora)
+    """Memory of the busiest pipeline rank (`lora`: a LoRA run's, see rank_memory;
+    `flex_attention`: see memory_by_rank)."""
+    ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask, lora,
+                           flex_attention)
     return max(ranks, key=lambda mem: mem.total)
 
 
 def memory_by_rank(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
-    document_mask: bool = False, lora: LoraConfig | None = None,
+    document_mask: bool = False, lora: LoraConfig | None = None, flex_attention: bool = False,
 ) -> list[Memory]:
-    """Memory of each pipeline rank (every data- and tensor-parallel rank of it alike)."""
+    """Memory of each pipeline rank (every data-, context- and tensor-parallel rank of it
+    alike). `flex_attention`: masks are FlexAttention block masks (what tessel uses on CUDA
+    without attention dropout), so no dense (T_q, T_kv) mask is built or saved; False: SDPA
+    with a dense boolean mask (CPU), as the probe measures."""
     ranges = stage_layers(m, layout)
     micro_batches = global_batch // (layout.micro_batch * layout.dp)
-    acts = activation_profile(m, precision_regime(precision, layout), document_mask)
+    regime = precision_regime(precision, layout)
+    dense = not flex_attention or m.dropout > 0
+    context = (context_profile(m, regime, document_mask, layout.cp_mode) if layout.cp > 1
+               else None)
+    acts = rank_profile(activation_profile(m, regime, document_mask), context, layout.cp, dense)
     out = []
     for rank in range(layout.pp):
         params = rank_parameters(m, layout, rank)
         stages = {s: (len(ranges[s]), moe_layer_count(m, ranges[s]))
                   for s in rank_stages(layout, rank)}
         mem = rank_memory(m, layout, seq_len, precision, params, stages, rank, acts,
-                          micro_batches, document_mask, lora)
+                          micro_batches, document_mask, lora, dense)
         mem.stage = rank
         out.append(mem)
     return out
 
 
-def pipeline_order(layout: Layout, rank: int, micro_batches: int) -> list[tuple[str, int]] | None:
-    """(action, stage) of pipeline rank `rank` in PyTorch's own interleaved schedule: F
-    forward, B full backward, I input-gradient and W weight-gradient passes. None where
-    PyTorch does not expose it (its schedules are built from stage objects; the few
-    attributes they read are given here), and then `in_flight`'s formula is used."""
-    if layout.pp == 1 or layout.pp_schedule in ("gpipe", "1f1b"):
-        return None
-    if micro_batches * layout.pp_virtual_stages > MAX_SIMULATED_CHUNKS:
-        return None  # building PyTorch's order takes too long for a search; the formula
-    return _pipeline_order(layout.pp, layout.pp_virtual_stages, layout.pp_schedule, rank,
-                           micro_batches)
+def _shared_per_token(m: ModelConfig, layout: Layout, seq_len: int, document_mask: bool,
+                      dense_mask: bool) -> float:
+    """Bytes per token of what a micro-batch's blocks share: a dense boolean mask (1 byte
+    per token per position: this rank's rows over the whole sequence, or, for a Ulysses
+    rank, every row; FlexAttention's block mask is small and left out) and each token's
+    RoPE rotation when positions are given per token (documents, context parallelism)."""
+    cp = layout.cp
+    rows_here = cp == 1 or layout.cp_mode == "allgather"
+    masked = document_mask or (cp > 1 and rows_here)  # Ulysses without documents: causal
+    per_token = 4.0 * m.head_dim if m.position == "rope" and (document_mask or cp > 1) else 0.0
+    if masked and dense_mask:
+        per_token += seq_len * (1 if rows_here else cp)
+    return per_token
 
 
-@functools.lru_cache(maxsize=4096)
-def _pipeline_order(pp: int, v: int, schedule_name: str, rank: int, micro_batches: int
-                    ) -> list[tuple[str, int]] | None:
-    try:
-        import torch
-        from torch.distributed.pipelining import schedules
-
-        cls = (schedules.ScheduleInterleavedZeroBubble if schedule_name == "zero-bubble"
-               else schedules.ScheduleInterleaved1F1B)
-        n = pp * v
-        stages = [SimpleNamespace(num_stages=n, group_size=pp, group_rank=rank,
-                                  stage_index=s, is_first=s == 0, is_last=s == n - 1,
-                                  submod=torch.nn.Module())
-                  for s in range(rank, n, pp)]
-        schedule = cls(stages, n_microbatches=micro_batches, loss_fn=lambda out, target: out)
-        order = [str(a) for a in schedule.pipeline_order[rank] if a is not None]
-    except Exception:  # a PyTorch version that builds its schedules differently
-        return None
-    out = []
-    for action in order:
-        head = action.rstrip("0123456789")
-        kind = head.lstrip("0123456789")
-        out.append((kind, int(head[: len(head) - len(kind)])))
-    return out
+def _context_buffers(m: ModelConfig, layout: Layout, tokens: float, compute: int) -> float:
+    """Context parallelism's buffers of one layer in flight: the whole sequence's keys and
+    values as gathered (before the query-group repeat), or Ulysses' all-to-all send and
+    receive buffers of queries, keys and values."""
+    if layout.cp == 1:
+        return 0.0
+    kv = m.n_kv_heads * m.head_dim / layout.tp
+    if layout.cp_mode == "ulysses":
+        return 2 * tokens * (m.q_dim / layout.tp + 2 * kv) * compute
+    return 2 * tokens * layout.cp * kv * compute
 
 
-def peak_in_flight(order: list[tuple[str, int]], chunk_bytes: dict[int, float]) -> float:
-    """The most bytes held at once when each forward adds its stage's chunk and each full
-    or weight-gradient backward releases one (an input-gradient pass keeps the graph)."""
-    held = peak = 0.0
-    for kind, stage in order:
-        if kind == "F":
-            held += chunk_bytes[stage]
-            peak = max(peak, held)
-        elif kind in ("B", "W"):
-            held -= chunk_bytes[stage]
-    return peak
+def rank_profile(acts: ActivationProfile, context: ContextProfile | None, cp: int,
+                 dense_mask: bool) -> ActivationProfile:
+    """`acts` as one rank sees it, per token of its part of the sequence: under context
+    parallelism (`context`, measured in the layout's cp mode) its blocks' tensors plus cp x
+    the whole sequence's keys and values the kernel keeps, and its masks over the whole
+    sequence (MoE layers' MLPs as without cp, on the rank's tokens); without `dense_mask`
+    (FlexAttention) no dense mask."""
+    if context is not None:
+        block = context.block + context.gathered * cp
+        acts = replace(
+            acts, block=block, block_selective=context.block_selective,
+            per_position=context.per_position + context.per_position_cp * cp,
+            mask_per_position=context.mask_per_position + context.per_position_cp * cp,
+            per_position_selective=context.per_position_selective,
+            embedding=context.embedding, head=context.head,
+            moe_block=acts.moe_block and block + (acts.moe_block - acts.block),
+            moe_block_selective=acts.moe_block_selective and (
+                context.block_selective + (acts.moe_block_selective - acts.block_selective)))
+    if not dense_mask:
+        acts = replace(acts, per_position=acts.per_position - acts.mask_per_position,
+                       mask_per_position=0.0)
+    return acts
 
 
 def rank_memory(
     m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
     stages: dict[int, tuple[int, int]], rank: int, acts: ActivationProfile, micro_batches: int,
-    document_mask: bool = False, lora: LoraConfig | None = None,
+    document_mask: bool = False, lora: LoraConfig | None = None, dense_mask: bool = True,
 ) -> Memory:
     """Memory of pipeline rank `rank`, which holds `stages` (stage index -> (its layers, of
-    which MoE layers)). With `lora` only the adapters have gradients and AdamW state; the
+    which MoE layers)); `acts` as `rank_profile` gives it, `dense_mask` as it was given
+    there. With `lora` only the adapters have gradients and AdamW state; the
     frozen base keeps its (sharded) weights and compute copies, its blocks' projections in
     lora.base_dtype; the gradients in flight to FSDP's reduce-scatter are the adapters';
     activations are counted as for full training (an upper bound: a frozen projection needs
@@ -431,13 +425,11 @@ def rank_memory(
         per_layer = acts.block.per_token(tp, sp) + per_position
         per_moe_layer = moe_block.per_token(tp, sp) + per_position
         router_copy = acts.moe_router_copy
-    # With documents every block is handed the same boolean mask (1 byte per token per
-    # position: the dense mask of the CPU path; FlexAttention's block mask on CUDA is
-    # smaller, so this overestimates there) and, with RoPE, each token's rotation (head_dim
-    # float32s): one per micro-batch, kept until its backward whatever the checkpointing.
-    shared = 0.0
-    if document_mask:
-        shared = seq_len + (4.0 * m.head_dim if m.position == "rope" else 0.0)
+    # With documents (and under context parallelism) every block is handed the same mask
+    # and, with RoPE, each token's rotation (head_dim float32s): one per micro-batch, kept
+    # until its backward whatever the checkpointing (counted whole: without checkpointing
+    # only SDPA's additive copies stay, in per_position).
+    shared = _shared_per_token(m, layout, seq_len, document_mask, dense_mask)
     layers = p.layers
     chunk = {}  # bytes one micro-batch saves in each stage of this rank
     for s, (n, n_moe) in stages.items():
@@ -475,7 +467,8 @@ def rank_memory(
     if layout.pp > 1:  # send and receive buffers of one micro-batch's hidden state, both ways
         communication += 4 * tokens * m.d_model * compute
     if tp > 1:  # a gathered sub-layer input in flight
-        communication += 2 * layout.micro_batch * seq_len * m.d_model * compute
+        communication += 2 * tokens * m.d_model * compute
+    communication += _context_buffers(m, layout, tokens, compute)
     if layout.ep > 1 and p.moe_layers:  # one MoE layer's dispatch (or combine) send + receive
         communication += 2 * tokens * m.moe_top_k * m.d_model * compute
 

@@ -22,6 +22,15 @@ statistics), positions (masks), heads x positions (attention probabilities of th
 kernel). A saved tensor of any other width stops the
 planner with an error rather than a guess.
 
+Context parallelism (`context_profile`): the same probe runs as one rank of cp 2, its
+attention modules exchanging through `ShapeExchange`, which returns tensors of the shapes
+tessel.parallel.context's exchange returns (no process group: shapes are all that saving
+depends on). The rank holds 8 of the 16 positions; a saved tensor's width per local token
+then also says how it grows with cp: twice the query or key/value width is the kernel's keys
+and values over the whole sequence (all-gather mode: times cp), 16 per token is a mask row
+over the whole sequence (times seq_len), 32 a Ulysses rank's whole-sequence mask (times
+seq_len x cp); Ulysses' head-sharded whole-sequence tensors have the widths of local ones.
+
 Selective activation checkpointing keeps the outputs of the operators in
 `tessel.parallel.apply.SAVE_OPS` (recorded by a dispatch mode during the same probe); full
 checkpointing keeps each block's input.
@@ -52,9 +61,13 @@ from tessel.config import ModelConfig
 from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import Transformer
 from tessel.parallel.apply import SAVE_OPS
+from tessel.parallel.context import chunk_positions
+from tessel.planner.exchange import ShapeExchange
+from tessel.planner.saved import ActivationProfile, ContextProfile, SavedBytes
 
 # Probe shape. Widths per token, all distinct: see the module docstring.
 _B, _T = 2, 8
+_CP = 2  # the context-parallel probe: one rank of 2, holding _T of _CP * _T positions
 _D, _HEADS, _FFN, _VOCAB = 60, 6, 104, 88
 _HD = _D // _HEADS
 _OWN_HD = 14  # a model with its own head width (model.head_dim): queries 84, key/values 28
@@ -73,64 +86,6 @@ _SHARDED_MODULES = ("attention", "attention.q_norm", "attention.k_norm", "feed_f
 # Regimes: how the trainer runs a precision. FSDP (zero >= 1) gathers bf16 parameters, so
 # its residual stream is bf16; DDP and one process keep fp32 parameters under autocast.
 REGIMES = ("fp32", "bf16", "bf16_params", "fp16")
-
-
-@dataclass(frozen=True)
-class SavedBytes:
-    """Bytes saved per token of a micro-batch, by how tensor parallelism divides them."""
-
-    replicated: float = 0.0
-    sequence: float = 0.0
-    sharded: float = 0.0
-
-    def per_token(self, tp: int, sequence_parallel: bool) -> float:
-        """Bytes per token on one tensor-parallel rank."""
-        seq = self.sequence / tp if sequence_parallel and tp > 1 else self.sequence
-        return self.replicated + seq + self.sharded / tp
-
-    def __add__(self, other: SavedBytes) -> SavedBytes:
-        return SavedBytes(self.replicated + other.replicated, self.sequence + other.sequence,
-                          self.sharded + other.sharded)
-
-    def __sub__(self, other: SavedBytes) -> SavedBytes:
-        return SavedBytes(self.replicated - other.replicated, self.sequence - other.sequence,
-                          self.sharded - other.sharded)
-
-    @property
-    def total(self) -> float:
-        return self.replicated + self.sequence + self.sharded
-
-
-@dataclass(frozen=True)
-class ActivationProfile:
-    """What one micro-batch of a model saves for backward, per token (scaled to the model)."""
-
-    block: SavedBytes
-    """One transformer block without recomputation."""
-    block_selective: SavedBytes
-    """One block under selective checkpointing: the saved operator outputs and its input."""
-    block_input: SavedBytes
-    """One block's input: all that full checkpointing keeps per block."""
-    per_position: float
-    """Per layer, bytes per token per position of the sequence (an additive attention mask,
-    attention probabilities): times seq_len. Replicated over tp (masks) for simplicity."""
-    per_position_selective: float
-    """The same under selective checkpointing (the attention scores it keeps, if the
-    attention kernel materialises them)."""
-    embedding: SavedBytes
-    """The first stage's embedding work (token ids, dropout)."""
-    head: SavedBytes
-    """The last stage's final norm, output projection input, logits and loss."""
-    weight_casts_per_param: float
-    """Autocast's low-precision copies of the matmul weights, bytes per weight element,
-    saved anew by every micro-batch's forward (0 without autocast over fp32 weights)."""
-    moe_block: SavedBytes | None = None
-    """One Mixture-of-Experts block without recomputation (None for a dense model)."""
-    moe_block_selective: SavedBytes | None = None
-    """One MoE block under selective checkpointing."""
-    moe_router_copy: float = 0.0
-    """Bytes an MoE layer saves per micro-batch whatever its tokens: the router's fp32 copy
-    of its weight when the parameters are bf16 (FSDP), which the fp32 router matmul keeps."""
 
 
 class _ModuleStack:
@@ -195,7 +150,7 @@ def _probe_config(m: ModelConfig, dropout: float) -> ModelConfig:
     return m.model_copy(update={
         "preset": None, "d_model": _D, "n_heads": _HEADS, "n_kv_heads": kv, "ffn_hidden": _FFN,
         "head_dim": head_dim,
-        "n_layers": 1, "vocab_size": _VOCAB, "vocab_pad_to": 1, "max_seq_len": _T,
+        "n_layers": 1, "vocab_size": _VOCAB, "vocab_pad_to": 1, "max_seq_len": _CP * _T,
         "dropout": dropout, "moe_experts": 0, "moe_shared_experts": 0,
     })  # unpadded: the vocabulary width is _VOCAB, scaled to the real padded_vocab_size
 
@@ -230,12 +185,21 @@ class _Saved:
     nbytes: int
 
 
-def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
+def _run_probe(probe: ModelConfig, regime: str, document_mask: bool,
+               exchange: ShapeExchange | None = None
                ) -> tuple[list[_Saved], list[_Saved], list[_Saved]]:
     """(saved tensors, selective-checkpointing outputs, weight casts) of one forward of a
-    1-block model plus its loss, each storage once."""
+    1-block model plus its loss, each storage once; with `exchange`, of context-parallel
+    rank 0 of exchange.size."""
     torch.manual_seed(0)
     model = Transformer(probe)
+    whole, positions = _T, None
+    if exchange is not None:
+        whole = _T * exchange.size
+        positions = chunk_positions(whole, exchange.size, 0, True).expand(_B, -1)
+        model.context_parallel = exchange
+        for block in model.layers.values():
+            block.attention.sequence = exchange
     model.train()
     if regime == "bf16_params":  # FSDP's gathered parameters are bf16
         model.to(torch.bfloat16)
@@ -262,7 +226,8 @@ def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
 
     tokens = torch.randint(0, probe.vocab_size, (_B, _T))
     targets = torch.randint(0, probe.vocab_size, (_B, _T))
-    docs = torch.tensor([[0] * (_T // 2) + [1] * (_T - _T // 2)] * _B) if document_mask else None
+    docs = (torch.tensor([[0] * (whole // 2) + [1] * (whole - whole // 2)] * _B)
+            if document_mask else None)
     recorder = _OutputRecorder(modules)
     # What the model hands every block besides the hidden state (the document mask and the
     # per-document RoPE table): built once per forward and shared by all blocks, so not a
@@ -277,7 +242,7 @@ def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
     try:
         with _autocast(regime), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with recorder:
-                logits = model(tokens, docs)
+                logits = model(tokens, docs, positions)
             loss = token_loss_sum(logits, targets)
     finally:
         modules.close()
@@ -292,9 +257,12 @@ def _run_probe(probe: ModelConfig, regime: str, document_mask: bool
     return saved, list(selective.values()), list(casts.values())
 
 
-def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig) -> tuple[str, float]:
+def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig, mode: str | None = None
+           ) -> tuple[str, float]:
     """(kind, bytes per token of the real model): kind is the width class; "const" for the
-    few small tensors without a batch dimension (positions), which do not grow with it."""
+    few small tensors without a batch dimension (positions), which do not grow with it.
+    `mode`: the record is from the context-parallel probe in that cp mode (per local token;
+    "g": per cp, "t"/"ht": per position of the whole sequence, "tc": per position and cp)."""
     n = 1
     for s in rec.shape:
         n *= s
@@ -303,10 +271,11 @@ def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig) -> tuple[str, float]
     width = n // (_B * _T) if n % (_B * _T) == 0 else None
     kv_probe = probe.n_kv_heads * probe.head_dim
     kv_real = m.n_kv_heads * m.head_dim
+    whole = _T if mode is None else _CP * _T  # positions of the whole sequence
     widths = {
         _D: ("d", m.d_model / _D), _FFN: ("f", m.ffn_hidden / _FFN),
         _VOCAB: ("v", m.padded_vocab_size / _VOCAB), _HEADS: ("h", m.n_heads / _HEADS),
-        1: ("1", 1.0), _T: ("t", None), _HEADS * _T: ("ht", None),
+        1: ("1", 1.0), whole: ("t", None), _HEADS * whole: ("ht", None),
     }
     if probe.q_dim != _D:  # queries and attention output of a model with its own head width
         widths[probe.q_dim] = ("q", m.q_dim / probe.q_dim)
@@ -314,6 +283,11 @@ def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig) -> tuple[str, float]
         widths[kv_probe] = ("kv", kv_real / kv_probe)
     if probe.n_kv_heads != _HEADS:  # QK-norm's statistics per key head
         widths[probe.n_kv_heads] = ("kvh", m.n_kv_heads / probe.n_kv_heads)
+    if mode == "allgather":  # keys/values of the whole sequence, as the kernel takes them
+        widths[_CP * kv_probe] = ("g", kv_real / kv_probe)
+        widths[_CP * probe.q_dim] = ("g", m.q_dim / probe.q_dim)
+    elif mode == "ulysses":  # a mask over the whole sequence for every query row
+        widths[_CP * whole] = ("tc", None)
     if width not in widths:
         raise RuntimeError(
             f"activation probe: a tensor of shape {rec.shape} saved in {rec.where!r} has a "
@@ -322,27 +296,46 @@ def _scale(rec: _Saved, m: ModelConfig, probe: ModelConfig) -> tuple[str, float]
     kind, factor = widths[width]
     per_token = rec.nbytes / (_B * _T)
     if kind == "t":  # bytes per token per position: scaled by seq_len later
-        return kind, per_token / _T
+        return kind, per_token / whole
+    if kind == "tc":
+        return kind, per_token / (whole * _CP)
     if kind == "ht":
-        return kind, per_token / _T * m.n_heads / _HEADS
+        return kind, per_token / whole * m.n_heads / _HEADS
+    if kind == "g":
+        return kind, per_token * factor / _CP
     return kind, per_token * factor
 
 
-def _split(records: list[_Saved], m: ModelConfig, probe: ModelConfig, selective: bool = False
-           ) -> tuple[SavedBytes, SavedBytes, SavedBytes, float]:
-    """(block, embedding, head, per-position bytes) summed by tensor-parallel class."""
-    parts = {"block": [0.0, 0.0, 0.0], "embedding": [0.0, 0.0, 0.0], "head": [0.0, 0.0, 0.0]}
-    per_position = 0.0
+@dataclass
+class _Parts:
+    """Bytes per token of a probe's saved tensors, by where they are and how they scale."""
+
+    block: SavedBytes
+    embedding: SavedBytes
+    head: SavedBytes
+    per_position: float = 0.0
+    mask_per_position: float = 0.0
+    gathered: SavedBytes = SavedBytes()
+    per_position_cp: float = 0.0
+
+
+def _split(records: list[_Saved], m: ModelConfig, probe: ModelConfig, selective: bool = False,
+           mode: str | None = None) -> _Parts:
+    """The records summed by part and tensor-parallel class (`mode`: see _scale)."""
+    parts = {p: [0.0, 0.0, 0.0] for p in ("block", "embedding", "head", "gathered")}
+    positions = {"t": 0.0, "ht": 0.0, "tc": 0.0}
     for rec in records:
-        kind, size = _scale(rec, m, probe)
+        kind, size = _scale(rec, m, probe, mode)
         where = rec.where
         part = ("embedding" if where in ("tok_embeddings", "pos_embeddings", "emb_dropout")
                 else "head" if where in ("norm", "output", "loss") else "block")
         if kind == "const":
             continue
-        if kind in ("t", "ht"):
-            per_position += size
+        if kind in positions:
+            positions[kind] += size
             continue
+        if kind == "g":
+            part = "gathered"
         if where == "loss" and kind == "1":
             cls = 0  # the targets: every tensor-parallel rank holds them all
         elif where in _COLUMN_INPUTS or where in ("tok_embeddings", "pos_embeddings"):
@@ -356,8 +349,9 @@ def _split(records: list[_Saved], m: ModelConfig, probe: ModelConfig, selective:
         else:
             raise RuntimeError(f"activation probe: a tensor saved in {where!r} is not classified")
         parts[part][cls] += size
-    as_bytes = {k: SavedBytes(*v) for k, v in parts.items()}
-    return as_bytes["block"], as_bytes["embedding"], as_bytes["head"], per_position
+    b = {k: SavedBytes(*v) for k, v in parts.items()}
+    return _Parts(b["block"], b["embedding"], b["head"], positions["t"] + positions["ht"],
+                  positions["t"], b["gathered"], positions["tc"])
 
 
 def activation_profile(m: ModelConfig, regime: str, document_mask: bool = False) -> ActivationProfile:
@@ -372,13 +366,11 @@ def _profile(model_json: str, regime: str, document_mask: bool) -> ActivationPro
     m = ModelConfig.model_validate_json(model_json)
     probe = _probe_config(m, m.dropout)
     saved, selective_outputs, casts = _run_probe(probe, regime, document_mask)
-    block, embedding, head, per_position = _split(saved, m, probe)
-    # What the block saves of its own input: the first norm's input, in the residual dtype.
-    residual_bytes = 2 if regime == "bf16_params" else 4
-    block_input = SavedBytes(sequence=residual_bytes * m.d_model)
-    sel_block, _, _, sel_position = _split([r for r in selective_outputs if r.where not in
-                                            ("norm", "output", "loss", "tok_embeddings")],
-                                           m, probe, selective=True)
+    parts = _split(saved, m, probe)
+    block = parts.block
+    block_input = _block_input(m, regime)
+    selective = _split(_block_outputs(selective_outputs), m, probe, selective=True)
+    sel_block = selective.block
     cast_elements = sum(c.shape[0] * c.shape[1] for c in casts)
     cast_bytes = sum(c.nbytes for c in casts)
     moe = {}
@@ -388,11 +380,46 @@ def _profile(model_json: str, regime: str, document_mask: bool) -> ActivationPro
                            [r for r in selective_outputs if _in_mlp(r)], probe)
     return ActivationProfile(
         block=block, block_selective=sel_block + block_input, block_input=block_input,
-        per_position=per_position, per_position_selective=sel_position, embedding=embedding,
-        head=head,
+        per_position=parts.per_position, mask_per_position=parts.mask_per_position,
+        per_position_selective=selective.per_position, embedding=parts.embedding,
+        head=parts.head,
         weight_casts_per_param=cast_bytes / cast_elements if cast_elements else 0.0,
         **moe,
     )
+
+
+def _block_input(m: ModelConfig, regime: str) -> SavedBytes:
+    """What a block saves of its own input: the first norm's input, in the residual dtype."""
+    return SavedBytes(sequence=(2 if regime == "bf16_params" else 4) * m.d_model)
+
+
+def _block_outputs(selective_outputs: list[_Saved]) -> list[_Saved]:
+    """The blocks' kept operator outputs (the head's are not checkpointed)."""
+    return [r for r in selective_outputs
+            if r.where not in ("norm", "output", "loss", "tok_embeddings")]
+
+
+def context_profile(m: ModelConfig, regime: str, document_mask: bool, mode: str) -> ContextProfile:
+    """Saved bytes per local token of a context-parallel rank of model `m` in cp mode `mode`
+    (dense layers; an MoE layer's MLP is as without cp, on the rank's own tokens)."""
+    if regime not in REGIMES:
+        raise ValueError(f"unknown precision regime {regime!r}")
+    return _context(m.model_dump_json(), regime, document_mask, mode)
+
+
+@functools.lru_cache(maxsize=128)
+def _context(model_json: str, regime: str, document_mask: bool, mode: str) -> ContextProfile:
+    m = ModelConfig.model_validate_json(model_json)
+    probe = _probe_config(m, m.dropout)
+    saved, selective_outputs, _ = _run_probe(probe, regime, document_mask, ShapeExchange(mode, _CP))
+    parts = _split(saved, m, probe, mode=mode)
+    selective = _split(_block_outputs(selective_outputs), m, probe, selective=True, mode=mode)
+    return ContextProfile(
+        block=parts.block, gathered=parts.gathered, per_position=parts.per_position,
+        mask_per_position=parts.mask_per_position, per_position_cp=parts.per_position_cp,
+        block_selective=selective.block + _block_input(m, regime),
+        per_position_selective=selective.per_position + selective.per_position_cp,
+        embedding=parts.embedding, head=parts.head)
 
 
 def _in_mlp(rec: _Saved) -> bool:
@@ -411,9 +438,9 @@ def _moe_profile(m: ModelConfig, regime: str, document_mask: bool, block: SavedB
     router = ((_MOE_E, _MOE_D), (_MOE_D, _MOE_E))  # saved transposed by the matmul
     router_copy = sum(c.nbytes for c in casts if c.shape in router and c.where == _FFN_MODULE)
     return {
-        "moe_block": block - _split(dense_mlp, m, probe)[0] + mlp,
+        "moe_block": block - _split(dense_mlp, m, probe).block + mlp,
         "moe_block_selective": (block_selective
-                                - _split(dense_mlp_selective, m, probe, selective=True)[0]
+                                - _split(dense_mlp_selective, m, probe, selective=True).block
                                 + mlp_selective),
         "moe_router_copy": router_copy * m.moe_experts * m.d_model / (_MOE_E * _MOE_D),
     }

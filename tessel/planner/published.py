@@ -20,6 +20,11 @@ MEGATRON_2021 = ("Narayanan et al., Efficient Large-Scale Language Model Trainin
                  "recomputation, F = 96 B s l h^2 (1 + s/6h + V/16lh)")
 LLAMA3_2024 = ("Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 405B on "
                "H100-80GB, seq 8192, 16M tokens per batch, BF16 MFU (Chowdhery et al.)")
+LLAMA3_2024_LONG = ("Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4, the "
+                    "long-context row (the 128K stage, seq 131,072): 405B on 16,384 H100-80GB, "
+                    "TP 8, CP 16, PP 16 (so DP 8), 16M tokens per batch, 380 TFLOP/s per GPU; "
+                    "read as transcribed from P. Balaji's SC'24 slide at "
+                    "glennklockwood.com/garden/llama-3.1 (GPUs, TP, CP, PP, tokens, TFLOP/s)")
 TORCHTITAN_A100 = ("pytorch/torchtitan docs/performance.md (commit 0413364): 64 x A100-80GB, "
                    "FSDP (1D), words per second per GPU, Llama 3 seq 8192, Llama 2 seq 4096")
 TORCHTITAN_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: H100 "
@@ -127,6 +132,22 @@ RUNS: tuple[PublishedRun, ...] = (
                     "token",
         )
         for gpus, mfu in ((8192, 0.43), (16384, 0.41))
+    ),
+    PublishedRun(
+        "Llama 3 405B, 16,384 x H100, seq 131,072", LLAMA3_2024_LONG, "h100-sxm", 16384,
+        {"preset": "llama3-405b", "max_seq_len": 131072}, 131072, 128,
+        {"tp": 8, "cp": 16, "pp": 16, "zero": 1, "micro_batch": 1,
+         "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 4, "pp_layers_first": 1,
+         "pp_layers_last": 1, "activation_checkpointing": "selective"},
+        _mfu_tokens(380e12 / 989e12, 989e12, 16384, "llama3-405b", 131072),
+        assumed="the 8K rows' pipeline (micro-batch 1, interleaved 1F1B, 4 virtual stages, "
+                "1-layer first and last stages), all-gather context parallelism, selective "
+                "activation checkpointing; tokens/s = 380 TFLOP/s x GPUs / tessel's FLOPs per "
+                "token (the same count, full attention matrix)",
+        fit=False,
+        caveat=("Llama 3 405B at 131,072: activation checkpointing (and its memory measures) "
+                "not published; with selective recomputation assumed the prediction is +8.3%, "
+                "with none +13.5%, with full -15.1%"),
     ),
     _titan_a100("Llama 3 8B", {"preset": "llama3-8b"}, 8192, 1, "selective", 2973),
     _titan_a100("Llama 3 70B", {"preset": "llama3-70b"}, 8192, 1, "full", 331),

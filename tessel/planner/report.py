@@ -73,6 +73,7 @@ def launch_line(cfg_path: str | None, p: Plan) -> str:
 
 
 _DEFAULTS = {"parallel.dp_replicate": 1, "parallel.cp": 1, "parallel.pp": 1, "parallel.tp": 1,
+             "parallel.ep": 1, "parallel.cp_mode": "allgather", "parallel.cp_load_balance": True,
              "parallel.offload": "none", "parallel.activation_checkpointing": "none",
              "parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 1,
              "parallel.pp_layers_first": 0, "parallel.pp_layers_last": 0,

@@ -20,9 +20,10 @@ from tessel.parallel.dims import ParallelDims
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
 from tessel.planner.memory import GIB, Memory, estimate_memory
-from tessel.planner.speed import StepTime, estimate_step
+from tessel.planner.speed import MIN_CP_POSITIONS, StepTime, estimate_step
 
 MAX_MICRO_BATCH = 64
+MAX_CP = 64  # context-parallel degrees tried: 1, 2, 4, ... up to this (and MIN_CP_POSITIONS)
 HOST_USABLE = 0.8  # of a node's host memory, for offloaded state
 # Zero-bubble is left out: its memory is predicted only roughly (see memory.in_flight).
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4))
@@ -44,7 +45,8 @@ class Plan:
         lay = self.layout
         return {
             "dp": lay.dp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "cp_mode": lay.cp_mode,
+            "cp_load_balance": lay.cp_load_balance, "ep": lay.ep, "zero": lay.zero,
             "micro_batch": lay.micro_batch, "activation_checkpointing": lay.activation_checkpointing,
             "offload": lay.offload, "pp_schedule": lay.pp_schedule,
             "pp_virtual_stages": lay.pp_virtual_stages, "pp_layers_first": lay.pp_layers_first,
@@ -82,7 +84,8 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cu
     t, m = cfg.train, cfg.model
     precision = precision_for(cfg, device_type)
     mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
-                          cfg.data.document_mask, cfg.lora if cfg.lora.enabled else None)
+                          cfg.data.document_mask, cfg.lora if cfg.lora.enabled else None,
+                          flex_attention=device_type == "cuda")
     step = estimate_step(m, layout, hw, t.seq_len, t.global_batch_size, precision, dp_overlap)
     tokens = t.global_batch_size * t.seq_len
     tps = tokens / step.total
@@ -122,6 +125,7 @@ def _light_config(cfg: Config, layout: Layout) -> Any:
         "pp_schedule": layout.pp_schedule, "pp_virtual_stages": layout.pp_virtual_stages,
         "pp_layers_first": layout.pp_layers_first, "pp_layers_last": layout.pp_layers_last,
         "sequence_parallel": layout.sequence_parallel, "ep": layout.ep, "auto": False,
+        "cp_mode": layout.cp_mode, "cp_load_balance": layout.cp_load_balance,
     })
     train = cfg.train.model_copy(update={"micro_batch_size": layout.micro_batch})
     return SimpleNamespace(model=cfg.model, data=cfg.data, train=train, parallel=parallel)
@@ -182,53 +186,73 @@ def candidates(cfg: Config, gpus: int, hw: GpuProfile, device_type: str = "cuda"
     CPU nothing is offloaded: host memory is the device's."""
     m, t = cfg.model, cfg.train
     out: list[Layout] = []
-    tps = [d for d in _divisors(gpus) if d <= hw.gpus_per_node and m.n_kv_heads % d == 0]
-    cp_ok = m.position == "rope" and not cfg.data.document_mask
-    cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if gpus % c == 0 and t.seq_len % (2 * c) == 0
-           and (c == 1 or cp_ok)]
-    for tp in tps:
-        for cp in cps:
-            if cp > 1 and tp > 1:
-                continue  # this build runs context parallelism with data parallelism only
-            for pp in _divisors(gpus // (tp * cp)):
-                if pp > m.n_layers or (cp > 1 and pp > 1):
-                    continue
-                dp = gpus // (tp * cp * pp)
-                if t.global_batch_size % dp:
-                    continue
-                per_rank = t.global_batch_size // dp
-                schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
-                for schedule, v in schedules:
-                    for first, last in _pipeline_splits(m.n_layers, pp * v):
-                        zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3)
-                        for zero in zeros:
-                            replicas = [1]
-                            per_node = hw.gpus_per_node // (tp * cp)
-                            if zero >= 1 and per_node >= 1 and dp > per_node and dp % per_node == 0:
-                                replicas.append(dp // per_node)  # HSDP: shard within a node
-                            offloads = ["none"]
-                            if device_type == "cuda":
-                                offloads += ["optimizer"] + (["params"] if zero == 3 else [])
-                            if zero == 0:
-                                replicas = [dp]  # nothing sharded: every rank a replica
-                            for rep in replicas:
-                                for ep in _expert_degrees(m, (dp // rep) * tp, zero):
-                                    for mbs in _divisors(per_rank):
-                                        if mbs > MAX_MICRO_BATCH:
-                                            break
-                                        if pp > 1 and per_rank // mbs < pp:
-                                            continue
-                                        for ac in ("none", "selective", "full"):
-                                            for offload in offloads:
-                                                out.append(Layout(
-                                                    rep, dp // rep, tp, pp, cp, zero, mbs, ac,
-                                                    offload, schedule, v, first, last, ep=ep))
+    for tp, cp, cp_mode in _sequence_splits(cfg, gpus, hw):
+        for pp in _divisors(gpus // (tp * cp)):
+            if pp > m.n_layers:
+                continue
+            dp = gpus // (tp * cp * pp)
+            if t.global_batch_size % dp:
+                continue
+            per_rank = t.global_batch_size // dp
+            schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
+            for schedule, v in schedules:
+                for first, last in _pipeline_splits(m.n_layers, pp * v):
+                    zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3)
+                    for zero in zeros:
+                        replicas = [1]
+                        per_node = hw.gpus_per_node // (tp * cp)
+                        if zero >= 1 and per_node >= 1 and dp > per_node and dp % per_node == 0:
+                            replicas.append(dp // per_node)  # HSDP: shard within a node
+                        offloads = ["none"]
+                        if device_type == "cuda":
+                            offloads += ["optimizer"] + (["params"] if zero == 3 else [])
+                        if zero == 0:
+                            replicas = [dp]  # nothing sharded: every rank a replica
+                        for rep in replicas:
+                            for ep in _expert_degrees(m, (dp // rep) * cp * tp, zero):
+                                for mbs in _divisors(per_rank):
+                                    if mbs > MAX_MICRO_BATCH:
+                                        break
+                                    if pp > 1 and per_rank // mbs < pp:
+                                        continue
+                                    for ac in ("none", "selective", "full"):
+                                        for offload in offloads:
+                                            out.append(Layout(
+                                                rep, dp // rep, tp, pp, cp, zero, mbs, ac,
+                                                offload, schedule, v, first, last, ep=ep,
+                                                cp_mode=cp_mode,
+                                                cp_load_balance=cfg.parallel.cp_load_balance))
+    return out
+
+
+def _sequence_splits(cfg: Config, gpus: int, hw: GpuProfile) -> list[tuple[int, int, str]]:
+    """(tp, cp, cp_mode) worth trying: tp within a node dividing the key/value heads; cp a
+    power of two up to MAX_CP that leaves each rank MIN_CP_POSITIONS positions or more, cuts
+    train.seq_len into its chunks (2 x cp of them with cp_load_balance) and leaves each
+    rank's positions divisible by tp (sequence parallelism); each cp in the allgather mode
+    and, where both head counts per tp rank divide by it, in the ulysses mode (only the
+    configured mode when parallel.cp_mode is set)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    pieces = 2 if p.cp_load_balance else 1
+    modes = ((p.cp_mode,) if "cp_mode" in p.model_fields_set else ("allgather", "ulysses"))
+    out = []
+    for tp in _divisors(gpus):
+        if tp > hw.gpus_per_node or m.n_kv_heads % tp:
+            continue
+        out.append((tp, 1, "allgather"))
+        cp = 2
+        while (cp <= MAX_CP and t.seq_len // cp >= MIN_CP_POSITIONS and gpus % (tp * cp) == 0
+               and t.seq_len % (pieces * cp) == 0):
+            if (t.seq_len // cp) % tp == 0:
+                out += [(tp, cp, mode) for mode in modes if mode == "allgather" or (
+                    (m.n_heads // tp) % cp == 0 and (m.n_kv_heads // tp) % cp == 0)]
+            cp *= 2
     return out
 
 
 def _expert_degrees(m: ModelConfig, borrowable: int, zero: int) -> list[int]:
     """Expert-parallel degrees worth trying: 1 for a dense model; for an MoE model every
-    divisor of moe_experts that divides the dp_shard x tp ranks ep borrows (ZeRO >= 1)."""
+    divisor of moe_experts that divides the dp_shard x cp x tp ranks ep borrows (ZeRO >= 1)."""
     if not m.moe_experts or zero == 0:
         return [1]
     return [e for e in _divisors(m.moe_experts) if borrowable % e == 0]
@@ -253,7 +277,7 @@ def search(cfg: Config, gpus: int, hw: GpuProfile, keep: int = 10, device_type: 
         # Validity depends on the degrees, schedule, split, micro-batch and offload only.
         key = (layout.dp_replicate, layout.tp, layout.pp, layout.cp, layout.zero,
                layout.pp_schedule, layout.pp_virtual_stages, layout.pp_layers_first,
-               layout.micro_batch, layout.offload, layout.ep)
+               layout.micro_batch, layout.offload, layout.ep, layout.cp_mode)
         if key not in checked:
             checked[key] = check_layout(cfg, layout, device_type=device_type)
         reason = checked[key]

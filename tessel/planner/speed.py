@@ -4,9 +4,9 @@ overlap tessel's implementation achieves, and each pipeline schedule's bubble.
 
 Overlap, as implemented: DDP's bucketed all-reduce runs during the backward pass and FSDP2
 prefetches its all-gathers and issues its reduce-scatters while blocks compute, so only what
-exceeds the compute they hide behind is exposed; tensor-parallel collectives (DTensor) and
-pipeline sends are not overlapped; context parallelism's ring exchange hides behind the
-attention it feeds.
+exceeds the compute they hide behind is exposed; tensor-parallel collectives (DTensor),
+context parallelism's exchange (each layer waits for its keys and values before the kernel
+runs) and pipeline sends are not overlapped.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from tessel.planner.memory import (
 MATMUL_HALF_SIZE = 128  # a matmul whose smallest dimension is k runs at k/(k+128) of the rate
 DDP_OVERLAP = 0.8  # fraction of the backward pass DDP's all-reduce hides behind
 FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide behind
-CP_OVERLAP = 0.9  # fraction of attention time the ring exchange hides behind
 # Recomputed FLOPs: full checkpointing runs each block's forward again; selective recomputes
 # only element-wise work (its time, not its FLOPs, shows).
 RECOMPUTE = {"none": 0.0, "selective": 0.03, "full": 1.0 / 3.0}
@@ -41,6 +40,11 @@ ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
 # 32,768 tokens, 128 experts of 768, top-8): 242 TFLOP/s, 0.46 of the 530 TFLOP/s this model
 # gives dense matmuls of that size (0.625 x 768/896 of 989), rounded to 0.5.
 GROUPED_GEMM_EFFICIENCY = 0.5
+# The search splits a sequence over cp ranks only while each keeps at least this many
+# positions (cp from 8K sequences on, as NeMo advises): the model counts the exchange's bytes
+# but not its per-collective latency nor the masked kernel's lower efficiency, which would
+# credit splitting short sequences with more than they give.
+MIN_CP_POSITIONS = 4096
 
 ASSUMPTIONS = (
     f"compute: each matmul's FLOPs (causal attention at half its full-matrix FLOPs) at peak x "
@@ -50,8 +54,19 @@ ASSUMPTIONS = (
     "reduce-scatter) at comm_efficiency x the per-GPU intra-node bandwidth when the group "
     f"fits in a node, else the inter-node bandwidth; DDP hides behind {DDP_OVERLAP:.0%} of "
     f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute (ZeRO-1, which gathers and "
-    "reduce-scatters once per step, of one micro-batch's), context parallel behind "
-    f"{CP_OVERLAP:.0%} of attention; tensor-parallel collectives and pipeline sends are exposed",
+    "reduce-scatters once per step, of one micro-batch's); tensor-parallel collectives and "
+    "pipeline sends are exposed",
+    "context parallelism: each rank computes its 1/cp of every sequence's causal attention "
+    "(head-tail chunks balance it; contiguous pieces cost the last rank (2cp-1)/cp of the "
+    "mean). allgather: per layer the whole sequence's keys and values, 2 x micro_batch x "
+    "seq_len x n_kv_heads/tp x head_dim x (cp-1)/cp bytes, all-gathered in the forward and "
+    "their gradients reduce-scattered in the backward (ring); ulysses: per layer an all-to-all "
+    "of the rank's queries, keys, values and attention output, (2 x q_dim + 2 x kv_dim)/tp x "
+    "its tokens x (cp-1)/cp bytes, each way; again when checkpointing recomputes the layer "
+    "(full or selective: the exchange is not a saved operator); over NVLink when the cp x tp "
+    "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange); "
+    "per-collective latency is not modelled, so the search splits a sequence only where each "
+    f"rank keeps {MIN_CP_POSITIONS:,} positions or more",
     f"MoE layers: routed experts' FLOPs for each token's top_k experts (active parameters) at "
     f"{GROUPED_GEMM_EFFICIENCY} x a dense matmul's rate (grouped GEMM), each expert's rows "
     "tokens x top_k x ep / experts (balanced routing); the fp32 router at half the BF16 rate; "
@@ -121,9 +136,13 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
     # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
     attn_mm = matmuls([(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)], tokens, rate)
     block = attn_mm + matmuls(mlp(f), tokens, rate)
-    # Attention: QK^T and PV over the causal half of the (gathered) sequence, per head.
+    # Attention: QK^T and PV over the causal half of the (gathered) sequence, per head: each
+    # context-parallel rank 1/cp of it (Ulysses: every row, heads/cp heads); contiguous
+    # pieces leave the last rank (2cp-1)/cp of the mean.
     heads = m.n_heads / tp
     attn_flops = 6 * 2 * tokens * seq_len * m.head_dim * heads / 2
+    if layout.cp > 1 and not layout.cp_load_balance and layout.cp_mode == "allgather":
+        attn_flops *= (2 * layout.cp - 1) / layout.cp
     attention = attn_flops / (rate * _size_efficiency(m.head_dim))
     total = (layers - moe_layers) * (block + attention)
     if moe_layers:
@@ -150,18 +169,37 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
     return total, layers * attention
 
 
-def all_to_all(nbytes: float, n: int, hw: GpuProfile) -> float:
-    """Seconds for each of `n` consecutive ranks to send `nbytes` spread evenly over the
+def all_to_all(nbytes: float, n: int, hw: GpuProfile, stride: int = 1) -> float:
+    """Seconds for each of `n` ranks, `stride` apart, to send `nbytes` spread evenly over the
     group (1/n of it stays local): over NVLink when the group fits in a node, else the part
     to ranks of the same node over NVLink and the rest over the NIC, at the same time."""
     if n <= 1:
         return 0.0
     intra = hw.intra_node_gbps * 1e9 * hw.comm_efficiency
     inter = hw.inter_node_gbps * 1e9 * hw.comm_efficiency
-    if n <= hw.gpus_per_node:
+    per_node = max(hw.gpus_per_node // stride, 1)
+    if n <= per_node:
         return nbytes * (n - 1) / n / intra
-    same = hw.gpus_per_node - 1
+    same = per_node - 1
     return max(nbytes * same / n / intra, nbytes * (n - 1 - same) / n / inter)
+
+
+def cp_exchange(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
+                act_bytes: int) -> float:
+    """Seconds of one layer's context-parallel exchange for one micro-batch, one way (the
+    forward's, or its backward's, which moves as much): the all-gather of the whole
+    sequence's keys and values (ring over the cp ranks, tp apart), or Ulysses' all-to-alls
+    of queries, keys, values and the attention output."""
+    cp, tp = layout.cp, layout.tp
+    kv = m.n_kv_heads * m.head_dim / tp
+    if cp == 1:
+        return 0.0
+    if layout.cp_mode == "ulysses":
+        tokens = layout.micro_batch * seq_len / cp
+        return all_to_all(tokens * (2 * m.q_dim / tp + 2 * kv) * act_bytes, cp, hw, stride=tp)
+    fits = cp * tp <= hw.gpus_per_node
+    bandwidth = (hw.intra_node_gbps if fits else hw.inter_node_gbps) * 1e9 * hw.comm_efficiency
+    return _ring(2 * layout.micro_batch * seq_len * kv * act_bytes, cp, bandwidth, all_reduce=False)
 
 
 def estimate_step(
@@ -180,15 +218,15 @@ def estimate_step(
     ranges = stage_layers(m, layout)
 
     # The busiest pipeline rank sets the pace.
-    t_mb, attention, busiest = 0.0, 0.0, 0
+    t_mb, busiest = 0.0, 0
     for rank in range(pp):
         ids = rank_stages(layout, rank)
         layers = sum(len(ranges[s]) for s in ids)
         moe = sum(moe_layer_count(m, ranges[s]) for s in ids)
-        t, a = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak,
+        t, _ = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak,
                                    moe)
         if t > t_mb:
-            t_mb, attention, busiest = t, a, rank
+            t_mb, busiest = t, rank
     recompute = RECOMPUTE[layout.activation_checkpointing]
     t_mb *= 1 + recompute
     compute = micro_batches * t_mb
@@ -210,14 +248,10 @@ def estimate_step(
     collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
     tp_comm = micro_batches * collectives * per_collective * (1 + recompute)
 
-    # Context parallel: the ring passes each rank's keys and values around (backward: and
-    # their gradients), hidden behind the attention it feeds.
-    cp_comm = ring = 0.0
-    if cp > 1:
-        cp_bw = intra if cp * tp <= hw.gpus_per_node else inter
-        kv_bytes = 2 * tokens * m.n_kv_heads * m.head_dim / tp * act_bytes
-        ring = 3 * (cp - 1) * kv_bytes / cp_bw * layers
-        cp_comm = micro_batches * max(0.0, ring - CP_OVERLAP * attention * (1 + recompute))
+    # Context parallel: every layer's exchange in the forward, the backward and a
+    # recomputation, not overlapped.
+    passes = 2 + (layout.activation_checkpointing != "none")
+    cp_comm = micro_batches * passes * layers * cp_exchange(m, layout, hw, seq_len, act_bytes)
 
     # Expert parallelism: each MoE layer sends every token's top_k copies to the experts'
     # ranks and back (dispatch, combine) in the forward, the same again in the backward, and
@@ -277,7 +311,7 @@ def estimate_step(
             # embedding's fp32 gradient (their shard of it) once per step, across nodes.
             emb_shard = m.padded_vocab_size * m.d_model / tp / (shard_group if fsdp_active(layout) else 1)
             pp_comm += _ring(4.0 * emb_shard, 2, inter, all_reduce=True)
-        per_mb = t_mb + (tp_comm + ep_comm) / micro_batches
+        per_mb = t_mb + (tp_comm + ep_comm + cp_comm) / micro_batches
         bubble = (pp - 1) * per_mb / v
         if layout.pp_schedule == "zero-bubble":
             bubble *= ZERO_BUBBLE_FACTOR
@@ -298,6 +332,6 @@ def estimate_step(
         gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
         scatters = 1 if layout.zero == 1 else micro_batches
         offload += 4.0 * local_params * (gathers + scatters) / HOST_LINK_BYTES_PER_S
-    raw_comm = tp_comm + raw + pp_comm + micro_batches * ring + ep_comm
+    raw_comm = tp_comm + raw + pp_comm + cp_comm + ep_comm
     return StepTime(compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer, offload,
                     raw_comm, ep_comm)

@@ -13,16 +13,19 @@ LLAMA_70B = ["--model.preset=llama3-70b", "--train.seq_len=8192", "--train.globa
 
 
 def test_search_prints_ranked_layouts_with_breakdown_rejections_and_a_launch_line():
-    out = tessel("plan", *LLAMA_70B, "--gpus", "256", "--gpu", "h100-sxm", "--top", "5")
+    # A vocabulary of 128,255 rows, which no tp > 1 divides: those layouts are rejected.
+    out = tessel("plan", *LLAMA_70B, "--model.vocab_size=128255", "--model.vocab_pad_to=1",
+                 "--gpus", "256", "--gpu", "h100-sxm", "--top", "5")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert text.startswith("tessel plan: llama3-70b model (70.55B parameters), 256 x h100-sxm")
-    rows = [line for line in text.splitlines() if line[:4].strip().isdigit()]
+    rows = [line for line in text.splitlines()
+            if line[:4].strip().isdigit() and line[4:6] == "  "]  # (not a rejection count)
     assert len(rows) == 5
     assert "memory GiB/GPU" in text and "parameters" in text and "optimizer" in text
     assert "margin" in text and "step s: compute" in text
     assert "closest layouts that do not fit (short by):" in text and "GiB short" in text
-    assert "rejected before evaluation" in text
+    assert "rejected before evaluation" in text and "is not divisible by tp=2" in text
     assert "run the best: tessel train --nproc 256 " in text
     assert "assumptions:" in text
 
@@ -65,8 +68,14 @@ def test_bad_plan_input_is_one_line():
     assert_one_line_error(tessel("plan", "--gpus", "8", "--gpu", "tpu-v9"), "unknown GPU 'tpu-v9'")
     assert_one_line_error(tessel("plan", "--gpus", "3", "--parallel.tp=3", "--model.preset=tiny"),
                           "is not divisible by tp=3")
-    assert_one_line_error(tessel("plan", "--gpus", "4", "--parallel.cp=2", "--parallel.zero=0",
-                                 "--model.preset=tiny-llama"), "context parallelism shards with FSDP")
+    # Context parallelism: a sequence that does not cut into 2 x cp chunks; Ulysses with
+    # more ranks than key/value heads.
+    assert_one_line_error(tessel("plan", "--gpus", "4", "--parallel.cp=2", "--train.seq_len=30",
+                                 "--model.preset=tiny-llama"),
+                          "context parallelism cuts train.seq_len=30 into 2*cp = 4 equal chunks")
+    assert_one_line_error(tessel("plan", "--gpus", "4", "--parallel.cp=4",
+                                 "--parallel.cp_mode=ulysses", "--model.preset=tiny-llama"),
+                          "splits the 2 key/value heads (model.n_kv_heads) over cp=4")
     assert_one_line_error(tessel("plan", "--gpus", "8", "--hardware", "/nonexistent.toml"),
                           "does not exist")
     # Expert parallelism: a degree that does not divide the experts; a dense model.

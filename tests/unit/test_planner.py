@@ -30,7 +30,7 @@ from tessel.planner.memory import (
 )
 from tessel.planner.prelaunch import check_memory, choose_layout
 from tessel.planner.report import as_json
-from tessel.planner.search import check_layout, evaluate, search
+from tessel.planner.search import candidates, check_layout, evaluate, search
 from tessel.planner.speed import (
     _ring,
     _size_efficiency,
@@ -238,8 +238,10 @@ def test_search_returns_valid_layouts_fastest_first_and_says_why_others_are_out(
         assert p.fits and check_layout(c, p.layout, full=True) is None
         assert p.layout.world == 64
     assert all(p.shortfall_gib > 0 for p in result.too_big)
-    reasons = " ".join(example for _, example in result.invalid.values())
-    assert "context parallelism shards with FSDP" in reasons
+    # Context parallelism is searched from 8K positions on (4,096 or more per rank).
+    assert {lay.cp for lay in candidates(c, 64, H100)} == {1}
+    longer = c.with_overrides({"model.max_seq_len": 16384, "train.seq_len": 16384})
+    assert {lay.cp for lay in candidates(longer, 64, H100)} == {1, 2, 4}
 
 
 def test_an_impossible_layout_is_explained_not_evaluated():
@@ -452,7 +454,7 @@ def test_moe_mfu_counts_active_parameters():
     ({"model.preset": "tiny-llama", "parallel.ep": 2, "parallel.dp_shard": 2}, 2,
      "parallel.ep=2 splits the experts of Mixture-of-Experts layers, and this model has none"),
     ({"model.preset": "tiny-moe", "parallel.ep": 4, "parallel.dp_shard": 2}, 2,
-     "parallel.ep=4 borrows its ranks from the dp_shard x tp = 2 data-parallel"),
+     "parallel.ep=4 borrows its ranks from the dp_shard x cp x tp = 2 data-parallel"),
     ({"model.preset": "tiny-moe", "parallel.ep": 2, "parallel.zero": 0}, 2,
      "set parallel.zero >= 1"),
     ({"model.preset": "tiny-moe", "parallel.tp": 2, "parallel.sequence_parallel": False}, 2,

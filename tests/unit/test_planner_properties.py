@@ -91,3 +91,19 @@ def test_weak_scaling_never_lowers_the_best_throughput(m, gpus, seq_len):
 
     small, large = best(gpus), best(gpus * 2)
     assert large >= small * 0.999
+
+
+@settings(max_examples=40, deadline=None)
+@given(models(), layouts(), st.sampled_from([2, 4, 8]), st.sampled_from(["allgather", "ulysses"]))
+def test_splitting_the_sequence_never_needs_more_activation_memory_on_a_gpu(m, lay, cp, mode):
+    """With FlexAttention's block masks (CUDA), a context-parallel rank saves its share of
+    every block's tensors and at most the whole sequence's keys and values: never more than
+    the whole sequence on one rank. (On CPU a dense mask over the whole sequence can make a
+    small model's rank hold more.)"""
+    if mode == "ulysses" and (m.n_heads % (lay.tp * cp) or m.n_kv_heads % (lay.tp * cp)):
+        mode = "allgather"
+    split = Layout(**{**lay.__dict__, "cp": cp, "cp_mode": mode})
+    gb = lay.micro_batch * lay.dp
+    whole = estimate_memory(m, lay, 4096, gb, "bf16", flex_attention=True)
+    part = estimate_memory(m, split, 4096, gb, "bf16", flex_attention=True)
+    assert part.saved <= whole.saved and part.activations <= whole.activations

@@ -26,6 +26,7 @@ PINNED = {  # predicted tokens/s, 4 significant digits
     'GPT 1008.0B, 3072 x A100': 56600.0,
     'Llama 3 405B, 8,192 x H100': 1371000.0,
     'Llama 3 405B, 16,384 x H100': 2442000.0,
+    'Llama 3 405B, 16,384 x H100, seq 131,072': 1189000.0,
     'Llama 3 8B, 64 x A100 (selective AC)': 139400.0,
     'Llama 3 70B, 64 x A100 (full AC)': 15530.0,
     'Llama 2 13B, 64 x A100 (no AC)': 86920.0,
