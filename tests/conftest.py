@@ -13,7 +13,7 @@ import torch
 from tessel.config import Config
 
 # Two threads: the CI machine has two cores, and results must not depend on the host.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ.get("TESSEL_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
 _WORDS = (
     "the model reads tokens and predicts the next token from the past while the optimizer "
