@@ -49,9 +49,8 @@ def test_dense_model_has_no_balance_work():
     ({"parallel.tp": 2, "parallel.sequence_parallel": False},
      "under tensor parallelism MoE layers run on each rank's part of the sequence; set "
      "parallel.sequence_parallel=true"),
-    ({"parallel.cp": 2}, "context parallelism with MoE layers is not supported yet"),
 ])
-def test_tp_without_sp_and_cp_with_moe_are_refused_before_launch(degree, message):
+def test_tp_without_sp_with_moe_is_refused_before_launch(degree, message):
     from tessel.parallel.dims import ParallelDims, ParallelError
 
     cfg = Config.load(None, {"model.preset": "tiny-moe", "train.micro_batch_size": 1,
@@ -61,11 +60,13 @@ def test_tp_without_sp_and_cp_with_moe_are_refused_before_launch(degree, message
         dims.validate(cfg)
 
 
-def test_pp_and_zero_with_moe_pass_the_layout_check():
+@pytest.mark.parametrize("degree", [{"parallel.pp": 2, "parallel.zero": 3},
+                                    {"parallel.cp": 2, "parallel.ep": 2}])
+def test_pp_zero_and_cp_with_moe_pass_the_layout_check(degree):
     from tessel.parallel.dims import ParallelDims
 
     cfg = Config.load(None, {"model.preset": "tiny-moe", "train.micro_batch_size": 1,
-                             "train.global_batch_size": 4, "parallel.pp": 2, "parallel.zero": 3})
+                             "train.global_batch_size": 4, **degree})
     ParallelDims.from_config(cfg.parallel, 4).validate(cfg)
 
 
