@@ -117,21 +117,27 @@ class Attention(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
            dropout: float = 0.0) -> torch.Tensor:
     """The kernel. q: (B, T_q, H, hd), k, v: (B, T_kv, H_kv, hd) with H a multiple of H_kv;
-    mask None means causal with T_q = T_kv -> (B, T_q, H, hd)."""
-    if k.shape[2] != q.shape[2]:
-        # Repeat K/V per query group explicitly: every SDPA backend (flash included)
-        # accepts equal head counts.
+    mask None means causal with T_q = T_kv -> (B, T_q, H, hd).
+
+    Grouped-query attention goes to the kernel as it is (`enable_gqa`): CPU's SDPA kernel,
+    CUDA's flash kernel and FlexAttention read each KV head for its query group, so the keys
+    and values kept for backward are the KV heads' (under all-gather context parallelism the
+    whole sequence's: n_heads / n_kv_heads times less than repeated ones). CUDA's
+    memory-efficient kernel, the one that takes a dense mask (attention dropout with
+    documents), needs equal head counts: there they are repeated first."""
+    gqa = k.shape[2] != q.shape[2]
+    if gqa and q.is_cuda and isinstance(mask, torch.Tensor):
         rep = q.shape[2] // k.shape[2]
-        k = k.repeat_interleave(rep, dim=2)
-        v = v.repeat_interleave(rep, dim=2)
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        gqa = False
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
     if isinstance(mask, BlockMask):  # CUDA: FlexAttention's fused kernel
-        y = _flex_attention()(q, k, v, block_mask=mask)
+        y = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
     else:
         # Without a mask SDPA may pick the flash kernel; an explicit mask already contains
         # the causal part.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=dropout)
+                                           dropout_p=dropout, enable_gqa=gqa)
     return y.transpose(1, 2)  # (B, T_q, H, hd)
 
 

@@ -58,10 +58,10 @@ ASSUMPTIONS = (
     "context parallelism: a rank's activations are those of its micro_batch x seq_len / cp "
     "tokens, measured on the probe run as one rank of cp 2 with a stand-in exchange of the "
     "real shapes; allgather also keeps, per layer, the whole sequence's keys and values as "
-    "the kernel takes them (repeated per query group, so query width / tp per position: the "
-    "size of cp x its own tokens' keys and values) and, on CPU, its dense mask rows over the "
-    "whole sequence (always, under cp); ulysses keeps its head-sharded queries, keys, values and output "
-    "(the size of its own tokens'), a copy of the output and, with documents, a mask over "
+    "the kernel takes them (KV heads / tp per position: the kernel reads grouped-query "
+    "attention as it is; the size of cp x its own tokens' keys and values) and, on CPU, its "
+    "dense mask rows over the whole sequence (always, under cp); ulysses keeps its "
+    "head-sharded queries, keys, values and output (the size of its own tokens'), a copy of the output and, with documents, a mask over "
     "the whole sequence; buffers: one layer's gathered keys and values (ulysses: the "
     "all-to-all's send and receive buffers)",
     "LoRA (lora.enabled): the frozen base has no gradients or AdamW state (the blocks' "
@@ -305,7 +305,7 @@ def _shared_per_token(m: ModelConfig, layout: Layout, seq_len: int, document_mas
 
 def _context_buffers(m: ModelConfig, layout: Layout, tokens: float, compute: int) -> float:
     """Context parallelism's buffers of one layer in flight: the whole sequence's keys and
-    values as gathered (before the query-group repeat), or Ulysses' all-to-all send and
+    values as gathered, or Ulysses' all-to-all send and
     receive buffers of queries, keys and values."""
     if layout.cp == 1:
         return 0.0

@@ -79,7 +79,7 @@ class ContextProfile:
     """One block, whatever cp (its own tokens' tensors; Ulysses' head-sharded ones)."""
     gathered: SavedBytes
     """One block, times cp: what the attention kernel keeps of the whole sequence's keys and
-    values (all-gather mode; tessel repeats them per query group before the kernel)."""
+    values (all-gather mode; at the KV heads' width, as the kernel reads them)."""
     per_position: float
     """Per layer, per token per position of the whole sequence (times seq_len): the
     additive mask SDPA builds from the boolean one, attention probabilities."""

@@ -101,16 +101,16 @@ def test_a_context_parallel_rank_saves_what_the_planner_predicts(monkeypatch, sh
 
 def test_the_whole_sequences_keys_and_values_are_what_cp_does_not_divide():
     """All-gather mode: per rank the blocks' own tensors fall as 1/cp, the kernel's keys and
-    values of the whole sequence do not (tessel repeats them per query group before the
-    kernel); Ulysses' head-sharded tensors all fall as 1/cp. On CUDA (FlexAttention's block
-    masks) no dense mask is counted."""
+    values of the whole sequence do not (held at the KV heads' width: the kernel takes
+    grouped-query attention as it is); Ulysses' head-sharded tensors all fall as 1/cp. On
+    CUDA (FlexAttention's block masks) no dense mask is counted."""
     m = ModelConfig(preset="llama3-8b")
     T = 32768
 
     def saved(cp: int, mode: str = "allgather") -> float:
         return estimate_memory(m, lay(cp, mode, tp=2), T, 1, "bf16", flex_attention=True).saved
 
-    keys_values = 2 * 2 * T * m.q_dim / 2 * m.n_layers  # bf16, repeated to the queries' width
+    keys_values = 2 * 2 * T * m.n_kv_heads * m.head_dim / 2 * m.n_layers  # bf16, KV heads/tp
     assert saved(1) > saved(2) > saved(4) > saved(8) > keys_values
     assert saved(4) - keys_values == pytest.approx((saved(1) - keys_values) / 4, rel=0.01)
     # Ulysses: a quarter, and a copy of the attention output (its all-to-all back).
