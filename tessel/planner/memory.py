@@ -61,7 +61,8 @@ ASSUMPTIONS = (
     "the kernel takes them (KV heads / tp per position: the kernel reads grouped-query "
     "attention as it is; the size of cp x its own tokens' keys and values) and, on CPU, its "
     "dense mask rows over the whole sequence (always, under cp); ulysses keeps its "
-    "head-sharded queries, keys, values and output (the size of its own tokens'), a copy of the output and, with documents, a mask over "
+    "head-sharded queries, keys, values and output (the size of its own tokens'), a copy "
+    "of the output and, with documents, a mask over "
     "the whole sequence; buffers: one layer's gathered keys and values (ulysses: the "
     "all-to-all's send and receive buffers)",
     "LoRA (lora.enabled): the frozen base has no gradients or AdamW state (the blocks' "
