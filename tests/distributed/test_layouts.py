@@ -301,7 +301,9 @@ def assert_same_run(run: Path, ref: Path, first_step: int = 1) -> None:
     got, got_vals = train_metrics(run)
     want, want_vals = train_metrics(ref)
     last = max(got)
-    assert last in (SHORT, STEPS), f"{run.name}: ran to step {last}"
+    # a layout checked over SHORT steps starts at 1; every resumed run goes on to STEPS
+    assert last == (SHORT if first_step == 1 and last < STEPS else STEPS), (
+        f"{run.name}: ran to step {last}")
     got_val, want_val = got_vals[last], want_vals[last]
     if Config.load(run / "config.toml").train.micro_batch_size != 2:
         # parallel.auto chose another micro-batch: train.eval_iters micro-batches of it are
@@ -330,24 +332,37 @@ def assert_same_run(run: Path, ref: Path, first_step: int = 1) -> None:
         assert rel < 1e-4, f"{run.name}: weight {name} differs by {rel:.2e} (relative norm)"
 
 
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Single-process reference runs: Llama-shaped, GPT-shaped, tied, with QK-norm."""
-    from conftest import write_corpus
+class References:
+    """The single-process reference runs, each trained the first time a test asks for it
+    (`refs[name]`: its run directory), once per test session (the `refs` fixture of
+    tests/distributed/conftest.py): Llama-shaped, GPT-shaped, tied, MoE, QK-norm, SFT, from
+    HF weights and LoRA; `refs["corpus"]` and `refs["hf"]` are their data and HF model."""
 
-    root = tmp_path_factory.mktemp("ref")
-    os.environ.setdefault("TESSEL_CACHE", str(root / "cache"))
-    corpus = write_corpus(root / "corpus")
-    write_sft_chats(root / "sft.jsonl")
-    out = {"corpus": corpus, "hf": hf_llama_like_tiny(root / "hf")}
-    for name, extra in (("llama", {}), ("gpt", GPT), ("tied", TIED), ("moe", MOE), ("qk", QK),
-                        ("sft", SFT),
-                        ("llama_hf", {"model.init_from": str(out["hf"])}),
-                        ("lora", {"model.init_from": str(out["hf"]), **LORA})):
-        overrides = base(root / name, corpus, **extra, **{"train.eval_interval": SHORT})
-        Trainer(load_config(None, overrides), console=False).train()
-        out[name] = root / name
-    return out
+    def __init__(self, root: Path):
+        from conftest import write_corpus
+
+        self.root = root
+        self.corpus = write_corpus(root / "corpus")
+        write_sft_chats(root / "sft.jsonl")
+        self.runs: dict[str, Path] = {}
+
+    def extra(self, name: str) -> dict:
+        from_hf = {"model.init_from": str(self["hf"])} if name in ("llama_hf", "lora") else {}
+        return {"llama": {}, "gpt": GPT, "tied": TIED, "moe": MOE, "qk": QK, "sft": SFT,
+                "llama_hf": from_hf, "lora": {**from_hf, **LORA}}[name]
+
+    def __getitem__(self, name: str) -> Path:
+        if name == "corpus":
+            return self.corpus
+        if name not in self.runs:
+            if name == "hf":
+                self.runs[name] = hf_llama_like_tiny(self.root / "hf")
+            else:
+                overrides = base(self.root / name, self.corpus, **self.extra(name),
+                                 **{"train.eval_interval": SHORT})
+                Trainer(load_config(None, overrides), console=False).train()
+                self.runs[name] = self.root / name
+        return self.runs[name]
 
 
 def hf_llama_like_tiny(path: Path) -> Path:
@@ -504,7 +519,8 @@ def assert_tied_embeddings_reshard(refs, tmp_path: Path) -> None:
         assert (got[k] - want[k]).abs().max() < 1e-4, k
     single = tmp_path / "tied_pp1"
     _copy_run(pp2, single, step=2)
-    cfg = Config.load(single / "config.toml", {"run.dir": str(single), "parallel.pp": 1})
+    cfg = Config.load(single / "config.toml",
+                      {"run.dir": str(single), "parallel.pp": 1, "train.steps": STEPS})
     Trainer(cfg, resume=True, console=False).train()
     assert_same_run(single, refs["tied"], first_step=3)
     assert_one_embedding(single)
@@ -548,14 +564,16 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     cp_single = tmp_path / "cp_reshard_single"
     _copy_run(tmp_path / "cp2_pp2", cp_single, step=4)
     cfg = Config.load(cp_single / "config.toml",
-                      {"run.dir": str(cp_single), "parallel.cp": 1, "parallel.pp": 1})
+                      {"run.dir": str(cp_single), "parallel.cp": 1, "parallel.pp": 1,
+                       "train.steps": STEPS})
     Trainer(cfg, resume=True, console=False).train()
     assert_same_run(cp_single, refs["llama"], first_step=5)
     assert_same_run(tmp_path / "moe_reshard_ep4", refs["moe"], first_step=3)
     # ... and ep4's step-4 checkpoint resumed by one process (all experts on one rank).
     moe_single = tmp_path / "moe_reshard_ep1"
     _copy_run(tmp_path / "moe_reshard_ep4", moe_single, step=4)
-    cfg = Config.load(moe_single / "config.toml", {"run.dir": str(moe_single), "parallel.ep": 1})
+    cfg = Config.load(moe_single / "config.toml",
+                      {"run.dir": str(moe_single), "parallel.ep": 1, "train.steps": STEPS})
     Trainer(cfg, resume=True, console=False).train()
     assert_same_run(moe_single, refs["moe"], first_step=5)
     assert_same_run(tmp_path / "reshard_offload", refs["llama"], first_step=3)
@@ -589,7 +607,8 @@ def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     # ... and the same 4-rank checkpoint resumed by one process.
     single = tmp_path / "reshard_single"
     _copy_run(tmp_path / "tp2_pp2", single, step=2)
-    cfg = Config.load(single / "config.toml", {"run.dir": str(single), "parallel.tp": 1, "parallel.pp": 1})
+    cfg = Config.load(single / "config.toml", {"run.dir": str(single), "parallel.tp": 1,
+                                               "parallel.pp": 1, "train.steps": STEPS})
     Trainer(cfg, resume=True, console=False).train()
     assert_same_run(single, refs["llama"], first_step=3)
 

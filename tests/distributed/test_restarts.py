@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_layouts import assert_same_run, base, job_output, refs  # noqa: F401 - refs is a fixture
+from test_layouts import assert_same_run, base, job_output
 
 from tessel.observe.events import read_events
 from tessel.observe.metrics import read_metrics
@@ -34,7 +34,7 @@ def _torchrun(run: Path, corpus: Path, fault: str, *torchrun_args: str, timeout:
     )
 
 
-def test_a_killed_rank_restarts_the_job_which_resumes_to_the_same_losses(refs, tmp_path: Path):  # noqa: F811
+def test_a_killed_rank_restarts_the_job_which_resumes_to_the_same_losses(refs, tmp_path: Path):
     run = tmp_path / "killed"
     # Rank 1 is SIGKILLed as step 3 starts (after the step-2 checkpoint). torchrun sees the
     # dead worker, stops the other, starts both again; --auto-resume continues from step 2.
@@ -53,7 +53,7 @@ def test_a_killed_rank_restarts_the_job_which_resumes_to_the_same_losses(refs, t
     assert_same_run(run, refs["llama"])
 
 
-def test_the_watchdog_names_the_hung_rank_and_dumps_every_ranks_stacks(refs, tmp_path: Path):  # noqa: F811
+def test_the_watchdog_names_the_hung_rank_and_dumps_every_ranks_stacks(refs, tmp_path: Path):
     run = tmp_path / "hung"
     # Rank 1 stops responding as step 3 starts; rank 0 waits for it in the step boundary's
     # all-reduce. The collective timeout is far away: the watchdog must see it first.
