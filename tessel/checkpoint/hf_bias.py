@@ -97,8 +97,8 @@ class _BothRoutings(nn.Module):
         self.blocks = list(blocks.items())  # a plain list: not materialised with the model
         self.source = source
 
-    def forward(self, h: torch.Tensor, freqs: torch.Tensor | None, mask: Any = None
-                ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, freqs: torch.Tensor | None, mask: Any = None,
+                sharded: bool = False) -> torch.Tensor:
         from tessel.models.moe import MoE
 
         for i, block in self.blocks:
@@ -112,11 +112,11 @@ class _BothRoutings(nn.Module):
             bias = (self.source.buffer(bias_name(i), tuple(moe.expert_bias.shape))
                     if moe is not None else None)
             if moe is None or bias is None:
-                h = block(h, freqs, mask)
+                h = block(h, freqs, mask, sharded)
             else:
                 moe.expert_bias.copy_(bias)
-                first = block(h[:1], freqs, mask)
+                first = block(h[:1], freqs, mask, sharded)
                 moe.expert_bias.zero_()
-                h = torch.cat([first, block(h[1:], freqs, mask)])
+                h = torch.cat([first, block(h[1:], freqs, mask, sharded)])
             block.to_empty(device=torch.device("meta"))
         return h
