@@ -46,6 +46,17 @@ def corpus(tmp_path: Path) -> Path:
     return write_corpus(tmp_path / "corpus")
 
 
+@pytest.fixture(scope="session")
+def refs(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 (References lives in tests/distributed)
+    """The single-process reference runs of tests/distributed, each trained when first asked
+    for, once per session: test_layouts.py and test_restarts.py compare against the same ones.
+    (It lives here, not in a tests/distributed/conftest.py: a second module named 'conftest'
+    would shadow this one for every `from conftest import ...`.)"""
+    from test_layouts import References  # importable once a tests/distributed module is collected
+
+    return References(tmp_path_factory.mktemp("ref"))
+
+
 def tiny_overrides(run_dir: Path, corpus_dir: Path, **extra) -> dict:
     """Overrides for a tiny model on `corpus_dir` that trains a step in milliseconds."""
     base = {
