@@ -1,4 +1,8 @@
-"""The `tessel` command as a user runs it: real subprocesses, real signals."""
+"""The `tessel` command as a user runs it: real subprocesses, real signals. Refusals and
+informational commands (`--help`, `config`, `presets`) run in this process through the same
+`tessel.cli.main` (`tessel_here`): a subprocess costs ~5 s of imports on the CI machine, and
+the line a user sees comes from main() either way; a few stay subprocesses to prove the entry
+point itself (`tessel fly`, `--bogus`)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,38 @@ def tessel(*args: str, **kw) -> subprocess.CompletedProcess:
                           text=True, env=env, cwd=kw.pop("cwd", None), timeout=300, **kw)
 
 
+def tessel_here(*args: str) -> subprocess.CompletedProcess:
+    """`tessel ARGS` in this process, as `tessel.cli.run` handles it short of leaving the
+    process: argparse's SystemExit becomes the exit code, an unexpected exception a traceback
+    on stderr and exit 1 (so "no traceback" is still checked)."""
+    import contextlib
+    import io
+    import traceback
+
+    from tessel.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = os.environ.get("CI")
+    os.environ["CI"] = "true"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+            except BaseException:  # noqa: BLE001 (a bug: shown as the command would show it)
+                traceback.print_exc()
+                code = 1
+    finally:
+        if saved is None:
+            os.environ.pop("CI", None)
+        else:
+            os.environ["CI"] = saved
+    return subprocess.CompletedProcess(["tessel", *args], code, out.getvalue(), err.getvalue())
+
+
 def start(*args: str) -> subprocess.Popen:
     env = {**os.environ, "CI": "true"}
     return subprocess.Popen([sys.executable, "-m", "tessel", *args], stdout=subprocess.PIPE,
@@ -49,7 +85,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> Non
 
 
 def test_presets_lists_every_shape_with_counts():
-    out = tessel("presets")
+    out = tessel_here("presets")
     assert out.returncode == 0
     # gpt2-124m: 124,439,808 with its 50,257 ids, + 47 padding rows x 768 (vocab_pad_to=128)
     for name, count in [("gpt2-124m", "124,475,904"), ("llama3-8b", "8,030,261,248"),
@@ -59,13 +95,13 @@ def test_presets_lists_every_shape_with_counts():
 
 
 def test_help_and_config_commands(tmp_path: Path):
-    assert "--resume RUN_DIR" in tessel("train", "--help").stdout
-    assert "[optim] lr" in tessel("train", "--help").stdout
-    out = tessel("config", str(ROOT / "configs/gpt2-124m.toml"), "--train.steps=7")
+    assert "--resume RUN_DIR" in tessel_here("train", "--help").stdout
+    assert "[optim] lr" in tessel_here("train", "--help").stdout
+    out = tessel_here("config", str(ROOT / "configs/gpt2-124m.toml"), "--train.steps=7")
     f = tmp_path / "c.toml"
     f.write_text(out.stdout)
     assert Config.load(f).train.steps == 7 and Config.load(f).model.d_model == 768
-    assert "| `optim.lr` |" in tessel("config", "--reference").stdout
+    assert "| `optim.lr` |" in tessel_here("config", "--reference").stdout
 
 
 def test_train_generate_resume(tmp_path: Path, corpus: Path):
@@ -111,25 +147,27 @@ def test_train_generate_resume(tmp_path: Path, corpus: Path):
 )
 def test_bad_train_input_is_one_line_exit_2_and_writes_nothing(tmp_path, corpus, args, needle):
     run = tmp_path / "run"
-    assert_one_line_error(tessel(*train_args(run, corpus, *args)), needle)
+    assert_one_line_error(tessel_here(*train_args(run, corpus, *args)), needle)
     assert not run.exists()
 
 
 def test_bad_files_and_commands(tmp_path: Path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train\n")
-    assert_one_line_error(tessel("train", str(bad)), "is not valid TOML")
-    assert_one_line_error(tessel("train", str(tmp_path / "none.toml")), "does not exist")
-    assert_one_line_error(tessel("train", "--resume", str(tmp_path)), "not a tessel run directory")
-    assert_one_line_error(tessel("generate", str(tmp_path)), "not a tessel run directory")
-    assert_one_line_error(tessel("generate", str(tmp_path), "--temperature", "-1"),
+    assert_one_line_error(tessel_here("train", str(bad)), "is not valid TOML")
+    assert_one_line_error(tessel_here("train", str(tmp_path / "none.toml")), "does not exist")
+    assert_one_line_error(tessel_here("train", "--resume", str(tmp_path)), "not a tessel run directory")
+    assert_one_line_error(tessel_here("generate", str(tmp_path)), "not a tessel run directory")
+    assert_one_line_error(tessel_here("generate", str(tmp_path), "--temperature", "-1"),
                           "--temperature must be >= 0")
-    assert_one_line_error(tessel("generate", str(tmp_path), "--temperature", "nan"),
+    assert_one_line_error(tessel_here("generate", str(tmp_path), "--temperature", "nan"),
                           "--temperature must be >= 0")
-    assert_one_line_error(tessel("generate", str(tmp_path), "--device", "tpu"), "invalid choice")
-    assert_one_line_error(tessel("train", "--resume", str(tmp_path), "--run.dir=x"),
+    assert_one_line_error(tessel_here("generate", str(tmp_path), "--device", "tpu"), "invalid choice")
+    assert_one_line_error(tessel_here("train", "--resume", str(tmp_path), "--run.dir=x"),
                           "drop --run.dir")
+    # the same refusals from the real entry point (`python -m tessel`): one line, exit 2
     assert_one_line_error(tessel("fly"), "unknown command 'fly'")
+    assert_one_line_error(tessel("train", "--bogus"), "unknown option '--bogus'")
     assert not list(tmp_path.iterdir())[1:]  # only bad.toml
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_cli import assert_one_line_error, tessel
+from test_cli import assert_one_line_error, tessel, tessel_here
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -231,7 +231,7 @@ def test_bad_hf_input_is_one_line(tmp_path: Path, corpus: Path):
     (other / "config.json").write_text(json.dumps({"model_type": "mistral",
                                                    "architectures": ["MistralForCausalLM"]}))
     (other / "model.safetensors").write_bytes(b"")
-    assert_one_line_error(tessel("convert", "hf-to-tessel", str(other), str(tmp_path / "x")),
+    assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(other), str(tmp_path / "x")),
                           "unsupported architecture 'mistral'")
     # A tensor missing, a field missing, a shape that does not match.
     broken = tmp_path / "broken"
@@ -239,30 +239,30 @@ def test_bad_hf_input_is_one_line(tmp_path: Path, corpus: Path):
     cfg = json.loads((src / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     (broken / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
-    assert_one_line_error(tessel("convert", "hf-to-tessel", str(broken), str(tmp_path / "y")),
+    assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(broken), str(tmp_path / "y")),
                           "tensor 'model.layers.2.input_layernorm.weight' is missing")
     (broken / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
-    assert_one_line_error(tessel("convert", "hf-to-tessel", str(broken), str(tmp_path / "y")),
+    assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(broken), str(tmp_path / "y")),
                           "missing field 'hidden_size'")
     (broken / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     assert_one_line_error(
-        tessel("train", f"--model.init_from={broken}", f"--run.dir={tmp_path / 'r'}",
+        tessel_here("train", f"--model.init_from={broken}", f"--run.dir={tmp_path / 'r'}",
                "--data.source=synthetic", "--train.steps=1", "--train.seq_len=32"),
         "tensor 'layers.0.feed_forward.w1.weight' has shape (160, 64), the model's is (96, 64)")
     # A tokenizer with more ids than the model has rows.
     (broken / "config.json").write_text(json.dumps({**cfg, "vocab_size": 64}))
     texts = [f.read_text() for f in sorted(corpus.iterdir())]
     train_bpe(texts, 300).save(broken / "tokenizer.json")
-    assert_one_line_error(tessel("convert", "hf-to-tessel", str(broken), str(tmp_path / "z")),
+    assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(broken), str(tmp_path / "z")),
                           "the tokenizer does not match the model")
     # An explicit shape that contradicts the weights.
     assert_one_line_error(
-        tessel("train", f"--model.init_from={src}", "--model.d_model=128", "--data.source=synthetic",
+        tessel_here("train", f"--model.init_from={src}", "--model.d_model=128", "--data.source=synthetic",
                f"--run.dir={tmp_path / 'r2'}"),
         "model.d_model=128 but the weights of model.init_from have 64")
-    assert_one_line_error(tessel("convert", "tessel-to-hf", str(tmp_path / "nothing"),
+    assert_one_line_error(tessel_here("convert", "tessel-to-hf", str(tmp_path / "nothing"),
                                  str(tmp_path / "o")), "does not exist")
-    assert_one_line_error(tessel("convert", "tessel-to-hf", str(src), str(tmp_path / "o")),
+    assert_one_line_error(tessel_here("convert", "tessel-to-hf", str(src), str(tmp_path / "o")),
                           "is already a Hugging Face model directory")
 
 
@@ -276,10 +276,10 @@ def test_dropout_is_carried_both_ways(tmp_path: Path, capsys):
     back = json.loads((tmp_path / "back/config.json").read_text())
     assert (back["resid_pdrop"], back["embd_pdrop"], back["attn_pdrop"]) == (0.1, 0.1, 0.1)
     differ = save_hf(hf_gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0), tmp_path / "d")
-    assert_one_line_error(tessel("convert", "hf-to-tessel", str(differ), str(tmp_path / "x")),
+    assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(differ), str(tmp_path / "x")),
                           "resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0 differ")
     llama = save_hf(hf_llama(attention_dropout=0.1), tmp_path / "l")
-    assert_one_line_error(tessel("convert", "hf-to-tessel", str(llama), str(tmp_path / "y")),
+    assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(llama), str(tmp_path / "y")),
                           "attention_dropout=0.1 cannot be carried")
     # A Llama-shaped tessel model trained with dropout exports its weights and says what it
     # did not write.
@@ -326,7 +326,7 @@ def test_a_tokenizer_without_an_end_of_document_token_uses_the_models_eos(
     (src / "generation_config.json").unlink()
     (src / "config.json").write_text(json.dumps({**cfg, "eos_token_id": None,
                                                  "bos_token_id": None, "pad_token_id": None}))
-    assert_one_line_error(tessel("convert", "hf-to-tessel", str(src), str(tmp_path / "x")),
+    assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(src), str(tmp_path / "x")),
                           "pass --eod-token with one of its tokens")
     assert main(["convert", "hf-to-tessel", str(src), str(tmp_path / "y"),
                  "--eod-token", "<|eot|>"]) == 0

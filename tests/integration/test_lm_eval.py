@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import assert_one_line_error, tessel
+from test_cli import assert_one_line_error, tessel, tessel_here
 
 from tessel.cli import main
 from tessel.observe.metrics import read_metrics
@@ -178,7 +178,7 @@ def test_unknown_task_is_one_line_before_training(tmp_path: Path, corpus: Path):
     tasks = write_task(tmp_path / "tasks")
     run = tmp_path / "run"
     args = train_args(run, corpus, tasks, **{"lm_eval.tasks": [TASK, "no_such_task"]})
-    assert_one_line_error(tessel(*args), "unknown task(s) 'no_such_task'")
+    assert_one_line_error(tessel_here(*args), "unknown task(s) 'no_such_task'")
     assert not (run / "metrics.jsonl").exists()
 
 

@@ -16,7 +16,7 @@ from conftest import write_corpus
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from test_cli import assert_one_line_error, tessel
+from test_cli import assert_one_line_error, tessel, tessel_here
 from test_hf import VOCAB, hf_llama, save_hf, tessel_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -206,11 +206,11 @@ def test_lora_on_a_projection_that_does_not_exist_is_one_line(tmp_path: Path, co
     run = tmp_path / "run"
     args = ["train", f"--model.init_from={src}", f"--run.dir={run}", "--data.source=files",
             f"--data.paths=['{corpus}']", "--lora.enabled=true", "--train.steps=1"]
-    assert_one_line_error(tessel(*args, "--lora.targets=['q_proj', 'qkv_proj']"),
+    assert_one_line_error(tessel_here(*args, "--lora.targets=['q_proj', 'qkv_proj']"),
                           "lora.targets: no projection named 'qkv_proj'")
     assert not run.exists()
     # A name tessel knows that this model lacks (GELU MLP: no w3) fails before any file too.
-    out = tessel("train", "--model.preset=tiny", f"--run.dir={run}", "--data.source=synthetic",
+    out = tessel_here("train", "--model.preset=tiny", f"--run.dir={run}", "--data.source=synthetic",
                  "--lora.enabled=true", "--lora.targets=['up_proj']", "--train.steps=1")
     assert_one_line_error(out, "layers.0.feed_forward.w3 does not exist")
     assert not run.exists()
