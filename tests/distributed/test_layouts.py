@@ -335,7 +335,7 @@ def assert_same_run(run: Path, ref: Path, first_step: int = 1) -> None:
 class References:
     """The single-process reference runs, each trained the first time a test asks for it
     (`refs[name]`: its run directory), once per test session (the `refs` fixture of
-    tests/distributed/conftest.py): Llama-shaped, GPT-shaped, tied, MoE, QK-norm, SFT, from
+    tests/conftest.py): Llama-shaped, GPT-shaped, tied, MoE, QK-norm, SFT, from
     HF weights and LoRA; `refs["corpus"]` and `refs["hf"]` are their data and HF model."""
 
     def __init__(self, root: Path):
