@@ -12,8 +12,23 @@ import torch
 
 from tessel.config import Config
 
-# Two threads: the CI machine has two cores, and results must not depend on the host.
-torch.set_num_threads(int(os.environ.get("TESSEL_TEST_THREADS", min(2, os.cpu_count() or 1))))
+# Two threads: the CI machine has two cores, and results must not depend on the host; one per
+# worker when two xdist workers share them (two threads each, with the other core busy,
+# made small ops up to 20 times slower).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(int(os.environ.get(
+    "TESSEL_TEST_THREADS", 1 if _WORKER else min(2, os.cpu_count() or 1))))
+
+WORKERS = 2
+"""xdist workers for `-n auto`: the CI machine's two cores."""
+PROCESSES = ("tests/distributed/", "tests/integration/test_slurm.py",
+             "tests/integration/test_lm_eval.py::test_two_processes_score_like_one")
+"""Tests that start several training processes: one at a time, on one worker (xdist group
+"processes"), beside the other worker's single-process tests."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return min(WORKERS, os.cpu_count() or 1)
 
 _WORDS = (
     "the model reads tokens and predicts the next token from the past while the optimizer "
@@ -149,6 +164,10 @@ def _machine_factor() -> float:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        # xdist --dist loadgroup: a module's tests on one worker; multi-process tests together
+        group = ("processes" if item.nodeid.startswith(PROCESSES)
+                 else item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
         mark = item.get_closest_marker("budget")
         if mark is not None:
             _budgets[item.nodeid] = float(mark.args[0])
@@ -157,6 +176,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _WORKER:  # the controller gets every worker's reports too
+        return
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
     log = os.environ.get("TESSEL_TEST_DURATIONS")
     if log:  # every phase as it ends: a run cut short still says where its time went
@@ -168,7 +189,7 @@ _verdict: dict[str, object] = {}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if len(_durations) < 50:  # a few tests picked by hand: nothing to say
+    if len(_durations) < 50 or _WORKER:  # a few tests picked by hand; or an xdist worker
         return
     factor = _machine_factor()
     over = sorted(((d, nodeid, _budgets.get(nodeid, BUDGET_S["default"]) * factor)
