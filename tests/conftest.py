@@ -162,6 +162,7 @@ def _machine_factor() -> float:
     return best / _REFERENCE_WORKLOAD_S
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         # xdist --dist loadgroup: a module's tests on one worker; multi-process tests together
@@ -169,20 +170,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                  else item.nodeid.split("::")[0])
         item.add_marker(pytest.mark.xdist_group(group))
         mark = item.get_closest_marker("budget")
-        if mark is not None:
-            _budgets[item.nodeid] = float(mark.args[0])
-        else:
-            _budgets[item.nodeid] = BUDGET_S["slow" if item.get_closest_marker("slow") else "default"]
+        budget = (float(mark.args[0]) if mark is not None
+                  else BUDGET_S["slow" if item.get_closest_marker("slow") else "default"])
+        # in the report, which reaches the xdist controller (collection is the workers')
+        item.user_properties.append(("budget_s", budget))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _WORKER:  # the controller gets every worker's reports too
         return
-    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    nodeid = report.nodeid.split("@")[0]  # without xdist's group suffix
+    _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+    _budgets[nodeid] = dict(report.user_properties).get("budget_s", BUDGET_S["default"])
     log = os.environ.get("TESSEL_TEST_DURATIONS")
     if log:  # every phase as it ends: a run cut short still says where its time went
         with open(log, "a") as f:
-            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
+            f.write(f"{nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
 
 
 _verdict: dict[str, object] = {}
