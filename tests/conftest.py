@@ -23,12 +23,36 @@ WORKERS = 2
 """xdist workers for `-n auto`: the CI machine's two cores."""
 PROCESSES = ("tests/distributed/", "tests/integration/test_slurm.py",
              "tests/integration/test_lm_eval.py::test_two_processes_score_like_one")
-"""Tests that start several training processes: one at a time, on one worker (xdist group
+"""Tests that start several training processes: one at a time, on one worker (the scope
 "processes"), beside the other worker's single-process tests."""
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(WORKERS, os.cpu_count() or 1)
+
+
+def _scope(nodeid: str) -> str:
+    """The unit of work one xdist worker takes whole: the multi-process tests together (one
+    at a time, and the session's reference runs trained once), otherwise the test's module
+    (its module fixtures built once)."""
+    return "processes" if nodeid.startswith(PROCESSES) else nodeid.split("::")[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+    """`--dist loadscope` with the scopes of `_scope`, in collection order (tests/distributed
+    first: the longest scope starts at once). Not the `xdist_group` marker: pytest 9.2 keeps
+    node ids where xdist 3.8's `--dist loadgroup` can no longer add the group to them, so
+    grouped tests went to both workers."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return Scopes(config, log)
 
 _WORDS = (
     "the model reads tokens and predicts the next token from the past while the optimizer "
@@ -162,13 +186,8 @@ def _machine_factor() -> float:
     return best / _REFERENCE_WORKLOAD_S
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        # xdist --dist loadgroup: a module's tests on one worker; multi-process tests together
-        group = ("processes" if item.nodeid.startswith(PROCESSES)
-                 else item.nodeid.split("::")[0])
-        item.add_marker(pytest.mark.xdist_group(group))
         mark = item.get_closest_marker("budget")
         budget = (float(mark.args[0]) if mark is not None
                   else BUDGET_S["slow" if item.get_closest_marker("slow") else "default"])
