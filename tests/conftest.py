@@ -16,6 +16,13 @@ from tessel.config import Config
 # worker when two xdist workers share them (two threads each, with the other core busy,
 # made small ops up to 20 times slower).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    # ... and so does every process a test starts (`tessel train`, torchrun, a SLURM job):
+    # torch and the tokenizers' Rayon pool otherwise take every core each. Measured on the
+    # 2-core CI machine: the stdlib corpus test took 192 s beside the layout tests instead of
+    # 27 s alone, `tessel train` subprocesses 2-4x their time.
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
 torch.set_num_threads(int(os.environ.get(
     "TESSEL_TEST_THREADS", 1 if _WORKER else min(2, os.cpu_count() or 1))))
 
