@@ -12,8 +12,54 @@ import torch
 
 from tessel.config import Config
 
-# Two threads: the CI machine has two cores, and results must not depend on the host.
-torch.set_num_threads(int(os.environ.get("TESSEL_TEST_THREADS", min(2, os.cpu_count() or 1))))
+# Two threads: the CI machine has two cores, and results must not depend on the host; one per
+# worker when two xdist workers share them (two threads each, with the other core busy,
+# made small ops up to 20 times slower).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    # ... and so does every process a test starts (`tessel train`, torchrun, a SLURM job):
+    # torch and the tokenizers' Rayon pool otherwise take every core each. Measured on the
+    # 2-core CI machine: the stdlib corpus test took 192 s beside the layout tests instead of
+    # 27 s alone, `tessel train` subprocesses 2-4x their time.
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+torch.set_num_threads(int(os.environ.get(
+    "TESSEL_TEST_THREADS", 1 if _WORKER else min(2, os.cpu_count() or 1))))
+
+WORKERS = 2
+"""xdist workers for `-n auto`: the CI machine's two cores."""
+PROCESSES = ("tests/distributed/", "tests/integration/test_slurm.py",
+             "tests/integration/test_lm_eval.py::test_two_processes_score_like_one")
+"""Tests that start several training processes: one at a time, on one worker (the scope
+"processes"), beside the other worker's single-process tests."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return min(WORKERS, os.cpu_count() or 1)
+
+
+def _scope(nodeid: str) -> str:
+    """The unit of work one xdist worker takes whole: the multi-process tests together (one
+    at a time, and the session's reference runs trained once), otherwise the test's module
+    (its module fixtures built once)."""
+    return "processes" if nodeid.startswith(PROCESSES) else nodeid.split("::")[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+    """`--dist loadscope` with the scopes of `_scope`, in collection order (tests/distributed
+    first: the longest scope starts at once). Not the `xdist_group` marker: pytest 9.2 keeps
+    node ids where xdist 3.8's `--dist loadgroup` can no longer add the group to them, so
+    grouped tests went to both workers."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return Scopes(config, log)
 
 _WORDS = (
     "the model reads tokens and predicts the next token from the past while the optimizer "
@@ -150,32 +196,45 @@ def _machine_factor() -> float:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         mark = item.get_closest_marker("budget")
-        if mark is not None:
-            _budgets[item.nodeid] = float(mark.args[0])
-        else:
-            _budgets[item.nodeid] = BUDGET_S["slow" if item.get_closest_marker("slow") else "default"]
+        budget = (float(mark.args[0]) if mark is not None
+                  else BUDGET_S["slow" if item.get_closest_marker("slow") else "default"])
+        # in the report, which reaches the xdist controller (collection is the workers')
+        item.user_properties.append(("budget_s", budget))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if _WORKER:  # the controller gets every worker's reports too
+        return
+    nodeid = report.nodeid.split("@")[0]  # without xdist's group suffix
+    _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+    _budgets[nodeid] = dict(report.user_properties).get("budget_s", BUDGET_S["default"])
     log = os.environ.get("TESSEL_TEST_DURATIONS")
     if log:  # every phase as it ends: a run cut short still says where its time went
         with open(log, "a") as f:
-            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
+            f.write(f"{nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
 
 
 _verdict: dict[str, object] = {}
+_started: list[float] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+
+    _started.append(time.monotonic())
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if len(_durations) < 50:  # a few tests picked by hand: nothing to say
+    if len(_durations) < 50 or _WORKER:  # a few tests picked by hand; or an xdist worker
         return
     factor = _machine_factor()
     over = sorted(((d, nodeid, _budgets.get(nodeid, BUDGET_S["default"]) * factor)
                    for nodeid, d in _durations.items()
                    if d > _budgets.get(nodeid, BUDGET_S["default"]) * factor), reverse=True)
-    total = sum(_durations.values())
-    _verdict.update(factor=factor, over=over, total=total)
+    import time
+
+    total = time.monotonic() - _started[0]  # wall time: with two workers less than the sum
+    _verdict.update(factor=factor, over=over, total=total, summed=sum(_durations.values()))
     if os.environ.get("TESSEL_TEST_BUDGET") == "strict" and (over or total > SUITE_BUDGET_S * factor):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -186,8 +245,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     factor, over, total = _verdict["factor"], _verdict["over"], _verdict["total"]
     write = terminalreporter.write_line
     terminalreporter.section("time budget")
-    write(f"machine factor {factor:.2f} (1.0 = the reference 2-core AMD EPYC); tests took "
-          f"{total / 60:.1f} min of {SUITE_BUDGET_S * factor / 60:.1f} min budgeted")
+    write(f"machine factor {factor:.2f} (1.0 = the reference 2-core AMD EPYC); the session took "
+          f"{total / 60:.1f} min of {SUITE_BUDGET_S * factor / 60:.1f} min budgeted (tests "
+          f"{_verdict['summed'] / 60:.1f} min summed)")
     for d, nodeid, budget in over:  # type: ignore[attr-defined]
         write(f"over budget: {nodeid} took {d:.1f} s, budget {budget:.1f} s")
     if not over:
