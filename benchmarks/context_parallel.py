@@ -88,7 +88,8 @@ def worker(args: argparse.Namespace) -> None:
         if cp is not None:
             x, y, positions = cp.shard(x, y)
 
-        def step(measure: bool = False) -> int:
+        def step(measure: bool = False, x: torch.Tensor = x, y: torch.Tensor = y,
+                 positions: torch.Tensor | None = positions) -> int:  # this length's batch
             def forward() -> torch.Tensor:
                 with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
                     logits = model(x, None, positions)

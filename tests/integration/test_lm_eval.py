@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import assert_one_line_error, tessel, tessel_here
+from test_cli import assert_one_line_error, tessel_here
 
 from tessel.cli import main
 from tessel.observe.metrics import read_metrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_cli import ROOT, assert_one_line_error, tessel, tessel_here, train_args
+from test_cli import ROOT, assert_one_line_error, tessel_here, train_args
 
 from tessel.planner.hardware import load_profiles
 
