@@ -421,6 +421,7 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
     assert sum(rec["exp_avg"] for rec in records) == expected, run.name
 
 
+@pytest.mark.budget(420)  # seconds on the reference machine: measured, +~40%
 def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
     spec = _spec(tmp_path, refs["corpus"], {**LAYOUTS_2, **COMPRESSED_2}, short=True)
     spec["measure_memory"] = True
@@ -533,6 +534,7 @@ def assert_tied_embeddings_reshard(refs, tmp_path: Path) -> None:
     assert_one_embedding(tmp_path / "tied_tp2")
 
 
+@pytest.mark.budget(480)  # seconds on the reference machine: measured, +~40%
 def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     corpus = refs["corpus"]
     spec = _spec(tmp_path, corpus, LAYOUTS_4, short=True)
@@ -621,6 +623,7 @@ def _copy_run(src: Path, dst: Path, step: int) -> None:
     shutil.copytree(src / "checkpoints" / f"step_{step:08d}", dst / "checkpoints" / f"step_{step:08d}")
 
 
+@pytest.mark.budget(70)  # seconds on the reference machine: measured, +~40%
 def test_a_hung_rank_ends_the_job_with_a_clear_message(refs, tmp_path: Path):
     spec = _spec(tmp_path, refs["corpus"], {"hang": {"parallel.timeout_s": 5}})
     spec["hang"] = {"rank": 1, "step": 2}
@@ -662,6 +665,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
 def test_two_nodes_on_loopback_train_like_one_process(refs, tmp_path: Path):
     """Two torchrun agents ("nodes") meet through the c10d rendezvous on loopback and train
     HSDP: parameters sharded within each node, replicated across the two."""
@@ -688,6 +692,7 @@ def test_two_nodes_on_loopback_train_like_one_process(refs, tmp_path: Path):
     assert_same_run(run, refs["llama"])
 
 
+@pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
 def test_tessel_train_nproc_runs_torchrun_end_to_end(refs, tmp_path: Path):
     run = tmp_path / "cli"
     args = [f"--{k}={json.dumps(v)}" for k, v in base(run, refs["corpus"], **{"parallel.tp": 2}).items()]

@@ -104,6 +104,7 @@ def test_help_and_config_commands(tmp_path: Path):
     assert "| `optim.lr` |" in tessel_here("config", "--reference").stdout
 
 
+@pytest.mark.budget(90)  # seconds on the reference machine: measured, +~40%
 def test_train_generate_resume(tmp_path: Path, corpus: Path):
     run = tmp_path / "run"
     out = tessel(*train_args(run, corpus, "--train.steps=6", "--checkpoint.interval=3",
@@ -171,6 +172,7 @@ def test_bad_files_and_commands(tmp_path: Path):
     assert not list(tmp_path.iterdir())[1:]  # only bad.toml
 
 
+@pytest.mark.budget(70)  # seconds on the reference machine: measured, +~40%
 def test_incompatible_or_damaged_resume_is_refused_and_changes_nothing(tmp_path, corpus):
     run = tmp_path / "run"
     assert tessel(*train_args(run, corpus, "--train.steps=2")).returncode == 0
@@ -198,6 +200,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0) -> None
         time.sleep(0.05)
 
 
+@pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_signal_checkpoints_at_the_step_boundary_and_exits(tmp_path, corpus, sig, code):
     run = tmp_path / "run"
@@ -215,6 +218,7 @@ def test_signal_checkpoints_at_the_step_boundary_and_exits(tmp_path, corpus, sig
     assert resumed.returncode == 0, resumed.stderr
 
 
+@pytest.mark.budget(80)  # seconds on the reference machine: measured, +~40%
 def test_sigkill_during_saves_never_leaves_a_damaged_checkpoint(tmp_path, corpus):
     """Kill -9 at random moments of a run that saves every step: every checkpoint that is
     visible must load completely, and the run must resume from the newest one."""
@@ -246,6 +250,7 @@ def test_sigkill_during_saves_never_leaves_a_damaged_checkpoint(tmp_path, corpus
         assert (ckpts / "latest" / "state.json").is_file()
 
 
+@pytest.mark.budget(50)  # seconds on the reference machine: measured, +~40%
 def test_auto_resume_starts_then_continues_the_run(tmp_path, corpus):
     run = tmp_path / "run"
     first = tessel(*train_args(run, corpus, "--train.steps=2", "--auto-resume"))

@@ -13,6 +13,7 @@ from tessel.data.sources import default_cache_dir, ensure_corpus, stdlib_files
 from tessel.observe.metrics import read_metrics
 
 
+@pytest.mark.budget(240)  # seconds on the reference machine: measured, +~40%
 def test_stdlib_corpus_goes_through_the_pipeline_once():
     cache = default_cache_dir()  # the session's cache (conftest), shared with the demo test
     said: list[str] = []
@@ -31,6 +32,7 @@ def test_stdlib_corpus_goes_through_the_pipeline_once():
     assert not again  # cached: nothing rebuilt, nothing said
 
 
+@pytest.mark.budget(450)  # seconds on the reference machine: measured, +~40%
 @pytest.mark.slow
 def test_demo_beats_the_unigram_baseline(tmp_path: Path):
     env = {**os.environ, "CI": "true"}

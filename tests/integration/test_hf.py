@@ -107,6 +107,7 @@ def test_hf_to_tessel_matches_transformers_and_round_trips_bit_for_bit(arch, tmp
         assert torch.equal(before[k], after[k]), k
 
 
+@pytest.mark.budget(35)  # seconds on the reference machine: measured, +~40%
 def test_fine_tuned_model_exports_to_transformers_with_the_same_logits(tmp_path: Path, corpus: Path):
     src = save_hf(hf_llama(), tmp_path / "hf", corpus)
     run = tmp_path / "run"

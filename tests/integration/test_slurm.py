@@ -252,6 +252,7 @@ def _finished(cluster: Cluster, job_id: str, d: Path) -> dict[str, str]:
     return info
 
 
+@pytest.mark.budget(90)  # seconds on the reference machine: measured, +~40%
 def test_the_generated_script_completes_unedited_with_the_local_losses(cluster, reference,
                                                                        tmp_path_factory):
     d = _workdir(tmp_path_factory, "plain")
@@ -261,6 +262,7 @@ def test_the_generated_script_completes_unedited_with_the_local_losses(cluster, 
     assert _losses(d / "run") == reference
 
 
+@pytest.mark.budget(90)  # seconds on the reference machine: measured, +~40%
 @pytest.mark.parametrize("how", ["--signal=TERM", "--signal=TERM --full"])
 def test_a_signalled_job_saves_requeues_itself_and_resumes_exactly(cluster, reference,
                                                                    tmp_path_factory, how):
@@ -278,6 +280,7 @@ def test_a_signalled_job_saves_requeues_itself_and_resumes_exactly(cluster, refe
     assert 20 <= stopped_at < STEPS
 
 
+@pytest.mark.budget(120)  # seconds on the reference machine: measured, +~40%
 def test_preemption_by_a_higher_priority_partition_requeues_and_resumes_exactly(
         cluster, reference, tmp_path_factory):
     """Real preemption (partition_prio, PreemptMode=REQUEUE, a grace time): a job submitted
@@ -302,6 +305,7 @@ def test_preemption_by_a_higher_priority_partition_requeues_and_resumes_exactly(
     assert 20 <= stopped_at < STEPS  # checkpoint.interval = 0: the stop itself saved
 
 
+@pytest.mark.budget(120)  # seconds on the reference machine: measured, +~40%
 def test_the_time_limit_saves_and_requeues_until_done(cluster, reference, tmp_path_factory):
     d = _workdir(tmp_path_factory, "timelimit")
     # a one-minute limit with the warning 55 s before it: SIGTERM 5-35 s into every
@@ -312,6 +316,7 @@ def test_the_time_limit_saves_and_requeues_until_done(cluster, reference, tmp_pa
     assert _losses(d / "run") == reference
 
 
+@pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
 def test_two_jobs_on_one_node_both_finish(cluster, reference, tmp_path_factory):
     dirs = [_workdir(tmp_path_factory, f"pair{i}") for i in range(2)]
     jobs = [_submit(cluster, d, "--nproc-per-node", "1") for d in dirs]

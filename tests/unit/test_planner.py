@@ -466,6 +466,7 @@ def test_bad_expert_parallel_layouts_are_one_line(overrides, gpus, needle):
     assert why is not None and needle in why and "\n" not in why
 
 
+@pytest.mark.budget(35)  # seconds on the reference machine: measured, +~40%
 def test_deepseek_v3_on_2048_h800s_gets_a_layout_with_expert_and_pipeline_parallelism():
     """DeepSeek-V3's shape (tessel's GQA stand-in for MLA) at the start of its batch ramp
     (3,072 sequences of 4,096; the full search at 15,360 is in docs/planning.md)."""
