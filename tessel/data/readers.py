@@ -370,7 +370,9 @@ def _json_record(line: bytes, path: Path, lineno: int, stats: ReadStats) -> dict
     return obj
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate code point: in a Python string, a lone JSON escape such as \\ud800 or a
+byte that was not UTF-8 (surrogateescape); no tokenizer takes either."""
 _NOT_AN_ESCAPED_BYTE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
 
@@ -381,7 +383,7 @@ def _clean_strings(obj: dict[str, Any], path: Path, where: str) -> bool:
 
     def clean(s: str) -> str:
         nonlocal replaced
-        if s.isascii() or not _SURROGATE.search(s):
+        if s.isascii() or not SURROGATE.search(s):
             return s
         # lone surrogates (JSON escapes) first, then the escaped bytes decoded as
         # `iter_documents` decodes a line (one U+FFFD per invalid sequence)

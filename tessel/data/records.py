@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from tessel.data.preprocess import (
     check_settings,
     encode_documents,
 )
-from tessel.data.readers import ReadStats
+from tessel.data.readers import SURROGATE, ReadStats
 from tessel.data.tokenizer import Tokenizer, load_tokenizer
 from tessel.errors import DataError
 
@@ -72,7 +71,6 @@ def _texts(records: Any, json_key: str) -> Iterator[Any]:
 
 
 _MISSING, _NOT_A_RECORD = object(), object()
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def iter_records(records: Any, json_key: str = "text",
@@ -94,7 +92,7 @@ def _documents(records: Any, json_key: str, stats: ReadStats) -> Iterator[str]:
         try:
             stats.bytes_read += len(text.encode("utf-8"))
         except UnicodeEncodeError:  # lone surrogates: not Unicode text the tokenizer takes
-            text = _SURROGATE.sub("\ufffd", text)
+            text = SURROGATE.sub("\ufffd", text)
             stats.bytes_read += len(text.encode("utf-8"))
             stats.invalid_utf8 += 1
         if not text:
