@@ -111,15 +111,20 @@ def run() -> NoReturn:
 
     # A native crash (a collective library aborting) still shows each thread's Python stack.
     faulthandler.enable(all_threads=True)
+    exit_process(exit_code())
+
+
+def exit_code(argv: list[str] | None = None) -> int:
+    """main(argv) as the `tessel` command runs it, short of leaving the process: argparse's
+    SystemExit becomes its exit code, anything unexpected a traceback on stderr and 1."""
     try:
-        code = main()
+        return main(argv)
     except SystemExit as exc:  # argparse's --help and usage errors
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     except BaseException:
         import traceback
 
         traceback.print_exc()  # a bug: keep the traceback, then leave as cleanly as any run
-        code = 1
-    exit_process(code)
+        return 1

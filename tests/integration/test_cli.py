@@ -32,29 +32,21 @@ def tessel(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def tessel_here(*args: str) -> subprocess.CompletedProcess:
-    """`tessel ARGS` in this process, as `tessel.cli.run` handles it short of leaving the
-    process: argparse's SystemExit becomes the exit code, an unexpected exception a traceback
-    on stderr and exit 1 (so "no traceback" is still checked)."""
+    """`tessel ARGS` in this process, as `tessel.cli.run` runs it short of leaving the
+    process (`tessel.cli.exit_code`: argparse's SystemExit becomes the exit code, an
+    unexpected exception a traceback on stderr and exit 1, so "no traceback" is still
+    checked)."""
     import contextlib
     import io
-    import traceback
 
-    from tessel.cli import main
+    from tessel.cli import exit_code
 
     out, err = io.StringIO(), io.StringIO()
     saved = os.environ.get("CI")
     os.environ["CI"] = "true"
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as exc:
-                if isinstance(exc.code, str):
-                    print(exc.code, file=sys.stderr)
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-            except BaseException:  # noqa: BLE001 (a bug: shown as the command would show it)
-                traceback.print_exc()
-                code = 1
+            code = exit_code(list(args))
     finally:
         if saved is None:
             os.environ.pop("CI", None)
