@@ -242,7 +242,7 @@ def test_sigkill_during_saves_never_leaves_a_damaged_checkpoint(tmp_path, corpus
         assert (ckpts / "latest" / "state.json").is_file()
 
 
-@pytest.mark.budget(50)  # seconds on the reference machine: measured, +~40%
+@pytest.mark.budget(65)  # seconds on the reference machine: measured (up to 59 s in CI), +~10%
 def test_auto_resume_starts_then_continues_the_run(tmp_path, corpus):
     run = tmp_path / "run"
     first = tessel(*train_args(run, corpus, "--train.steps=2", "--auto-resume"))

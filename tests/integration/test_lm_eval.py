@@ -297,7 +297,7 @@ def test_a_scoring_failure_costs_the_scores_not_the_checkpoint(tmp_path: Path, c
     assert main(["train", "--auto-resume", f"--run.dir={run}", "--quiet"]) == 7
 
 
-@pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
+@pytest.mark.budget(60)  # seconds on the reference machine: measured (up to 48 s in CI), +~25%
 @pytest.mark.slow
 def test_two_processes_score_like_one(trained, tmp_path: Path):
     """DDP (the wrapped module), ZeRO-3 (every rank calls forward together: FSDP's

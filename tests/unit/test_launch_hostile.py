@@ -42,6 +42,23 @@ fd, _ = tempfile.mkstemp(dir=os.environ["RECORD_DIR"], suffix=".json")
 with os.fdopen(fd, "w") as f:
     json.dump({{"argv": [os.fsencode(a).hex() for a in sys.argv], "cwd": os.getcwd()}}, f)
 name = os.path.basename(sys.argv[0])
+if "tessel.parallel.node" in sys.argv:
+    # A one-node job starts its relay step (srun --overlap) in the background and kills it when
+    # the launcher ends: the launcher waits until srun has recorded its call, or a stub this
+    # fast could end first and the relay be killed before it records anything.
+    import glob, time
+    def srun_recorded():
+        for path in glob.glob(os.path.join(os.environ["RECORD_DIR"], "*.json")):
+            try:
+                argv0 = bytes.fromhex(json.load(open(path))["argv"][0]).decode()
+            except ValueError:  # still being written
+                continue
+            if os.path.basename(argv0) == "srun":
+                return True
+        return False
+    deadline = time.monotonic() + 20
+    while not srun_recorded() and time.monotonic() < deadline:
+        time.sleep(0.05)
 if name == "scontrol" and sys.argv[1:3] == ["show", "hostnames"]:
     print("node1")
 if name == "srun" and "--overlap" not in sys.argv:
