@@ -10,7 +10,7 @@ Context parallelism is a property of the attention module on the mesh: `Attentio
 (None here; a `SequenceExchange` placed by `tessel.parallel.context`) moves keys and values
 (all-gather) or heads (Ulysses) between the ranks that share the sequence, inside the
 forward, with autograd-aware collectives. The kernel is whatever the device has: SDPA with
-an explicit boolean mask on CPU (and wherever attention dropout is on), FlexAttention's block
+an explicit mask on CPU (and wherever attention dropout is on), FlexAttention's block
 mask on CUDA, SDPA's own causal kernels where no mask is needed. Nothing here patches
 PyTorch functions, and nothing here starts a collective itself.
 """
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the config imports the presets from this package
     from tessel.config import ModelConfig
 
 AttentionMask = torch.Tensor | BlockMask
-"""A mask: a dense (B, 1, T_q, T_kv) boolean one for SDPA (CPU, or with attention dropout,
+"""A mask: a dense (B, 1, T_q, T_kv) additive one for SDPA (CPU, or with attention dropout,
 which FlexAttention lacks), or FlexAttention's block mask (CUDA)."""
 
 
@@ -145,23 +145,38 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
 
 
 def attention_mask(doc_ids: torch.Tensor | None, rows: torch.Tensor | None, kv_len: int,
-                   device: torch.device, flex: bool) -> AttentionMask | None:
+                   device: torch.device, flex: bool, dtype: torch.dtype
+                   ) -> AttentionMask | None:
     """The mask of one forward: causal, and within each document when `doc_ids` (B, T_kv)
     gives the whole sample's documents; `rows` (B, T_q) are the global positions of the query
     rows (context parallelism), None for all kv_len of them in order. `flex`: FlexAttention's
-    block mask (CUDA) instead of a dense boolean one. None: plain causal attention (SDPA's
-    own kernel)."""
+    block mask (CUDA) instead of a dense one. None: plain causal attention (SDPA's own
+    kernel).
+
+    A dense mask is additive, in `dtype` (the queries' dtype): 0 where a key is seen, -inf
+    where not. SDPA turns a boolean mask into exactly this in every layer it is handed to,
+    and autograd keeps each layer's copy for backward (a (T_q, T_kv) float matrix per layer:
+    under context parallelism more than the rank's whole share of activations at long
+    sequences); made once here, every layer uses and keeps the same one."""
     if rows is None:
         if doc_ids is None:
             return None
-        return document_block_mask(doc_ids) if flex else document_causal_mask(doc_ids)
+        if flex:
+            return document_block_mask(doc_ids)
+        return _additive(document_causal_mask(doc_ids), dtype)
     if flex:
         return _rows_block_mask(rows, doc_ids, kv_len)
     kv = torch.arange(kv_len, device=device)
     allowed = rows[:, :, None] >= kv  # (B, T_q, T_kv): causal from the global positions
     if doc_ids is not None:
         allowed = allowed & (doc_ids.gather(1, rows)[:, :, None] == doc_ids[:, None, :])
-    return allowed[:, None]
+    return _additive(allowed[:, None], dtype)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA would convert it: 0 where True, -inf where False."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, float("-inf"))
 
 
 def _rows_block_mask(rows: torch.Tensor, doc_ids: torch.Tensor | None, kv_len: int) -> BlockMask:

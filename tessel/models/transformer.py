@@ -264,7 +264,11 @@ class Transformer(nn.Module):
             # against every key; under Ulysses every row (for a share of the heads).
             rows = positions if sharded and cp.local_queries else None
             kv_len = T * cp.size if sharded else T
-            mask = attention_mask(doc_ids, rows, kv_len, tokens.device, flex)
+            # The queries' dtype: autocast's, else the hidden state's.
+            device = tokens.device.type
+            dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                     else h.dtype)
+            mask = attention_mask(doc_ids, rows, kv_len, tokens.device, flex, dtype)
         for block in self.layers.values():
             h = block(h, freqs, mask, sharded)
         if self.norm is not None:

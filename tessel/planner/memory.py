@@ -43,7 +43,7 @@ ASSUMPTIONS = (
     "two blocks), DDP's autocast keeps one bf16 copy of the matmul weights",
     "activations: the tensors tessel's model saves for backward, measured on a probe of the "
     "real code (flash-style attention: no seq x seq matrix without a mask; a dense mask, on "
-    "CPU or with attention dropout, 1 byte per position plus SDPA's additive copy in each "
+    "CPU or with attention dropout, one additive mask in the compute dtype shared by every "
     "layer; FlexAttention's block masks, on CUDA, counted as nothing), times "
     "the micro-batches in flight: gpipe all, 1f1b pp - rank, interleaved 1F1B the peak of "
     "PyTorch's own action order (each stage's chunk weighed by its size); zero-bubble 1.75 x "
@@ -59,8 +59,8 @@ ASSUMPTIONS = (
     "tokens, measured on the probe run as one rank of cp 2 with a stand-in exchange of the "
     "real shapes; allgather also keeps, per layer, the whole sequence's keys and values as "
     "the kernel takes them (KV heads / tp per position: the kernel reads grouped-query "
-    "attention as it is; the size of cp x its own tokens' keys and values) and, on CPU, its "
-    "dense mask rows over the whole sequence (always, under cp); ulysses keeps its "
+    "attention as it is; the size of cp x its own tokens' keys and values) and, on CPU, one "
+    "dense mask of its rows over the whole sequence (always, under cp); ulysses keeps its "
     "head-sharded queries, keys, values and output (the size of its own tokens'), a copy "
     "of the output and, with documents, a mask over "
     "the whole sequence; buffers: one layer's gathered keys and values (ulysses: the "
@@ -290,17 +290,18 @@ def memory_by_rank(
 
 
 def _shared_per_token(m: ModelConfig, layout: Layout, seq_len: int, document_mask: bool,
-                      dense_mask: bool) -> float:
-    """Bytes per token of what a micro-batch's blocks share: a dense boolean mask (1 byte
-    per token per position: this rank's rows over the whole sequence, or, for a Ulysses
-    rank, every row; FlexAttention's block mask is small and left out) and each token's
-    RoPE rotation when positions are given per token (documents, context parallelism)."""
+                      dense_mask: bool, compute: int) -> float:
+    """Bytes per token of what a micro-batch's blocks share: a dense additive mask in the
+    compute dtype (`compute` bytes per token per position: this rank's rows over the whole
+    sequence, or, for a Ulysses rank, every row; FlexAttention's block mask is small and
+    left out) and each token's RoPE rotation when positions are given per token (documents,
+    context parallelism)."""
     cp = layout.cp
     rows_here = cp == 1 or layout.cp_mode == "allgather"
     masked = document_mask or (cp > 1 and rows_here)  # Ulysses without documents: causal
     per_token = 4.0 * m.head_dim if m.position == "rope" and (document_mask or cp > 1) else 0.0
     if masked and dense_mask:
-        per_token += seq_len * (1 if rows_here else cp)
+        per_token += seq_len * (1 if rows_here else cp) * compute
     return per_token
 
 
@@ -428,9 +429,8 @@ def rank_memory(
         router_copy = acts.moe_router_copy
     # With documents (and under context parallelism) every block is handed the same mask
     # and, with RoPE, each token's rotation (head_dim float32s): one per micro-batch, kept
-    # until its backward whatever the checkpointing (counted whole: without checkpointing
-    # only SDPA's additive copies stay, in per_position).
-    shared = _shared_per_token(m, layout, seq_len, document_mask, dense_mask)
+    # until its backward whatever the checkpointing.
+    shared = _shared_per_token(m, layout, seq_len, document_mask, dense_mask, compute)
     layers = p.layers
     chunk = {}  # bytes one micro-batch saves in each stage of this rank
     for s, (n, n_moe) in stages.items():

@@ -37,14 +37,14 @@ def case(cp: ContextParallel, docs: torch.Tensor | None, seed: int) -> float:
 
     # The reference: one process, the whole sequence.
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    y = attend(*full, attention_mask(docs, None, T, q.device, flex=False))
+    y = attend(*full, attention_mask(docs, None, T, q.device, flex=False, dtype=q.dtype))
     (y * dy).sum().backward()
 
     # This rank's part of the sequence through the exchange.
     pos = chunk_positions(T, cp.size, cp.rank, cp.balanced)
     local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
     rows = pos.expand(B, -1) if cp.local_queries else None
-    mask = attention_mask(docs, rows, T, q.device, flex=False)
+    mask = attention_mask(docs, rows, T, q.device, flex=False, dtype=q.dtype)
     q_x, k_x, v_x = cp.exchange(*local)
     # Keys and values move before the grouped-query expansion: KV heads only (all-gather:
     # all of them, Ulysses: this rank's share).

@@ -264,7 +264,7 @@ def test_the_model_with_a_flex_document_mask_compiles_without_graph_breaks():
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_flex_block_mask_of_context_parallel_rows_equals_the_dense_mask(with_docs):
     """The CUDA path of context parallelism (query rows at their global positions against
-    every key, FlexAttention's block mask) against the CPU path (the dense boolean mask),
+    every key, FlexAttention's block mask) against the CPU path (the dense additive mask),
     forward on CPU; both against the whole sequence's attention at those rows."""
     import warnings
 
@@ -276,11 +276,44 @@ def test_flex_block_mask_of_context_parallel_rows_equals_the_dense_mask(with_doc
     q, k, v = (torch.randn(B, T, H, hd, generator=gen) for _ in range(3))
     docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if with_docs else None
     rows = chunk_positions(T, 4, 1, balanced=True).expand(B, -1)  # chunks 1 and 6 of 8
-    whole = attend(q, k, v, attention_mask(docs, None, T, q.device, flex=False))
+    whole = attend(q, k, v, attention_mask(docs, None, T, q.device, flex=False, dtype=q.dtype))
     dense = attend(q.gather(1, rows[..., None, None].expand(-1, -1, H, hd)), k, v,
-                   attention_mask(docs, rows, T, q.device, flex=False))
+                   attention_mask(docs, rows, T, q.device, flex=False, dtype=q.dtype))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
-        flex = attend(q[:, rows[0]], k, v, attention_mask(docs, rows, T, q.device, flex=True))
+        flex = attend(q[:, rows[0]], k, v,
+                      attention_mask(docs, rows, T, q.device, flex=True, dtype=q.dtype))
     torch.testing.assert_close(dense, whole[:, rows[0]], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_every_layer_keeps_the_one_dense_mask_and_computes_what_a_boolean_mask_does(autocast):
+    """The dense (CPU) mask is made once per forward, additive in the queries' dtype, and
+    every layer keeps that one tensor for backward. Handed a boolean mask, SDPA converts it
+    in every layer and autograd keeps each copy: under context parallelism at 8,192 tokens
+    that was more memory than the rank's whole share of activations. The values are what
+    SDPA's own conversion gives (bit for bit)."""
+    from tessel.models.transformer import document_causal_mask, document_positions
+
+    T = 16
+    model = build_model(small(position="rope", n_layers=4), "cpu", seed=6)
+    x = torch.randint(0, 97, (2, T))
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+    masks: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[-2:] == (T, T):  # nothing else the model saves is positions x positions
+            masks.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = model(x, docs)
+        h = model.tok_embeddings(x)
+        freqs = model.rope_freqs[document_positions(docs)]
+        for block in model.layers.values():  # each layer handed the boolean mask
+            h = block(h, freqs, document_causal_mask(docs))
+        want = model.output(model.norm(h))
+    assert len(masks) == 1, f"{len(masks)} dense masks kept for 4 layers"
+    torch.testing.assert_close(got[..., :97], want[..., :97], rtol=0, atol=0)
