@@ -1,7 +1,7 @@
 """The `tessel` command: the command table, `main` and the console-script entry point `run`.
 
 Each command group lives in its own module (train, generate, info, launch, checkpoint,
-convert, plan, bench, report, data), builds an argparse parser (`tessel.cli.args.Parser`,
+convert, plan, scale, bench, report, data), builds an argparse parser (`tessel.cli.args.Parser`,
 whose usage errors are one line) and returns an exit code. Modules outside tessel.cli do not
 import it.
 """
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from tessel.cli import bench, checkpoint, convert, data, generate, info, launch, plan, report, train
+from tessel.cli import bench, checkpoint, convert, data, generate, info, launch, plan, report, scale, train
 from tessel.errors import Stopped, TesselError
 
 HELP = """\
@@ -26,6 +26,7 @@ usage: tessel COMMAND [ARGS ...]       (tessel COMMAND --help for each one's opt
   tessel launch k8s CONFIG.toml --nodes N --image IMAGE [...]           print a Kubeflow PyTorchJob
   tessel checkpoint consolidate RUN_DIR|CHECKPOINT [--output FILE]   one-file model
   tessel plan [CONFIG.toml] --gpus N [--gpu NAME] [--json]   predict memory/speed, pick a layout
+  tessel scale [CONFIG.toml] --gpus N,N,... [--weak] [--json] [--html FILE]   predicted scaling
   tessel convert hf-to-tessel HF_DIR OUT_DIR              import Hugging Face weights
   tessel convert tessel-to-hf RUN_DIR|CHECKPOINT HF_DIR   export for transformers/vLLM
   tessel generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
@@ -49,6 +50,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "checkpoint": checkpoint.cmd_checkpoint,
     "convert": convert.cmd_convert,
     "plan": plan.cmd_plan,
+    "scale": scale.cmd_scale,
     "generate": generate.cmd_generate,
     "report": report.cmd_report,
     "bench": bench.cmd_bench,

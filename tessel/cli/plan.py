@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessel.cli.args import Parser, add_config_arguments, parse_config_args
 from tessel.errors import TesselError
+
+if TYPE_CHECKING:
+    from tessel.planner.hardware import GpuProfile
 
 _DEGREES = {"dp_replicate", "dp_shard", "tp", "pp", "cp", "zero"}
 _NOT_TRAIN = ("tessel plan takes a config and overrides, not train's flags; "
@@ -27,19 +32,41 @@ fit by predicted tokens/s; with one (e.g. --parallel.tp=2 --parallel.pp=2) it ev
 layout and, if it does not fit, names the nearest that do.""")
     add_config_arguments(p)
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs in the job (required)")
-    p.add_argument("--gpu", default="h100-sxm", metavar="NAME",
-                   help="hardware profile (default h100-sxm); --gpu list shows them")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to show (default 10)")
+    add_hardware_arguments(p)
+    p.add_argument("--save-hardware", metavar="FILE",
+                   help="write the (calibrated) profile as a TOML table for --hardware")
+    return p
+
+
+def add_hardware_arguments(p: Parser) -> None:
+    """--gpu, --hardware and --calibrate: the GPU profile a prediction uses (`tessel plan`,
+    `tessel scale`); `hardware_profile` and `calibrated` read them."""
+    p.add_argument("--gpu", default="h100-sxm", metavar="NAME",
+                   help="hardware profile (default h100-sxm); --gpu list shows them")
     p.add_argument("--hardware", metavar="FILE",
                    help="extra or overriding profiles ([gpu.NAME] tables; also $TESSEL_HARDWARE)")
     p.add_argument("--calibrate", metavar="PATH",
                    help="fit the profile's matmul efficiency to a measured run: a run directory "
                         "of `tessel train`, a JSON file with tokens_per_s, world_size, config, "
                         "or the JSON of `tessel bench`")
-    p.add_argument("--save-hardware", metavar="FILE",
-                   help="write the (calibrated) profile as a TOML table for --hardware")
-    return p
+
+
+def hardware_profile(args: argparse.Namespace) -> GpuProfile | None:
+    """The GPU profile --gpu and --hardware name (not yet calibrated), or None after
+    printing every profile for `--gpu list`."""
+    from tessel.planner import hardware
+
+    profiles = hardware.load_profiles(args.hardware)
+    if args.gpu == "list":
+        for name, prof in profiles.items():
+            fp8 = f"{prof.fp8_flops / 1e12:5.0f}" if prof.fp8_flops else "    -"
+            print(f"{name:12s} bf16 {prof.bf16_flops / 1e12:5.0f}  fp8 {fp8} TFLOP/s  "
+                  f"{prof.memory_gib:6.1f} GiB  {prof.gpus_per_node} per node  "
+                  f"{prof.intra_node_gbps:g}/{prof.inter_node_gbps:g} GB/s intra/inter")
+        return None
+    return hardware.get_profile(args.gpu, profiles)
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -51,20 +78,14 @@ def cmd_plan(argv: list[str]) -> int:
     from tessel.checkpoint.init_from import load_config
     from tessel.planner import hardware, report, search
 
-    profiles = hardware.load_profiles(args.hardware)
-    if args.gpu == "list":
-        for name, prof in profiles.items():
-            fp8 = f"{prof.fp8_flops / 1e12:5.0f}" if prof.fp8_flops else "    -"
-            print(f"{name:12s} bf16 {prof.bf16_flops / 1e12:5.0f}  fp8 {fp8} TFLOP/s  "
-                  f"{prof.memory_gib:6.1f} GiB  {prof.gpus_per_node} per node  "
-                  f"{prof.intra_node_gbps:g}/{prof.inter_node_gbps:g} GB/s intra/inter")
+    hw = hardware_profile(args)
+    if hw is None:  # --gpu list
         return 0
     if args.gpus is None or args.gpus < 1:
         raise TesselError("tessel plan needs --gpus N (N >= 1), the number of GPUs of the job")
-    hw = hardware.get_profile(args.gpu, profiles)
     cfg = load_config(args.config, overrides)
     if args.calibrate:
-        hw = _calibrated(hw, Path(args.calibrate))
+        hw = calibrated(hw, Path(args.calibrate))
     if args.save_hardware:
         from tessel.fileio import write_text_atomic
 
@@ -102,7 +123,7 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
-def _calibrated(hw, path: Path):  # noqa: ANN001, ANN202
+def calibrated(hw: GpuProfile, path: Path) -> GpuProfile:
     """The profile with its matmul efficiency fitted to the measured run at `path`."""
     from tessel.planner import hardware, search
     from tessel.planner.layout import Layout

@@ -13,7 +13,7 @@ from tessel.cli.train import config_keys
 HELP_ARGV = [
     ["train"], ["launch"], ["launch", "slurm"], ["launch", "k8s"], ["checkpoint"],
     ["checkpoint", "consolidate"], ["convert"], ["convert", "hf-to-tessel"],
-    ["convert", "tessel-to-hf"], ["plan"], ["generate"], ["report"], ["bench"], ["presets"],
+    ["convert", "tessel-to-hf"], ["plan"], ["scale"], ["generate"], ["report"], ["bench"], ["presets"],
     ["config"], ["tokenizer"], ["tokenizer", "train"], ["preprocess"], ["data"], ["data", "inspect"],
 ]
 
@@ -24,6 +24,7 @@ VALID_ARGV = {
     "checkpoint": ["consolidate", "run"],
     "convert": ["hf-to-tessel", "hf", "out"],
     "plan": ["--gpus", "1"],
+    "scale": ["--gpus", "1"],
     "generate": ["run"],
     "report": ["run"],
     "bench": [],
@@ -95,6 +96,7 @@ def test_train_refuses_what_is_not_its_flag_a_config_or_an_override(capsys, args
 @pytest.mark.parametrize("command, flag, needle", [
     ("bench", "--quiet", "tessel bench takes no --resume"),
     ("plan", "--resume", "not train's flags"),
+    ("scale", "--resume", "not train's flags"),
     ("config", "--resume", "tessel config takes no --resume"),
     ("launch", "--force", "unknown option '--force'"),
 ])
