@@ -5,7 +5,7 @@ latency and bandwidth between two processes (tessel.scaling.gloo.measure_gloo).
 Command (about 2 minutes on two idle CPU cores, most of it process start-up):
 
     .venv/bin/python benchmarks/scaling_cpu.py --config configs/tiny.toml --nproc 1,2 \\
-        --warmup 3 --steps 10 --data.source=synthetic
+        --warmup 3 --steps 10 --rounds 1 --data.source=synthetic
 
 Method
 - each point is a real `tessel train CONFIG --nproc N` (torchrun for N > 1), one CPU thread per
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -54,18 +55,34 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--modes", default="strong,weak")
     p.add_argument("--out", help="sweep directory (default: a temporary one, removed after)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat each sweep (strong, weak, strong, ...): on a shared machine the "
+                        "spread between rounds says how far to trust one")
     p.add_argument("--json", action="store_true", help="also print every point as JSON")
     args, overrides = p.parse_known_args()
     nprocs = [int(n) for n in args.nproc.split(",")]
+    medians = []
     with tempfile.TemporaryDirectory(prefix="tessel-scaling-") as tmp:
         root = Path(args.out or tmp)
-        for mode in args.modes.split(","):
-            points = measure_sweep(Path(args.config), overrides, nprocs, root / mode,
-                                   args.warmup, args.steps, strong=mode == "strong")
-            print(table(f"{mode} scaling ({args.config} {' '.join(overrides)})", points))
-            if args.json:
-                print(json.dumps([pt.as_dict() for pt in points], indent=1))
-            print()
+        runs: dict[str, list[list[MeasuredPoint]]] = {}
+        for r in range(args.rounds):
+            for mode in args.modes.split(","):
+                points = measure_sweep(Path(args.config), overrides, nprocs,
+                                       root / f"{mode}-{r}", args.warmup, args.steps,
+                                       strong=mode == "strong")
+                runs.setdefault(mode, []).append(points)
+                print(table(f"{mode} scaling, round {r + 1} ({args.config} "
+                            f"{' '.join(overrides)})", points))
+                if args.json:
+                    print(json.dumps([pt.as_dict() for pt in points], indent=1))
+                print()
+        for mode, rounds in runs.items():
+            effs = [[pt.efficiency for pt in col if pt.efficiency is not None]
+                    for col in zip(*rounds)]
+            medians.append(f"{mode}: median efficiency over {args.rounds} round(s): " + ", ".join(
+                f"N={col[0].nproc} {statistics.median(e):.2f}" if e else f"N={col[0].nproc} -"
+                for col, e in zip(zip(*rounds), effs)))
+    print("\n".join(medians))
     gloo = measure_gloo(2)
     print(f"gloo all-reduce, 2 processes: latency {gloo['latency_s'] * 1e6:.0f} us, bus "
           f"bandwidth {gloo['bandwidth_Bps'] / 1e9:.2f} GB/s")

@@ -19,7 +19,7 @@ TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.budget(60)  # seconds on the reference machine: measured, +~40%
+@pytest.mark.budget(72)  # seconds on the reference machine: measured (51 s), +~40%
 def test_a_strong_sweep_measures_each_point_and_reports_the_one_that_fails(tmp_path: Path):
     # synthetic tokens: the config's stdlib corpus would train a tokenizer first (minutes)
     points = measure_sweep(TINY, ["--data.source=synthetic"], [1, 2, 3], tmp_path, warmup=2,
