@@ -1,0 +1,130 @@
+"""The all-reduce cost of gloo between local processes, measured once: a latency and a bus
+bandwidth, for calibrating the planner's communication model on a CPU machine.
+
+`measure_gloo(nproc, sizes)` starts `nproc` Python processes (rendezvous through a file in a
+private temporary directory: no port to race for), which all-reduce float32 tensors of each
+size a few times; rank 0's median time per size is fitted as
+
+    t(size) = latency + 2 (n - 1) / n * bytes / bandwidth
+
+(the ring all-reduce's bytes per rank, the convention of the planner's `_ring` and of
+nccl-tests' "bus bandwidth"), by least squares over the sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+
+from tessel.errors import TesselError
+
+DEFAULT_SIZES = (4096, 65536, 1 << 20, 4 << 20)
+"""Message sizes in bytes: from latency-bound to bandwidth-bound on loopback."""
+WARMUP = 2
+"""Untimed rounds over the sizes (connection set-up, allocator)."""
+REPEATS = 15
+"""Timed all-reduces per size; the median is kept."""
+WORKER = "from tessel.scaling.gloo import worker_main; worker_main()"
+
+
+def ring_bytes(nbytes: float, nproc: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of `nbytes`."""
+    return 2 * (nproc - 1) / nproc * nbytes
+
+
+def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
+    """{"latency_s", "bandwidth_Bps"} from (bytes, seconds) samples: the line through (ring
+    bytes, seconds) with the least squared *relative* error (weights 1/t^2), so that the
+    small messages, whose times are the latency, count as much as the large ones. Where a
+    noisy machine bends the line below zero the figures are what the samples show directly:
+    a negative latency becomes the smallest message's time; when larger messages were not
+    slower, the bandwidth is the largest one's ring bytes over its time."""
+    xs = [ring_bytes(b, nproc) for b, _ in samples]
+    ts = [t for _, t in samples]
+    ws = [1 / t**2 if t > 0 else 0.0 for t in ts]
+    total = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / total if total else 0.0
+    mt = sum(w * t for w, t in zip(ws, ts)) / total if total else 0.0
+    var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (t - mt) for w, x, t in zip(ws, xs, ts)) / var if var else 0.0
+    latency = mt - slope * mx
+    big = max(range(len(xs)), key=xs.__getitem__)
+    small = min(range(len(xs)), key=xs.__getitem__)
+    if slope <= 0:  # larger messages were not slower: the line means nothing
+        return {"latency_s": ts[small], "bandwidth_Bps": xs[big] / max(ts[big], 1e-12)}
+    return {"latency_s": latency if latency > 0 else ts[small], "bandwidth_Bps": 1 / slope}
+
+
+def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
+                 timeout_s: float = 120.0) -> dict[str, object]:
+    """Latency (s) and bus bandwidth (bytes/s) of a gloo all-reduce between `nproc` local
+    processes, with the per-size medians they were fitted to:
+    {"nproc", "latency_s", "bandwidth_Bps", "samples": [{"bytes", "seconds"}, ...]}."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
+        raise TesselError(f"an all-reduce needs at least 2 processes (got {nproc!r})")
+    if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 4
+                             for s in sizes):
+        raise TesselError(f"give at least two message sizes of >= 4 bytes (got {list(sizes)})")
+    with tempfile.TemporaryDirectory(prefix="tessel-gloo-") as tmp:
+        spec = json.dumps({"world": nproc, "store": str(Path(tmp) / "store"),
+                           "sizes": list(sizes)})
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), spec], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(nproc)]
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            raise TesselError(f"the gloo measurement did not finish in {timeout_s:g} s") from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    failed = [(p.returncode, err) for p, (_, err) in zip(procs, outs) if p.returncode]
+    if failed:
+        code, err = failed[0]
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise TesselError(f"the gloo measurement failed (exit code {code}): {last}")
+    seconds = json.loads(outs[0][0])
+    samples = list(zip(map(float, sizes), seconds))
+    return {"nproc": nproc, **fit(samples, nproc),
+            "samples": [{"bytes": int(b), "seconds": t} for b, t in samples]}
+
+
+def worker_main() -> None:
+    """One rank (argv: RANK SPEC_JSON): the median seconds per size, printed by rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    rank, spec = int(sys.argv[1]), json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    # A peer that died must not leave this one waiting for gloo's default 30 minutes.
+    dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank,
+                            world_size=spec["world"], timeout=timedelta(seconds=60))
+    try:
+        tensors = [torch.ones(size // 4, dtype=torch.float32) for size in spec["sizes"]]
+        times: list[list[float]] = [[] for _ in tensors]
+        # Rounds over every size, not every round of one size: a burst of load from elsewhere
+        # on the machine then spreads over the sizes instead of bending one of them.
+        for i in range(WARMUP + REPEATS):
+            for x, kept in zip(tensors, times):
+                dist.barrier()  # every rank starts together: the time is the collective's
+                start = time.perf_counter()
+                dist.all_reduce(x)
+                if i >= WARMUP:
+                    kept.append(time.perf_counter() - start)
+        if rank == 0:
+            print(json.dumps([statistics.median(t) for t in times]))
+    finally:
+        dist.destroy_process_group()
