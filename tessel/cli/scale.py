@@ -31,7 +31,17 @@ and memory per GPU. A count where nothing fits says why, and the sweep goes on.
 
 Efficiency is model FLOP/s per GPU over the first point's (for one model: tokens/s per
 GPU over the first point's; 1 is perfect scaling). The config's own layout (parallel.*) is
-not used: each count is searched.""")
+not used: each count is searched.
+
+  --measure --nproc 1,2,4   instead of predicting GPU counts, run the config for real at
+                      each process count of this machine (`tessel train --nproc N`, pure
+                      data parallel at every count; --warmup steps, then --steps timed
+                      ones) and print what each run measured (tokens/s, efficiency, step
+                      split, exposed communication) beside the planner's
+                      prediction of that run. On CPU the planner's device is this machine,
+                      measured first (matmul and memory rate of one process, gloo's
+                      all-reduce); its matmul efficiency is calibrated on the first point,
+                      so the others' errors are the planner's errors in scaling.""")
     add_config_arguments(p)
     p.add_argument("--gpus", metavar="N,N,...",
                    help="GPU counts, comma-separated, e.g. 8,64,512,4096 (required)")
@@ -47,27 +57,54 @@ not used: each count is searched.""")
                    help="machine-readable output (docs/scaling.md describes the schema)")
     p.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML page with the curves to FILE")
+    p.add_argument("--measure", action="store_true",
+                   help="run the config at each --nproc process count and put the "
+                        "measurements beside the predictions")
+    p.add_argument("--nproc", metavar="N,N,...",
+                   help="with --measure: process counts on this machine, e.g. 1,2")
+    p.add_argument("--warmup", default="3", metavar="N",
+                   help="with --measure: untimed steps of each run first (default 3)")
+    p.add_argument("--steps", default="10", metavar="N",
+                   help="with --measure: timed steps of each run (default 10)")
+    p.add_argument("--out", metavar="DIR",
+                   help="with --measure: a new directory for the runs (default "
+                        "runs/scale-<config>-<time>)")
     return p
 
 
-def parse_counts(text: str) -> list[int]:
+def parse_counts(text: str, flag: str = "--gpus", what: str = "GPU") -> list[int]:
     """`8,64,512` -> [8, 64, 512]: positive, distinct, in increasing order."""
     counts = []
+    example = "8,64,512" if flag == "--gpus" else "1,2,4"
     for word in text.split(","):
         word = word.strip().replace("_", "")
         if not word.isdigit() or int(word) < 1:
-            raise TesselError(f"--gpus {text!r}: {word!r} is not a GPU count; give positive "
-                              "whole numbers separated by commas, e.g. --gpus 8,64,512")
+            raise TesselError(f"{flag} {text!r}: {word!r} is not a {what} count; give positive "
+                              f"whole numbers separated by commas, e.g. {flag} {example}")
         counts.append(int(word))
     if counts != sorted(set(counts)):
-        raise TesselError(f"--gpus {text!r}: give each GPU count once, in increasing order "
+        raise TesselError(f"{flag} {text!r}: give each {what} count once, in increasing order "
                           "(the first is the baseline of the efficiency)")
     return counts
 
 
+def _html_path(text: str | None) -> Path | None:
+    """--html FILE, checked before any work: a file name in an existing directory."""
+    html = Path(text) if text else None
+    if html is not None and html.is_dir():
+        raise TesselError(f"--html {text!r} is a directory; pass a file name, e.g. "
+                          f"{html / 'scale.html'}")
+    if html is not None and not html.parent.is_dir():
+        raise TesselError(f"--html {text!r}: no directory {str(html.parent)!r} to write "
+                          "it in; create it or pass another path")
+    return html
+
+
 def cmd_scale(argv: list[str]) -> int:
     args, overrides = parse_config_args(build_parser(), argv, refused=dict.fromkeys(
-        ("--resume", "--quiet", "--auto-resume", "--force", "--top", "--nproc"), _NOT_TRAIN))
+        ("--resume", "--quiet", "--auto-resume", "--force", "--top"), _NOT_TRAIN))
+    if args.measure or args.nproc is not None:
+        return _measure(args, overrides)
     from tessel.checkpoint.init_from import load_config
     from tessel.planner import scaling
 
@@ -88,13 +125,7 @@ def cmd_scale(argv: list[str]) -> int:
         if len(models) != len(gpus):
             raise TesselError(f"--models names {len(models)} models for {len(gpus)} GPU counts; "
                               "give one preset per count")
-    html = Path(args.html) if args.html else None
-    if html is not None and html.is_dir():
-        raise TesselError(f"--html {args.html!r} is a directory; pass a file name, e.g. "
-                          f"{html / 'scale.html'}")
-    if html is not None and not html.parent.is_dir():
-        raise TesselError(f"--html {args.html!r}: no directory {str(html.parent)!r} to write "
-                          "it in; create it or pass another path")
+    html = _html_path(args.html)
 
     base = load_config(args.config, overrides)
     batches = scaling.global_batches(base.train.global_batch_size, gpus, mode)
@@ -126,3 +157,73 @@ def cmd_scale(argv: list[str]) -> int:
     if html is not None:
         print(f"wrote {html}", file=sys.stderr)
     return 0
+
+
+def _whole(flag: str, value: str, least: int) -> int:
+    if not value.isdigit() or int(value) < least:
+        raise TesselError(f"--{flag} takes a whole number >= {least}, not {value!r}")
+    return int(value)
+
+
+def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
+    """`tessel scale --measure --nproc N,N,...`: real runs beside the planner's predictions."""
+    import time
+
+    import torch
+
+    from tessel.checkpoint.init_from import load_config
+    from tessel.planner import scaling
+    from tessel.scaling import compare, measure_sweep
+
+    if not args.measure or args.nproc is None:
+        raise TesselError("--measure runs the config at each process count of --nproc (e.g. "
+                          "--measure --nproc 1,2); give both")
+    if args.gpus is not None or args.models is not None:
+        raise TesselError("--measure measures the process counts of --nproc on this machine; "
+                          "leave out --gpus and --models (predict those without --measure)")
+    nprocs = parse_counts(args.nproc, "--nproc", "process")
+    warmup, steps = _whole("warmup", args.warmup, 0), _whole("steps", args.steps, 1)
+    if args.config is None:
+        raise TesselError("tessel scale --measure needs a config file to run, e.g. "
+                          "tessel scale configs/tiny.toml --measure --nproc 1,2")
+    base = load_config(args.config, overrides)  # a bad config fails here, before any run
+    out = Path(args.out) if args.out else Path("runs") / (
+        f"scale-{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    html = _html_path(args.html)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        hw = hardware_profile(args)
+        if hw is None:
+            return 0
+    else:
+        hw, machine = compare.machine_profile(max(nprocs))
+    mode = scaling.WEAK if args.weak else scaling.STRONG
+
+    def said(point) -> None:  # noqa: ANN001
+        what = (f"{point.tokens_per_s:,.0f} tokens/s" if point.ok else point.error)
+        print(f"tessel scale: {point.nproc} process(es): {what}", file=sys.stderr, flush=True)
+
+    points = measure_sweep(Path(args.config), overrides, nprocs, out, warmup=warmup,
+                           steps=steps, strong=mode == scaling.STRONG, on_point=said)
+    sweep, fitted = compare.predict(points, hw, "cuda" if cuda else "cpu", mode, args.config,
+                                    base)
+    record = scaling.as_json(sweep)
+    record["measurement"] = {"out": str(out), "warmup": warmup, "steps": steps,
+                             "machine": None if cuda else machine,
+                             "calibrated_matmul_efficiency": fitted}
+    if html is not None:
+        from tessel.fileio import write_text_atomic
+        from tessel.planner.scaling_page import render
+
+        write_text_atomic(html, render(sweep))
+    if args.json:
+        print(json.dumps(record, indent=1))
+    else:
+        print(scaling.text(sweep), end="")
+        print(f"\nmeasured ({out}; {warmup} warm-up and {steps} timed steps per run; the "
+              "planner calibrated on the first point"
+              + (f": matmul efficiency {fitted:.4g}" if fitted is not None else "") + "):")
+        print(compare.comparison(sweep), end="")
+    if html is not None:
+        print(f"wrote {html}", file=sys.stderr)
+    return 0 if all(p.ok for p in points) else 1

@@ -203,27 +203,31 @@ def profile_for_device(device_name: str, profiles: dict[str, GpuProfile] | None 
 
 
 def calibrate(profile: GpuProfile, predict: Callable[[GpuProfile], float],
-              measured_tokens_per_s: float) -> GpuProfile:
+              measured_tokens_per_s: float, floor: float = 0.05, ceiling: float = 1.0
+              ) -> GpuProfile:
     """The profile with the matmul efficiency at which `predict` (tokens/s of the measured
     run under a profile) equals the measurement; bisection, as the prediction rises with
-    the efficiency. Clamped to [0.05, 1]."""
+    the efficiency. Clamped to [floor, ceiling]: on a GPU [0.05, 1] (far below 5% of peak is
+    a broken run, not a slow GPU); on CPU processes (`tessel scale --measure`) wider, where
+    it is a fitted factor rather than a fraction (the planner's small-matmul penalty is a
+    GPU kernel's, and a CPU's small matmuls run nearer its large-matmul rate)."""
     if measured_tokens_per_s <= 0:
         raise TesselError("calibration needs a positive measured tokens/s")
-    lo, hi = 0.05, 1.0
+    lo, hi = floor, ceiling
     at = lambda eff: predict(dataclasses.replace(profile, matmul_efficiency=eff))  # noqa: E731
     if at(hi) <= measured_tokens_per_s:
         lo = hi
     elif at(lo) >= measured_tokens_per_s:
         hi = lo
-    for _ in range(40):
-        if hi - lo < 1e-4:
+    for _ in range(60):  # geometric: the same relative precision at 0.5 and at 0.001
+        if hi / lo < 1.0001:
             break
-        mid = (lo + hi) / 2
+        mid = (lo * hi) ** 0.5
         if at(mid) < measured_tokens_per_s:
             lo = mid
         else:
             hi = mid
-    return dataclasses.replace(profile, matmul_efficiency=round((lo + hi) / 2, 4))
+    return dataclasses.replace(profile, matmul_efficiency=float(f"{(lo * hi) ** 0.5:.4g}"))
 
 
 def profile_toml(profile: GpuProfile) -> str:

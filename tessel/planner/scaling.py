@@ -11,13 +11,13 @@ Megatron-LM tabulates it) tokens of different models are not comparable but FLOP
 
 Each point is searched by `search.search`, the search `tessel plan` runs; a point where no
 layout fits carries the reason instead and the sweep goes on. The JSON record of a point
-(`point_record`) keeps the prediction under `predicted` and leaves `measured` null for
-measured figures of the same layout to go beside it.
+(`point_record`) keeps the prediction under `predicted`, and under `measured` what a real
+run of the same layout measured (`tessel scale --measure`, tessel.scaling), else null.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tessel.config import Config
@@ -70,6 +70,12 @@ class Sweep:
     hw: GpuProfile
     points: list[Point]
     config_path: str | None = None
+    device_type: str = "cuda"
+    """The device the points run on ("cpu": `tessel scale --measure` on CPU processes): the
+    precision `auto` resolves to follows it."""
+    measured: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """`tessel scale --measure`: what each process count's real run measured
+    (`tessel.scaling.points.MeasuredPoint.as_dict()`), by count; empty when predicted only."""
 
     @property
     def baseline(self) -> Point | None:
@@ -183,7 +189,7 @@ def point_record(sweep: Sweep, point: Point) -> dict[str, Any]:
         "layout": None if p is None else p.layout.short(),
         "parallel": None if p is None else p.layout.overrides(),
         "predicted": predicted(sweep, point),
-        "measured": None,
+        "measured": sweep.measured.get(point.gpus),
     }
 
 
@@ -198,7 +204,7 @@ def as_json(sweep: Sweep) -> dict[str, Any]:
         "gpu": {"name": hw.name, "bf16_tflops": hw.bf16_flops / 1e12,
                 "memory_gib": hw.memory_gib, "gpus_per_node": hw.gpus_per_node},
         "seq_len": first.train.seq_len,
-        "precision": precision_for(first),
+        "precision": precision_for(first, sweep.device_type),
         "baseline_gpus": None if base is None else base.gpus,
         "efficiency": EFFICIENCY,
         "points": [point_record(sweep, p) for p in sweep.points],
@@ -223,9 +229,9 @@ def header(sweep: Sweep) -> str:
              if sweep.mode == STRONG else
              f"{first.train.global_batch_size / sweep.points[0].gpus:g} sequences per GPU")
     return (f"tessel scale: {sweep.mode} scaling of {what} on {hw.name} "
-            f"({hw.bf16_flops / 1e12:.0f} TFLOP/s bf16, {hw.memory_gib:.1f} GiB, "
+            f"({hw.bf16_flops / 1e12:.3g} TFLOP/s bf16, {hw.memory_gib:.1f} GiB, "
             f"{hw.gpus_per_node} per node), seq {first.train.seq_len}, {batch}, "
-            f"{precision_for(first)}")
+            f"{precision_for(first, sweep.device_type)}")
 
 
 def _closest_text(point: Point) -> str:

@@ -225,12 +225,19 @@ def plots(sweep: Sweep) -> list[str]:
     mfu = [None if p.plan is None else 100 * p.plan.mfu for p in sweep.points]
     efficiency = [sweep.efficiency(p) for p in sweep.points]
     ideal = Series("ideal", "ideal (1)", GREY, [1.0] * len(labels), dashed=True)
+    rate = [Series("tokens_per_s_per_gpu", "predicted", BLUE, per_gpu)]
+    scaled = [Series("efficiency", "predicted", BLUE, efficiency), ideal]
+    if sweep.measured:  # `tessel scale --measure`: each run's measurement beside its prediction
+        runs = [sweep.measured.get(p.gpus) or {} for p in sweep.points]
+        rate.append(Series("measured_tokens_per_s_per_gpu", "measured", ORANGE,
+                           [m.get("tokens_per_s_per_process") for m in runs]))
+        scaled.insert(1, Series("measured_efficiency", "measured", ORANGE,
+                                [m.get("efficiency") for m in runs]))
     return [
         line_chart("plot-tokens_per_gpu", "Tokens/s per GPU", "tokens/s per GPU", labels,
-                   [Series("tokens_per_s_per_gpu", "predicted", BLUE, per_gpu)], _count, reasons),
+                   rate, _count, reasons),
         line_chart("plot-efficiency", "Scaling efficiency", "efficiency", labels,
-                   [Series("efficiency", "predicted", BLUE, efficiency), ideal],
-                   lambda v: f"{v:.2f}", reasons),
+                   scaled, lambda v: f"{v:.2f}", reasons),
         line_chart("plot-mfu", "Model FLOPs utilisation", "MFU (%)", labels,
                    [Series("mfu", "predicted", BLUE, mfu)], lambda v: f"{v:g}", reasons),
         split_chart(sweep, labels),
@@ -290,7 +297,8 @@ def render(sweep: Sweep) -> str:
         f'<h1 id="title">tessel scale: {esc(sweep.mode)} scaling ({esc(what)})</h1>',
         f'<p class="sub">{esc(header(sweep).removeprefix("tessel scale: "))}'
         f'{" · " + esc(sweep.config_path) if sweep.config_path else ""} · predicted by the '
-        f"planner · generated {generated}</p>",
+        f"planner{' and measured by real runs' if sweep.measured else ''} · generated "
+        f"{generated}</p>",
         '<h2>Curves</h2><div class="plots" id="plots">', *plots(sweep), "</div>",
         "<h2>Points</h2>", _table(sweep),
         f'<p class="sub">Efficiency: MFU over the first point\'s with a layout (for one model, '

@@ -1,51 +1,68 @@
-"""Measured scaling for real: `measure_sweep` runs `tessel train --nproc N` on configs/tiny.toml
-at 1, 2 and 3 processes (3 cannot split the global batch of 16 sequences into micro-batches of
-8: that point must fail with tessel's one line while the others are measured), and gloo's
-all-reduce between two processes. The arithmetic and the failure modes without training:
-tests/unit/test_scaling.py."""
+"""Measured scaling for real: `tessel scale configs/tiny.toml --measure --nproc 1,2,3` runs
+`tessel train --nproc N` at 1, 2 and 3 processes (3 cannot split the global batch of 16
+sequences into micro-batches of 8: that point must fail with tessel's one line while the
+others are measured), measures this machine for the planner (one process's matmul rate,
+gloo's all-reduce between the processes) and puts the planner's prediction of each run beside
+it. The arithmetic and the failure modes without training: tests/unit/test_scaling.py; the
+page with both curves in a browser: tests/integration/test_scale_page.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tessel.config import read_saved
-from tessel.scaling import measure_sweep
-from tessel.scaling.gloo import measure_gloo
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.budget(72)  # seconds on the reference machine: measured (51 s), +~40%
-def test_a_strong_sweep_measures_each_point_and_reports_the_one_that_fails(tmp_path: Path):
+@pytest.mark.budget(85)  # seconds on the reference machine: measured, +~40%
+def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: Path):
+    page = tmp_path / "scale.html"
     # synthetic tokens: the config's stdlib corpus would train a tokenizer first (minutes)
-    points = measure_sweep(TINY, ["--data.source=synthetic"], [1, 2, 3], tmp_path, warmup=2,
-                           steps=3, strong=True)
-    assert [p.nproc for p in points] == [1, 2, 3]
-    measured, failed = points[:2], points[2]
-    for p in measured:
-        assert p.ok and not p.short and p.timed_steps == 3, p.error
-        assert p.tokens_per_s > 0
-        assert p.tokens_per_s_per_process == pytest.approx(p.tokens_per_s / p.nproc)
-        assert set(p.split) == {"data", "compute", "optimizer"}
-        assert all(v >= 0 for v in p.split.values())
-        assert sum(p.split.values()) <= p.step_time_s * (1 + 1e-9)
-        saved = read_saved(Path(p.run_dir) / "config.toml")
+    out = subprocess.run(
+        [sys.executable, "-m", "tessel", "scale", str(ROOT / "configs/tiny.toml"), "--measure",
+         "--nproc", "1,2,3", "--warmup", "2", "--steps", "3", "--out", str(tmp_path / "runs"),
+         "--json", "--html", str(page), "--data.source=synthetic"],
+        capture_output=True, text=True, env={**os.environ, "CI": "true"}, timeout=600)
+    assert out.returncode == 1, out.stderr  # one point failed; the others are measured
+    sweep = json.loads(out.stdout)
+    points = sweep["points"]
+    assert [p["gpus"] for p in points] == [1, 2, 3]
+    for p in points[:2]:
+        m = p["measured"]
+        assert m["ok"] and not m["short"] and m["timed_steps"] == 3, m["error"]
+        assert m["tokens_per_s"] > 0
+        assert m["tokens_per_s_per_process"] == pytest.approx(m["tokens_per_s"] / m["nproc"])
+        assert set(m["split"]) == {"data", "compute", "optimizer"}
+        assert all(v >= 0 for v in m["split"].values())
+        assert sum(m["split"].values()) <= m["step_time_s"] * (1 + 1e-9)
+        saved = read_saved(Path(m["run_dir"]) / "config.toml")
         assert saved["train"]["global_batch_size"] == 16  # strong scaling: the config's batch
         assert saved["train"]["steps"] == 5 and saved["parallel"]["tp"] == 1
-    assert measured[0].efficiency == 1.0
-    assert measured[1].efficiency == pytest.approx(
-        measured[1].tokens_per_s / measured[0].tokens_per_s / 2)
-    assert not failed.ok and failed.exit_code == 2 and failed.tokens_per_s is None
-    assert failed.error == ("train.global_batch_size=16 is not divisible by "
-                            "micro_batch_size*dp = 8*3; use a multiple of 24 (exit code 2)")
-
-
-def test_gloo_all_reduce_latency_and_bandwidth_are_measured():
-    got = measure_gloo(2, sizes=[4096, 262144, 1 << 20])
-    assert got["nproc"] == 2 and len(got["samples"]) == 3
-    assert got["latency_s"] > 0 and got["bandwidth_Bps"] > 0
-    assert all(s["seconds"] > 0 for s in got["samples"])
+        assert p["layout"].startswith(f"dp={m['nproc']} tp=1 pp=1")  # the run's own layout
+        assert p["predicted"]["tokens_per_s"] > 0
+    one, two, three = (p["measured"] for p in points)
+    assert one["efficiency"] == 1.0
+    assert two["efficiency"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"] / 2)
+    # calibrated on the first point: its prediction is its measurement
+    assert points[0]["predicted"]["tokens_per_s"] == pytest.approx(one["tokens_per_s"], rel=2e-3)
+    assert not three["ok"] and three["exit_code"] == 2 and three["tokens_per_s"] is None
+    assert three["error"] == ("train.global_batch_size=16 is not divisible by "
+                              "micro_batch_size*dp = 8*3; use a multiple of 24 (exit code 2)")
+    assert points[2]["predicted"] is None and points[2]["reason"] == three["error"]
+    machine = sweep["measurement"]["machine"]
+    assert machine["matmul_flops"] > 0 and machine["memory_bandwidth_Bps"] > 0
+    gloo = machine["gloo"]  # all-reduce between the sweep's largest number of processes
+    assert gloo["nproc"] == 3 and gloo["latency_s"] > 0 and gloo["bandwidth_Bps"] > 0
+    html = page.read_text()  # both curves, with a point per measured run
+    for series in ("tokens_per_s_per_gpu", "measured_tokens_per_s_per_gpu", "measured_efficiency"):
+        assert f'<g class="dots" data-series="{series}"' in html
+    assert html.count("GPUs: measured ") == 4  # two runs x (tokens/s per GPU, efficiency)

@@ -51,3 +51,35 @@ def test_scale_page_renders_its_curves_in_headless_chromium(tmp_path: Path):
     plots = px[:1000]
     assert _pixels_near(plots, BLUE) > 3000
     assert _pixels_near(plots, PART_COLOURS["tp_s"]) > 100
+
+
+def test_measured_curves_are_painted_beside_the_predicted_ones(tmp_path: Path):
+    """`tessel scale --measure`'s page: each run's tokens/s per process and efficiency as a
+    second curve (orange) in the first two plots; the same sweep without measurements has
+    no such pixels there."""
+    import dataclasses
+
+    from tessel.checkpoint.init_from import load_config
+    from tessel.planner import scaling
+    from tessel.planner.hardware import load_profiles
+    from tessel.planner.scaling_page import ORANGE, render
+
+    exe = _chromium()
+    hw_file = tmp_path / "hw.toml"
+    hw_file.write_text(SMALL_GPU)
+    cfg = load_config(str(ROOT / "configs/gpt2-124m.toml"), [])
+    sweep = scaling.run_sweep([(4, cfg), (8, cfg)], load_profiles(hw_file)["small"],
+                              scaling.STRONG)
+    measured = {p.gpus: {"tokens_per_s_per_process": 0.7 * p.plan.tokens_per_s / p.gpus,
+                         "efficiency": e} for p, e in zip(sweep.points, (1.0, 0.8))}
+    counts = []
+    for name, s in (("predicted", sweep), ("measured", dataclasses.replace(sweep, measured=measured))):
+        page, shot = tmp_path / f"{name}.html", tmp_path / f"{name}.png"
+        page.write_text(render(s))
+        proc = _browser(exe, tmp_path, f"--screenshot={shot}", "--window-size=1280,1400",
+                        "--hide-scrollbars", page.resolve().as_uri())
+        assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
+        with Image.open(shot) as img:
+            counts.append(_pixels_near(np.asarray(img.convert("RGB"), dtype=np.int16)[:1000],
+                                       ORANGE))
+    assert counts[1] > counts[0] + 300, counts

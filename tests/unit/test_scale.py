@@ -167,6 +167,14 @@ def test_the_table(strong: dict):
     (["--gpus", "1", "--strong", "--weak"], "not allowed with argument"),
     (["--gpus", "1", "--gpu", "nope"], "unknown GPU 'nope'"),
     (["--gpus", "1", "--top", "3"], "not train's flags"),
+    # --measure: refused before anything runs or is measured
+    (["--measure"], "--measure runs the config at each process count of --nproc"),
+    (["--nproc", "1,2"], "--measure runs the config at each process count of --nproc"),
+    (["--measure", "--nproc", "0,2"], "'0' is not a process count"),
+    (["--measure", "--nproc", "2,1"], "each process count once, in increasing order"),
+    (["--measure", "--nproc", "1,2", "--gpus", "8"], "leave out --gpus and --models"),
+    (["--measure", "--nproc", "1", "--steps", "0"], "--steps takes a whole number >= 1"),
+    (["--measure", "--nproc", "1", "--warmup", "x"], "--warmup takes a whole number >= 0"),
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str], needle: str):
     code, out, err = tessel("scale", TINY, *args)

@@ -1,0 +1,157 @@
+"""`tessel scale --measure`: measured points beside the planner's predictions for the same
+layouts.
+
+The planner predicts for a device profile. On CPU processes there is none built in, so
+`machine_profile` measures this machine as the sweep's runs use it: one process's matmul
+rate and memory bandwidth with one thread (each run's process has one), and gloo's
+all-reduce between the sweep's largest number of local processes (latency and bus
+bandwidth, `gloo.measure_gloo`). On a GPU the profile is the GPU's (`--gpu`, or the one
+matching the device's name). Then the matmul efficiency is calibrated so that the planner's
+prediction of the first measured point equals its measurement (`hardware.calibrate`; on a
+CPU a fitted factor that may exceed 1: the planner's penalty for small matmuls is a GPU
+kernel's, and a CPU runs small matmuls nearer its large-matmul rate); every
+other point is a prediction of the planner, and its error against the measurement is the
+planner's error in scaling, not in the machine's speed.
+
+What the planner leaves out shows up as error here: it has no per-collective latency
+(gloo's is ~1 ms on this kind of machine) and no per-operator overhead, both of which
+weigh on small models.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessel.config import Config
+from tessel.planner.hardware import GpuProfile, calibrate
+from tessel.planner.layout import Layout
+from tessel.planner.scaling import Point, Sweep
+from tessel.planner.search import evaluate
+from tessel.scaling.points import MeasuredPoint
+
+CPU_PROFILE = "cpu-measured"
+"""Name of the profile `machine_profile` measures on a CPU."""
+
+
+def _memory_bandwidth(seconds: float = 0.3) -> float:
+    """Bytes/s one thread copies (read + write) through a buffer far larger than the caches."""
+    src = torch.ones(16 * 2**20)  # 64 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        dst.copy_(src)
+        reps += 1
+    return 2 * src.nbytes * reps / (time.perf_counter() - t0)
+
+
+def _host_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):  # pragma: no cover (not Linux)
+        return 16.0
+
+
+def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, dict[str, Any]]:
+    """This CPU as the planner's device, for `nproc` local processes of `threads` threads
+    each (None: torch's default); also what was measured, for the output."""
+    from tessel.bench import measure_matmul_peak
+    from tessel.scaling.gloo import measure_gloo
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        matmul = measure_matmul_peak(torch.device("cpu"), seconds=0.5)
+        memory_bps = _memory_bandwidth()
+    finally:
+        torch.set_num_threads(before)
+    gloo = measure_gloo(nproc) if nproc > 1 else None
+    # Collectives between local processes: the fitted bus bandwidth is what they reach, so
+    # the link is that and comm_efficiency 1.
+    link_gbps = gloo["bandwidth_Bps"] / 1e9 if gloo else 1.0
+    host = _host_memory_gib()
+    # The planner runs fp32 at half the BF16 rate (TF32 tensor cores); a CPU has no such
+    # split, so its "BF16 rate" is twice the fp32 one measured.
+    profile = GpuProfile(
+        CPU_PROFILE, bf16_flops=2 * matmul["flops"], fp8_flops=None,
+        memory_gib=host / max(nproc, 1), intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
+        gpus_per_node=max(nproc, os.cpu_count() or 1), hbm_gbps=memory_bps / 1e9,
+        host_memory_gib=host, comm_efficiency=1.0)
+    measured = {"matmul_flops": matmul["flops"], "matmul": f"{matmul['dtype']} {matmul['n']}^3",
+                "memory_bandwidth_Bps": memory_bps, "threads": threads,
+                "gloo": None if gloo is None else {k: gloo[k] for k in
+                                                   ("nproc", "latency_s", "bandwidth_Bps")}}
+    return profile, measured
+
+
+def _run_config(point: MeasuredPoint) -> Config | None:
+    path = Path(point.run_dir) / "config.toml"
+    try:
+        return Config.load(path) if path.is_file() else None
+    except Exception:  # noqa: BLE001 (a run that failed may have left anything: not predicted)
+        return None
+
+
+def _plan(cfg: Config, nproc: int, hw: GpuProfile, device_type: str):  # noqa: ANN202
+    return evaluate(cfg, Layout.from_config(cfg, nproc), hw, device_type)
+
+
+def predict(points: Sequence[MeasuredPoint], hw: GpuProfile, device_type: str, mode: str,
+            config_path: str | None, base: Config) -> tuple[Sweep, float | None]:
+    """The planner's prediction of each measured point's own run (its config and layout, as
+    the run recorded them), with `hw`'s matmul efficiency calibrated on the first measured
+    point: (the sweep, with the measurements beside the predictions; the calibrated
+    efficiency, None when no point was measured)."""
+    configs = {p.nproc: _run_config(p) for p in points}
+    first = next((p for p in points if p.ok and configs[p.nproc] is not None), None)
+    fitted = None
+    if first is not None:
+        cfg = configs[first.nproc]
+        assert cfg is not None and first.tokens_per_s is not None
+        hw = calibrate(hw, lambda h: _plan(cfg, first.nproc, h, device_type).tokens_per_s,
+                       first.tokens_per_s, floor=1e-4, ceiling=100.0)
+        fitted = hw.matmul_efficiency
+    out = []
+    for p in points:
+        cfg = configs[p.nproc]
+        if not p.ok or cfg is None:
+            out.append(Point(p.nproc, cfg or base, None, p.error or "not measured"))
+            continue
+        out.append(Point(p.nproc, cfg, _plan(cfg, p.nproc, hw, device_type)))
+    measured = {p.nproc: p.as_dict() for p in points}
+    return Sweep(mode, hw, out, config_path, device_type, measured), fitted
+
+
+def comparison(sweep: Sweep) -> str:
+    """The measured table `tessel scale --measure` prints after the predicted one."""
+    rows = [f"{'procs':>5}  {'tokens/s':>9} {'per proc':>9} {'efficiency':>10} {'step s':>8} "
+            f"{'data':>7} {'compute':>8} {'optimizer':>9} {'comm exp.':>9}  {'predicted':>9} "
+            f"{'error':>7}"]
+    for point in sweep.points:
+        m = sweep.measured.get(point.gpus)
+        if m is None:
+            continue
+        if m["tokens_per_s"] is None:
+            rows.append(f"{point.gpus:>5}  - {m['error']}")
+            continue
+        split = m["split"]
+
+        def sec(v: float | None) -> str:
+            return "-" if v is None else f"{v:.4f}"
+
+        predicted = point.plan.tokens_per_s if point.plan is not None else None
+        error = "" if predicted is None else f"{m['tokens_per_s'] / predicted - 1:+.1%}"
+        rows.append(
+            f"{point.gpus:>5}  {m['tokens_per_s']:9,.0f} {m['tokens_per_s_per_process']:9,.0f} "
+            f"{m['efficiency'] if m['efficiency'] is not None else float('nan'):10.2f} "
+            f"{m['step_time_s']:8.4f} {sec(split.get('data')):>7} {sec(split.get('compute')):>8} "
+            f"{sec(split.get('optimizer')):>9} {sec(m['comm_exposed_s']):>9}  "
+            f"{predicted if predicted is not None else float('nan'):9,.0f} {error:>7}")
+    return "\n".join(rows) + "\n"
