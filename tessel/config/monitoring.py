@@ -29,7 +29,7 @@ class MetricsConfig(Section):
     """Profile one training step in every N (the last of each N) to measure how long each
     rank was held up by communication (`time_comm_exposed_s`, `comm_exposed_share` in the
     next log record; docs/monitoring.md); the other steps run unprofiled. 0: never. A
-    profiled step took 1.4-1.7x a plain one on toy CPU models (2-3% of the run at 20;
+    profiled step took 1.4-1.8x a plain one on toy CPU models (2-4% of the run at 20;
     docs/performance.md)."""
 
 

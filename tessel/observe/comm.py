@@ -25,8 +25,9 @@ in-process on the profiler's own events, no trace file written):
   training thread's `aten::` operators outside those. Exposed = communication time during
   which the training thread ran no computing operator. A wait PyTorch does not record as an
   operator (DDP's reducer, `Work.wait()` from Python) counts while the collective runs; the
-  thread's wake-up after it does not. The collectives are the outermost `c10d::` and
-  functional-collective calls (waits left out).
+  thread's wake-up after it does not. A collective another thread runs during the step (an
+  asynchronous checkpoint's) counts as communication in flight too. The collectives are the
+  outermost `c10d::` and functional-collective calls (waits left out).
 
 Time that is neither (Python, the autograd engine between nodes, an idle GPU) is not
 computation: while a collective is in flight it counts as exposed, as it does in HTA. The

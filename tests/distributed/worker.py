@@ -118,10 +118,11 @@ def main() -> int:
             cfg = load_config(None, run["overrides"])  # shape from model.init_from, if set
             if "copy_from" in run:
                 _copy_run(Path(run["copy_from"]), Path(cfg.run.dir), run["copy_step"])
-            os.environ.pop("TESSEL_FAULT", None)
-            if "fault" in run:
+            if "fault" in run:  # read when the Trainer is built: this run's alone
                 os.environ["TESSEL_FAULT"] = run["fault"]
             trainer = Trainer(cfg, resume=run.get("resume", False), console=False)
+            if "fault" in run:
+                del os.environ["TESSEL_FAULT"]
             trainer.train()
             if spec.get("measure_memory"):
                 _record_memory(trainer)

@@ -145,7 +145,8 @@ def test_steps_not_sampled_are_not_profiled():
 
 
 def test_one_process_run_measures_no_communication(tiny_config):
-    cfg = tiny_config(**{"train.steps": 4, "metrics.comm_sample_interval": 2})
+    cfg = tiny_config(**{"train.steps": 4, "metrics.comm_sample_interval": 2,
+                         "metrics.tensorboard": True})
     Trainer(cfg, console=False).train()
     recs = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
     sampled = [r for r in recs if "time_comm_exposed_s" in r]
@@ -153,6 +154,11 @@ def test_one_process_run_measures_no_communication(tiny_config):
     for r in sampled:
         assert r["time_comm_exposed_s"] == r["time_comm_s"] == r["comm_collectives"] == 0.0
         assert r["comm_exposed_share"] == 0.0 and math.isfinite(r["time_compute_s"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(cfg.run.dir)
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/comm_exposed_share")] == [2, 4]
 
 
 def test_a_profile_that_cannot_be_taken_costs_the_figure_not_the_step(monkeypatch):
