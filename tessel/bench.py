@@ -38,9 +38,11 @@ GIB = 2**30
 
 
 def bench_config(cfg: Config, run_dir: str) -> Config:
-    """The benchmark's run: synthetic tokens, no checkpoints, evaluations or samples."""
+    """The benchmark's run: synthetic tokens, no checkpoints, evaluations, samples or
+    profiled steps (metrics.comm_sample_interval: a profiled step is not a plain one)."""
     return cfg.with_overrides({
         "data.source": "synthetic", "checkpoint.interval": 0, "train.eval_interval": 0,
+        "metrics.comm_sample_interval": 0,
         "metrics.tensorboard": False, "run.dir": run_dir, "run.sample_tokens": 0,
         "train.steps": 10**6,  # a long nominal schedule: the lr stays normal; the work is the same
         "watchdog.timeout_s": 0,

@@ -6,19 +6,35 @@
     TESSEL_FAULT="hang:rank=1:step=3"         rank 1 sleeps forever when step 3 starts
     TESSEL_FAULT="slow:seconds=0.1"           every step starts 0.1 s late (a slow machine;
                                               the losses are unchanged)
+    TESSEL_FAULT="netdelay:seconds=0.05"      every collective of the process (from the first
+                                              step on) starts 0.05 s late: a slow network; the
+                                              losses are unchanged (rank=R: that rank only)
 
 Several faults are separated by ";". A fault keyed by batch follows the data, not the step:
 once a rollback skips that batch it never fires again, as a corrupted sample would behave.
 `kill` fires only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so
 the restarted job can finish. Unset, nothing here does anything.
+
+`netdelay` puts its wait inside the collective itself: a kernel of its own runs before the
+backend's for every `c10d::` operator, the one door through which DDP, FSDP2, DTensor's
+functional collectives, the pipeline's send/recv and all-to-all reach the backend. The
+profiler sees the wait inside the collective's operator, where a slow link keeps the calling
+thread (gloo); the other ranks of that collective wait for this one inside theirs, as they
+would for a slow peer (on NCCL, inside the kernel). On a GPU the delayed rank's own kernel
+is launched late, which leaves its GPU idle rather than communicating: there the other ranks
+see the delay (`netdelay:rank=R`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from tessel.errors import TesselError
 
@@ -37,9 +53,9 @@ def parse_faults(spec: str) -> list[Fault]:
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         kind, *fields = item.split(":")
-        if kind not in ("spike", "nan", "kill", "hang", "slow"):
-            raise TesselError(f"TESSEL_FAULT: unknown fault {kind!r}; use spike, nan, kill, hang "
-                              "or slow")
+        if kind not in ("spike", "nan", "kill", "hang", "slow", "netdelay"):
+            raise TesselError(f"TESSEL_FAULT: unknown fault {kind!r}; use spike, nan, kill, hang, "
+                              "slow or netdelay")
         args: dict[str, float | int] = {}
         for f in fields:
             key, _, value = f.partition("=")
@@ -58,8 +74,13 @@ class Faults:
         self.rank = rank
         self.faults = parse_faults(spec if spec is not None else os.environ.get("TESSEL_FAULT", ""))
         self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self._delay: Any = None  # the netdelay kernels' registration while it is on
 
     def at_step(self, step: int) -> None:
+        if self._delay is None:
+            seconds = sum(f.seconds for f in self.faults
+                          if f.kind == "netdelay" and f.rank in (None, self.rank))
+            self._delay = delay_collectives(seconds) if seconds > 0 else False
         for f in self.faults:
             if f.kind == "slow" and (f.rank is None or f.rank == self.rank):
                 time.sleep(f.seconds)
@@ -81,3 +102,39 @@ class Faults:
             elif f.batch == batch and f.kind == "nan":
                 factor = float("nan")
         return factor
+
+    def close(self) -> None:
+        """Take the netdelay kernels away (the process may train again without them)."""
+        if self._delay:
+            self._delay._destroy()
+        self._delay = None
+
+
+def delay_collectives(seconds: float) -> torch.library.Library:
+    """Every `c10d::` collective of this process waits `seconds` before it runs, inside
+    its operator (see the module docstring); until the returned registration is destroyed.
+    The kernel sits at the ADInplaceOrView key, which every call of a training tensor passes
+    through, whether it comes from Python, from C++ (DDP's reducer) or from inside a
+    functional collective's kernel; it then hands the call on to the backend's kernel."""
+    lib = torch.library.Library("c10d", "IMPL")
+    nested = threading.local()  # a collective issued inside another waits once
+
+    def kernel_for(op: Any) -> Any:
+        def delayed(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            outer = getattr(nested, "inside", False)
+            if not outer:
+                time.sleep(seconds)
+            nested.inside = True
+            try:
+                return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args,
+                                     **kwargs)
+            finally:
+                nested.inside = outer
+        return delayed
+
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, _, name = qualified.partition("::")
+        if ns == "c10d" and name != "check_for_nan":
+            lib.impl(name, kernel_for(getattr(torch.ops.c10d, name).default), "ADInplaceOrView",
+                     with_keyset=True)
+    return lib

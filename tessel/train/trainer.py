@@ -25,6 +25,7 @@ from tessel.data import build_data
 from tessel.data.chat_files import run_tokenizer_config
 from tessel.errors import TesselError
 from tessel.observe.alerts import check_alerts
+from tessel.observe.comm import CommMeter
 from tessel.observe.console import ConsoleDisplay
 from tessel.observe.events import EventLog
 from tessel.observe.mfu import device_peak_flops
@@ -181,6 +182,8 @@ class Trainer:
         self.recovery = Recovery(cfg.recovery, SkipList(
             self.run.skipped_batches, cfg.recovery.skip_batches, writer=proc.is_main))
         self.control = StopControl(proc.distributed, self.device.type, self.watchdog.phase)
+        self.comm = CommMeter(self.device, cfg.metrics.comm_sample_interval, proc.distributed,
+                              self.control.cpu_group, say)  # exposed communication, sampled steps
         hf_export = None
         if proc.is_main and cfg.checkpoint.hf_export_interval:
             from tessel.checkpoint.hf_export import HFExporter
@@ -346,6 +349,7 @@ class Trainer:
             raise lifecycle.collective_failure(self, exc) from None
         finally:
             self.watchdog.stop()
+            self.faults.close()
             self.display.stop()
             self.control.restore()
             if self.alerts is not None:
@@ -360,17 +364,18 @@ class Trainer:
         """One optimizer step of the run: its learning rate, its global batch (skipping the
         batches recovery skips for good), then the TrainStep. Returns device tensors (loss,
         grad norm); no host sync."""
-        self.train_step.set_lr(lr_at(self.step, self.cfg.train.steps, self.cfg.optim))
-        self.timer.start("data")
-        accum, loader = self.train_step.accum, self.data.train
-        while self.batches_drawn in self.recovery.skips.batches:
-            for _ in range(accum):
-                loader.next_batch()
+        with self.comm.sampled():  # one step in metrics.comm_sample_interval is profiled
+            self.train_step.set_lr(lr_at(self.step, self.cfg.train.steps, self.cfg.optim))
+            self.timer.start("data")
+            accum, loader = self.train_step.accum, self.data.train
+            while self.batches_drawn in self.recovery.skips.batches:
+                for _ in range(accum):
+                    loader.next_batch()
+                self.batches_drawn += 1
+            batches = [loader.next_batch() for _ in range(accum)]
+            self.train_step.loss_factor = self.faults.loss_factor(self.batches_drawn)
             self.batches_drawn += 1
-        batches = [loader.next_batch() for _ in range(accum)]
-        self.train_step.loss_factor = self.faults.loss_factor(self.batches_drawn)
-        self.batches_drawn += 1
-        return self.train_step(batches)
+            return self.train_step(batches)
 
     def _log_train(self, log: StepLogger, loss: torch.Tensor, grad_norm: torch.Tensor,
                    window: float, window_steps: int, elapsed: float, first_step: int) -> None:
@@ -388,7 +393,7 @@ class Trainer:
             time_split=self.timer.window(),
             loss_scale=float(scaler.get_scale()) if scaler is not None else None,
             extra={**self.train_step.moe.metrics(self.cfg.model.moe_capacity_factor is not None),
-                   **self.data.figures})
+                   **self.data.figures, **self.comm.window(window / window_steps)})
 
     def _evaluate(self, log: StepLogger, start: float) -> None:
         if self.evaluator is None:

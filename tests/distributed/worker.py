@@ -1,7 +1,8 @@
 """Run by torchrun in the distributed tests: trains the runs a JSON spec lists, one after
 another in one process group (starting a process group costs seconds on two cores).
 
-spec = {"runs": [{"overrides": {...}, "resume": false}, ...],
+spec = {"runs": [{"overrides": {...}, "resume": false,
+                  "fault": "netdelay:seconds=0.01"}, ...],  # optional: TESSEL_FAULT for that run
         "hang": {"rank": 1, "step": 2},        # optional: that rank stops responding
         "sigterm": {"rank": 0, "step": 2},     # optional: only that rank gets SIGTERM
         "slow_async_save": {"rank": 1},        # optional: that rank's async saves lag
@@ -117,7 +118,11 @@ def main() -> int:
             cfg = load_config(None, run["overrides"])  # shape from model.init_from, if set
             if "copy_from" in run:
                 _copy_run(Path(run["copy_from"]), Path(cfg.run.dir), run["copy_step"])
+            if "fault" in run:  # read when the Trainer is built: this run's alone
+                os.environ["TESSEL_FAULT"] = run["fault"]
             trainer = Trainer(cfg, resume=run.get("resume", False), console=False)
+            if "fault" in run:
+                del os.environ["TESSEL_FAULT"]
             trainer.train()
             if spec.get("measure_memory"):
                 _record_memory(trainer)

@@ -81,3 +81,26 @@ def test_bench_on_cuda_reports_mfu_memory_and_the_planner(tmp_path):
         assert 0 < r["mfu"] < 1
     # the planner's allocated-memory prediction is in the same range as the measured peak
     assert 0.5 < r["planner"]["allocated"] / r["memory_gib"]["mem_peak_gib"] < 2
+
+
+def test_exposed_communication_is_read_from_the_gpu_timeline(tiny_config):
+    """The CUDA path of tessel/observe/comm.py: a profile of the GPU alone yields its kernels
+    (copies left out), and a one-GPU run's sampled steps read no communication."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tessel.observe.comm import gpu_kernels, split_gpu_step
+
+    x = torch.randn(1024, 1024, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        (x @ x).cpu()
+    kernels = gpu_kernels(prof)
+    assert kernels and all(k.kernel and k.end > k.start for k in kernels)
+    assert not any(k.name.startswith("Memcpy") for k in kernels)
+    assert split_gpu_step(kernels).total_s == 0.0  # no NCCL kernel
+    cfg = tiny_config(**{"train.steps": 4, "train.device": "cuda",
+                         "metrics.comm_sample_interval": 2})
+    Trainer(cfg, console=False).train()
+    sampled = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl")
+               if "time_comm_exposed_s" in r]
+    assert [r["step"] for r in sampled] == [2, 4]
+    assert all(r["time_comm_s"] == r["time_comm_exposed_s"] == 0.0 for r in sampled)

@@ -29,7 +29,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PLOT_IDS = ("plot-loss", "plot-lr", "plot-grad_norm", "plot-tokens_per_s", "plot-mfu",
-            "plot-memory", "plot-step_time")
+            "plot-memory", "plot-step_time", "plot-comm")
 MOE_PLOT_IDS = ("plot-moe_load_imbalance", "plot-moe_aux_loss", "plot-moe_z_loss",
                 "plot-moe_dropped_frac")
 SECRET = "https://hooks.example.com/services/T000/B000/SECRETxyz123"
@@ -57,6 +57,10 @@ def make_run(root: Path, n: int = 50, mfu: bool = False) -> Path:
                "mem_rss_gib": 1.5 + step / 100, "step_time_s": 0.25, "time_data_s": 0.01,
                "time_compute_s": 0.2, "time_optimizer_s": 0.04, "tokens_seen": 256 * step,
                "elapsed_s": 0.25 * step, "eta_s": 0.25 * (n - step), "token_budget_pct": 2 * step}
+        if step % 5 == 0:  # a sampled step (metrics.comm_sample_interval = 5)
+            rec.update({"time_comm_exposed_s": 0.05 + step / 1000, "time_comm_s": 0.12,
+                        "time_comm_exposed_max_s": 0.07, "comm_exposed_share": 0.2,
+                        "comm_collectives": 29.0})
         recs[step] = rec
         if step in (29, 30):  # logged before a crash (loss 99), then again after the resume
             lines.append(json.dumps({**rec, "loss": 99.0}))
@@ -146,7 +150,7 @@ def test_every_plot_is_drawn_with_data_or_a_no_data_placeholder(report):
         assert fig["data-empty"] in ("true", "false")
         assert dom.inside(plot_id, "svg"), plot_id
     for plot_id in ("plot-loss", "plot-lr", "plot-grad_norm", "plot-tokens_per_s", "plot-memory",
-                    "plot-step_time"):
+                    "plot-step_time", "plot-comm"):
         assert dom.by_id(plot_id)["data-empty"] == "false"
         lines = dom.inside(plot_id, "polyline")
         assert lines, plot_id
@@ -183,6 +187,19 @@ def test_loss_plot_has_both_series_gaps_and_event_markers(report):
     # Only the last record of a re-logged step is drawn: not the stale loss of 99.
     assert float(loss["data-ymax"]) == pytest.approx(10.0 * math.exp(-1 / 15) + 2.0)
     assert (loss["data-xmin"], loss["data-xmax"]) == ("1", "50")
+
+
+def test_communication_plot_sets_computation_against_exposed_communication(report):
+    _, _, dom = report
+    comm = dom.by_id("plot-comm")
+    assert comm["data-series"] == "computation_s time_comm_exposed_s time_comm_s"
+    assert comm["data-points"] == str(3 * 10)  # the 10 sampled steps of 50, three series
+    # computation = compute + optimizer phases less the exposed communication inside them
+    assert float(comm["data-ymax"]) == pytest.approx(0.2 + 0.04 - (0.05 + 5 / 1000))
+    assert float(comm["data-ymin"]) == pytest.approx(0.05 + 5 / 1000)
+    assert (comm["data-xmin"], comm["data-xmax"]) == ("5", "50")
+    assert {pl["data-series"] for pl in dom.inside("plot-comm", "polyline")} == {
+        "computation_s", "time_comm_exposed_s", "time_comm_s"}
 
 
 def test_summary_events_and_tables(report):
@@ -273,6 +290,7 @@ def test_a_run_with_only_a_few_records_still_gets_every_section(tmp_path: Path):
     assert dom.by_id("plot-loss")["data-points"] == "1"
     assert dom.by_id("plot-memory")["data-empty"] == "true"
     assert dom.by_id("plot-grad_norm")["data-reason"].startswith("metrics.jsonl has no")
+    assert "metrics.comm_sample_interval = 0" in dom.by_id("plot-comm")["data-reason"]
     assert dom.by_id("events-none") and dom.by_id("config-none") and dom.by_id("warnings")
 
 

@@ -35,6 +35,20 @@ def test_threshold_rules_fire_once_per_episode():
         [False, True, False, False, True]
 
 
+def test_exposed_communication_rules_judge_the_sampled_log_steps():
+    rules = AlertRules([rule(name="comm", when="comm_exposed_share.above", threshold=0.3),
+                        rule(name="wait", when="time_comm_exposed_s.above", threshold=0.5)])
+    recs = [{"step": 1, "comm_exposed_share": 0.1, "time_comm_exposed_s": 0.05},
+            {"step": 2},  # not sampled: neither rule judges it (nor re-arms)
+            {"step": 3, "comm_exposed_share": 0.45, "time_comm_exposed_s": 0.6},
+            {"step": 4},
+            {"step": 5, "comm_exposed_share": 0.5, "time_comm_exposed_s": 0.4}]
+    fired = [[f.rule.name for f in rules.observe(r)] for r in recs]
+    assert fired == [[], [], ["comm", "wait"], [], []]  # once per episode
+    (f,) = rules.observe({"step": 6, "comm_exposed_share": 0.2, "time_comm_exposed_s": 0.7})
+    assert f.message == "time_comm_exposed_s 0.7 above 0.5"
+
+
 def test_nan_rule_and_strings_from_jsonl():
     rules = AlertRules([rule(when="nan")])
     assert not rules.observe({"step": 1, "loss": 2.0, "grad_norm": 1.0})

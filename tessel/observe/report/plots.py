@@ -78,8 +78,9 @@ class Heatmap:
 
 def build_plots(run: Run) -> list[Plot]:
     """The report's plots, always all of them: loss (with event markers), lr, grad norm,
-    throughput, MFU, memory and step time; one without data says why in `empty_reason`. A
-    run with benchmark scores (lm_eval) also gets their plot, one line per task metric."""
+    throughput, MFU, memory, step time, and compute vs exposed communication; one without
+    data says why in `empty_reason`. A run with benchmark scores (lm_eval) also gets their
+    plot, one line per task metric."""
     train, val = run.train, run.val
 
     def line(key: str, label: str, records: Sequence[dict[str, Any]] = train, scale: float = 1.0,
@@ -109,6 +110,11 @@ def build_plots(run: Run) -> list[Plot]:
         ("step_time_s", "step"), ("time_data_s", "data"), ("time_compute_s", "compute"),
         ("time_optimizer_s", "optimizer")) if any(k in r for r in train)]
 
+    comm = [Line("computation_s", "computation (compute + optimizer, less exposed comm.)",
+                 _computing(train)),
+            line("time_comm_exposed_s", "exposed communication"),
+            line("time_comm_s", "all communication (hidden or exposed)")]
+
     markers = [Marker(e["step"], str(e.get("kind")), event_message(e))
                for e in run.events if e.get("kind") in _MARKERS
                and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool)]
@@ -128,6 +134,9 @@ def build_plots(run: Run) -> list[Plot]:
              "no memory metrics in metrics.jsonl (none are logged for this device)"),
         Plot("plot-step_time", "Step time", "seconds", timing or [Line("step_time_s", "step", [])],
              "metrics.jsonl has no step timings"),
+        Plot("plot-comm", "Compute vs exposed communication", "seconds per step", comm,
+             "metrics.jsonl has no communication figures (metrics.comm_sample_interval = 0, or "
+             "a run older than them)"),
     ]
     if run.scores:  # a run without lm_eval tasks has no such plot
         keys = sorted({k for r in run.scores for k in r if k.startswith(SCORE_PREFIX)})
@@ -135,6 +144,19 @@ def build_plots(run: Run) -> list[Plot]:
                           [line(k, k.removeprefix(SCORE_PREFIX), run.scores, dots=True)
                            for k in keys], "metrics.jsonl has no benchmark scores"))
     return plots
+
+
+def _computing(train: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, seconds) of the compute and optimizer phases less the exposed communication
+    inside them, at the log steps that have the communication figures (sampled steps,
+    metrics.comm_sample_interval)."""
+    out = []
+    for r in train:
+        exposed, compute, optimizer = (num(r.get(k)) for k in (
+            "time_comm_exposed_s", "time_compute_s", "time_optimizer_s"))
+        if exposed is not None and compute is not None and optimizer is not None:
+            out.append((r["step"], max(compute + optimizer - exposed, 0.0)))
+    return out
 
 
 def _nice_step(span: float, target: int = 5) -> float:
