@@ -38,6 +38,9 @@ QUIET_RUN = {
     "run.sample_tokens": "0",  # no sample after training
     "metrics.log_interval": "1",  # one record per step: the warm-up is cut by step number
     "metrics.tensorboard": "false",  # metrics.jsonl is what is read
+    # every other step profiled for its exposed communication (points.summarize reads the
+    # time from those and the throughput from the others)
+    "metrics.comm_sample_interval": "2",
 }
 """Overrides of every sweep run, after the user's (they win): nothing but training steps in
 the timed window, and a record per step."""

@@ -47,7 +47,8 @@ class MeasuredPoint:
     """Timed steps found in metrics.jsonl (fewer than steps_asked: see `short`)."""
     tokens_per_s: float | None = None
     """Tokens per second over all processes in the timed steps: their tokens over their
-    summed step time (None when nothing was timed)."""
+    summed step time (None when nothing was timed). Steps profiled for communication
+    (slower) are left out of it, of step_time_s and of split when others were timed."""
     tokens_per_s_per_process: float | None = None
     """tokens_per_s / nproc."""
     step_time_s: float | None = None
@@ -125,11 +126,15 @@ def summarize(records: list[dict[str, Any]], warmup: int, steps: int,
     timed = timed_records(records, warmup, steps)
     if not timed:
         return {"timed_steps": 0}
-    times = [_number(r, "step_time_s") or 0.0 for r in timed]
-    tokens = sum((_number(r, "tokens_per_s") or 0.0) * t for r, t in zip(timed, times))
+    # A step profiled for its communication (it carries COMM_EXPOSED) runs slower than the
+    # others: throughput, step time and split come from the unprofiled steps when there are
+    # any, the communication from the profiled ones.
+    plain = [r for r in timed if _number(r, COMM_EXPOSED) is None] or timed
+    times = [_number(r, "step_time_s") or 0.0 for r in plain]
+    tokens = sum((_number(r, "tokens_per_s") or 0.0) * t for r, t in zip(plain, times))
     tps = tokens / sum(times)
     split = {p: m for p in PHASES
-             if (m := _mean(_number(r, f"time_{p}_s") for r in timed)) is not None}
+             if (m := _mean(_number(r, f"time_{p}_s") for r in plain)) is not None}
     return {
         "timed_steps": len(timed),
         "tokens_per_s": tps,

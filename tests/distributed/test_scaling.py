@@ -54,6 +54,9 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
     assert two["efficiency"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"] / 2)
     # calibrated on the first point: its prediction is its measurement
     assert points[0]["predicted"]["tokens_per_s"] == pytest.approx(one["tokens_per_s"], rel=2e-3)
+    # every other step profiled for its communication: one process has none, two do
+    assert one["comm_exposed_s"] == 0.0 and one["comm_s"] == 0.0
+    assert two["comm_s"] > 0 and two["comm_exposed_s"] is not None
     assert not three["ok"] and three["exit_code"] == 2 and three["tokens_per_s"] is None
     assert three["error"] == ("train.global_batch_size=16 is not divisible by "
                               "micro_batch_size*dp = 8*3; use a multiple of 24 (exit code 2)")

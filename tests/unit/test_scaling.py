@@ -38,16 +38,23 @@ def test_summary_covers_the_timed_steps_only_as_tokens_over_time():
         rec(6, 9e9, 0.1),  # past warmup + steps
     ]
     got = summarize(records, warmup=2, steps=3, nproc=2)
-    # tokens: 1000*1 + 3000*0.5 + 2000*0.5 = 3500 in 2 s (the mean of the rates would be 2000)
-    assert got["tokens_per_s"] == pytest.approx(1750.0)
-    assert got["tokens_per_s_per_process"] == pytest.approx(875.0)
+    # Step 4 was profiled for its communication (slower than the others): the throughput,
+    # step time and split are the unprofiled steps' (3 and 5). Tokens: 1000*1 + 2000*0.5 =
+    # 2000 in 1.5 s (the mean of the rates would be 1500).
+    assert got["tokens_per_s"] == pytest.approx(2000 / 1.5)
+    assert got["tokens_per_s_per_process"] == pytest.approx(1000 / 1.5)
     assert got["timed_steps"] == 3
-    assert got["step_time_s"] == pytest.approx(2.0 / 3)
-    assert got["split"] == pytest.approx({"data": 0.01, "compute": 0.8 * 2 / 3,
-                                          "optimizer": 0.1 * 2 / 3})
+    assert got["step_time_s"] == pytest.approx(0.75)
+    assert got["split"] == pytest.approx({"data": 0.01, "compute": 0.8 * 0.75,
+                                          "optimizer": 0.1 * 0.75})
     # exposed communication: the mean over the steps that measured it (sampled steps)
     assert got["comm_exposed_s"] == pytest.approx(0.2)
     assert got["comm_s"] == pytest.approx(0.3)
+    # with every step profiled, they are all there is
+    every = summarize([rec(1, 1000.0, 1.0, time_comm_exposed_s=0.1),
+                       rec(2, 3000.0, 0.5, time_comm_exposed_s=0.3)], warmup=0, steps=2, nproc=1)
+    assert every["tokens_per_s"] == pytest.approx(2500 / 1.5)
+    assert every["comm_exposed_s"] == pytest.approx(0.2)
 
 
 def test_summary_skips_damaged_records_and_has_no_communication_without_the_field():
