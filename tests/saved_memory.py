@@ -7,8 +7,8 @@ Selective activation checkpointing keeps its tensors in its own cache, not throu
 hooks: `meter_selective_checkpointing()` (call before the model is built) counts those too,
 from the moment they are cached until their block's backward consumes them.
 Parameters and buffers (which exist anyway) are not counted: a parameter is a leaf that requires
-grad, or a view of one (FSDP's unsharded parameters included); buffers are known by their
-storage.
+grad or an `nn.Parameter` (a frozen one: LoRA's base), or a view of one (FSDP's unsharded
+parameters included); buffers are known by their storage.
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ class SavedTensorMeter:
 
     def _pack(self, t: torch.Tensor) -> object:
         base = t._base if t._base is not None else t
-        if base.is_leaf and base.requires_grad:  # a parameter or a view of one (weight.t())
+        # A parameter or a view of one (weight.t()); frozen ones (LoRA's base) too: FSDP's
+        # unsharded parameters are Parameters that require no grad there, and their
+        # storage, gathered anew, is no activation (counted with the parameters).
+        if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
             return t
         local = t.to_local() if isinstance(t, DTensor) else t
         # A collective's result still in flight (AsyncCollectiveTensor) wraps the real one.

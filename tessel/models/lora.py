@@ -22,6 +22,7 @@ projection is tensor-parallel.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable, Iterable
@@ -122,7 +123,7 @@ def attach(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
 
 def _add_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     ad: AdapterState = module.lora_adapter
-    x = args[0]  # as the base saw it (a DTensor under tensor parallelism)
+    x = args[0]  # as the projection got it (a DTensor under tensor parallelism)
     if ad.dropout:  # the projection's training flag: model.train()/eval() reach it
         x = nn.functional.dropout(x, ad.dropout, training=module.training)
     a, b = module.lora_A.weight, module.lora_B.weight
@@ -151,8 +152,11 @@ def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def cast_base(model: nn.Module, dtype: torch.dtype) -> None:
-    """Hold the frozen weights of the blocks' projections in `dtype` (lora.base_dtype): their
-    input is cast to it and their output back, so the rest of the model is unchanged."""
+    """Hold the frozen weights of the blocks' projections in `dtype` (lora.base_dtype): the
+    projection casts its input to it and its output back, so the rest of the model is
+    unchanged. The cast happens inside the projection's forward, so the adapters' hook gets
+    the input as it came (as peft's adapters do): adapters of one input (wq/wk/wv, w1/w3)
+    share it for backward rather than each saving its own float32 copy of the cast."""
     for block in model.layers.values():
         for m in block.modules():
             if isinstance(m, nn.Linear) and not m.weight.requires_grad and m.weight.dtype != dtype:
@@ -160,20 +164,14 @@ def cast_base(model: nn.Module, dtype: torch.dtype) -> None:
                 for child in ("lora_A", "lora_B"):  # adapters stay in float32
                     if hasattr(m, child):
                         getattr(m, child).float()
-                m.register_forward_pre_hook(_to_weight_dtype)
-                m.register_forward_hook(_to_input_dtype, prepend=True)
+                m.forward = functools.partial(_cast_forward, m)  # type: ignore[method-assign]
 
 
-def _to_weight_dtype(module: nn.Module, args: tuple) -> tuple:
-    x = args[0]
-    module._lora_in_dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        return args
-    return (x.to(module.weight.dtype), *args[1:])
-
-
-def _to_input_dtype(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    return out.to(module._lora_in_dtype)
+def _cast_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):  # autocast casts both itself
+        return nn.functional.linear(x, module.weight, module.bias)
+    out = nn.functional.linear(x.to(module.weight.dtype), module.weight, module.bias)
+    return out.to(x.dtype)
 
 
 @torch.no_grad()

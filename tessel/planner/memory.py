@@ -19,9 +19,9 @@ from tessel.config import LoraConfig, ModelConfig
 from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
 from tessel.planner.layout import Layout
-from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes
+from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes, cast_elements
 from tessel.planner.probe import activation_profile, context_profile
-from tessel.planner.saved import ActivationProfile, ContextProfile
+from tessel.planner.saved import ActivationProfile, layer_bytes, rank_profile
 from tessel.planner.schedule import in_flight, peak_in_flight, pipeline_order
 
 GIB = 2**30
@@ -66,8 +66,12 @@ ASSUMPTIONS = (
     "the whole sequence; buffers: one layer's gathered keys and values (ulysses: the "
     "all-to-all's send and receive buffers)",
     "LoRA (lora.enabled): the frozen base has no gradients or AdamW state (the blocks' "
-    "projections held in lora.base_dtype), the adapters have both; activations and step "
-    "time as for full training (upper bounds)",
+    "projections held in lora.base_dtype, routed experts float32), the adapters have both; "
+    "activations measured on the probe with the run's adapters (a frozen matmul keeps no "
+    "input for its weight's gradient; every adapter keeps A x; the first block, whose "
+    "input needs no gradient, keeps nothing before its first adapter); autocast's weight "
+    "copies (bf16 without FSDP): the fp32 frozen weights and the adapters, the first "
+    "block's counted in full; step time as for full training (an upper bound)",
     f"outside the allocator: {CUDA_CONTEXT_BYTES / GIB:.2f} GiB CUDA context + "
     f"{NCCL_BYTES / GIB:.2f} GiB communicators; fragmentation {FRAGMENTATION:.0%} of allocated",
 )
@@ -274,9 +278,10 @@ def memory_by_rank(
     micro_batches = global_batch // (layout.micro_batch * layout.dp)
     regime = precision_regime(precision, layout)
     dense = not flex_attention or m.dropout > 0
-    context = (context_profile(m, regime, document_mask, layout.cp_mode) if layout.cp > 1
+    context = (context_profile(m, regime, document_mask, layout.cp_mode, lora) if layout.cp > 1
                else None)
-    acts = rank_profile(activation_profile(m, regime, document_mask), context, layout.cp, dense)
+    acts = rank_profile(activation_profile(m, regime, document_mask, lora), context, layout.cp,
+                        dense)
     out = []
     for rank in range(layout.pp):
         params = rank_parameters(m, layout, rank)
@@ -317,30 +322,6 @@ def _context_buffers(m: ModelConfig, layout: Layout, tokens: float, compute: int
     return 2 * tokens * layout.cp * kv * compute
 
 
-def rank_profile(acts: ActivationProfile, context: ContextProfile | None, cp: int,
-                 dense_mask: bool) -> ActivationProfile:
-    """`acts` as one rank sees it, per token of its part of the sequence: under context
-    parallelism (`context`, measured in the layout's cp mode) its blocks' tensors plus cp x
-    the whole sequence's keys and values the kernel keeps, and its masks over the whole
-    sequence (MoE layers' MLPs as without cp, on the rank's tokens); without `dense_mask`
-    (FlexAttention) no dense mask."""
-    if context is not None:
-        block = context.block + context.gathered * cp
-        acts = replace(
-            acts, block=block, block_selective=context.block_selective,
-            per_position=context.per_position + context.per_position_cp * cp,
-            mask_per_position=context.mask_per_position + context.per_position_cp * cp,
-            per_position_selective=context.per_position_selective,
-            embedding=context.embedding, head=context.head,
-            moe_block=acts.moe_block and block + (acts.moe_block - acts.block),
-            moe_block_selective=acts.moe_block_selective and (
-                context.block_selective + (acts.moe_block_selective - acts.block_selective)))
-    if not dense_mask:
-        acts = replace(acts, per_position=acts.per_position - acts.mask_per_position,
-                       mask_per_position=0.0)
-    return acts
-
-
 def rank_memory(
     m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
     stages: dict[int, tuple[int, int]], rank: int, acts: ActivationProfile, micro_batches: int,
@@ -351,8 +332,8 @@ def rank_memory(
     there. With `lora` only the adapters have gradients and AdamW state; the
     frozen base keeps its (sharded) weights and compute copies, its blocks' projections in
     lora.base_dtype; the gradients in flight to FSDP's reduce-scatter are the adapters';
-    activations are counted as for full training (an upper bound: a frozen projection needs
-    no input saved for its weight's gradient, but its adapter's A does)."""
+    activations are what the model with the run's adapters saves (`acts` measured with
+    them: `activation_profile(..., lora)`, the first block's as `acts.first`)."""
     n_stages = layout.pp * layout.pp_virtual_stages
     last = n_stages - 1 in stages
     compute = 2 if precision in ("bf16", "fp16") else 4
@@ -388,10 +369,15 @@ def rank_memory(
     if lora is not None:
         trained = adapter_parameters(m, lora, p.layers, p.moe_layers, layout.tp)
         trained_local = -(-trained // shard)
-        block_mm = p.matmul - p.head_matmul  # the blocks' projections: lora.base_dtype
+        # The blocks' projections: lora.base_dtype (routed experts stay float32).
+        block_mm = p.matmul - p.head_matmul - p.experts
         base_bytes = MASTER_BYTES * local - (
             MASTER_BYTES - base_block_matmul_bytes(lora)) * -(-block_mm // shard)
         master = (0.0 if offload_params else base_bytes) + MASTER_BYTES * trained_local
+        if not fsdp and compute == 2:
+            copies = acts.weight_casts_per_param * cast_elements(
+                lora, block_mm, p.experts, p.head_matmul, trained,
+                layout.activation_checkpointing)
         parameters = master + copies
         p = replace(p, total=trained, block=trained // max(p.layers, 1))  # what trains
         local = trained_local
@@ -412,21 +398,17 @@ def rank_memory(
     # Activations saved for backward, for the micro-batches in flight.
     tokens = layout.micro_batch * seq_len / layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
+    ac = layout.activation_checkpointing
     per_position = acts.per_position * seq_len
     moe_block = acts.moe_block or acts.block
-    moe_selective = acts.moe_block_selective or acts.block_selective
-    router_copy = 0.0  # per MoE layer and micro-batch, whatever its tokens
-    if layout.activation_checkpointing == "full":
-        per_layer = per_moe_layer = acts.block_input.per_token(tp, sp)
-    elif layout.activation_checkpointing == "selective":
-        per_layer = (acts.block_selective.per_token(tp, sp)
-                     + acts.per_position_selective * seq_len)
-        per_moe_layer = (moe_selective.per_token(tp, sp)
-                         + acts.per_position_selective * seq_len)
-    else:
-        per_layer = acts.block.per_token(tp, sp) + per_position
-        per_moe_layer = moe_block.per_token(tp, sp) + per_position
-        router_copy = acts.moe_router_copy
+    per_layer, per_moe_layer = layer_bytes(acts, ac, tp, sp, seq_len)
+    # per MoE layer and micro-batch, whatever its tokens
+    router_copy = acts.moe_router_copy if ac == "none" else 0.0
+    first_layer = 0.0  # what the model's first block keeps beyond a later one (LoRA: < 0)
+    if acts.first is not None:
+        moe_first = bool(m.moe_experts) and m.is_moe_layer(0)
+        first_layer = (layer_bytes(acts.first, ac, tp, sp, seq_len)[moe_first]
+                       - (per_moe_layer if moe_first else per_layer))
     # With documents (and under context parallelism) every block is handed the same mask
     # and, with RoPE, each token's rotation (head_dim float32s): one per micro-batch, kept
     # until its backward whatever the checkpointing.
@@ -436,6 +418,7 @@ def rank_memory(
     for s, (n, n_moe) in stages.items():
         chunk[s] = per_layer * (n - n_moe) + per_moe_layer * n_moe
         chunk[s] += acts.embedding.per_token(tp, sp) if s == 0 else 0.0
+        chunk[s] += first_layer if s == 0 and n else 0.0
         chunk[s] += shared if n else 0.0
         chunk[s] += acts.head.per_token(tp, sp) if s == n_stages - 1 else 0.0
         chunk[s] = chunk[s] * tokens + router_copy * n_moe
@@ -446,7 +429,7 @@ def rank_memory(
         saved_bytes = sum(chunk.values()) * in_flight(layout, rank, micro_batches)
     activations = saved_bytes
     transient = 0.0
-    if layout.activation_checkpointing != "none" and layers:
+    if ac != "none" and layers:
         # The block being recomputed holds its full activations during its backward.
         largest = acts.block.per_token(tp, sp) if layers > p.moe_layers else 0.0
         if p.moe_layers:

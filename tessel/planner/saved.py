@@ -1,9 +1,10 @@
 """What a model saves for backward, per token: the profiles the activation probe
-(`probe.py`) measures and the memory model (`memory.py`) multiplies out."""
+(`probe.py`) measures and the memory model (`memory.py`) multiplies out, and how one rank
+of a layout sees them (`rank_profile`, `layer_bytes`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class ActivationProfile:
     moe_router_copy: float = 0.0
     """Bytes an MoE layer saves per micro-batch whatever its tokens: the router's fp32 copy
     of its weight when the parameters are bf16 (FSDP), which the fp32 router matmul keeps."""
+    first: ActivationProfile | None = None
+    """The same for a stage's first block where it differs: a LoRA model's, whose input (the
+    frozen embeddings') needs no gradient, so what runs before its first adapter keeps
+    nothing (its embedding and head as the profile's own). None: as every block."""
 
 
 @dataclass(frozen=True)
@@ -93,3 +98,49 @@ class ContextProfile:
     per_position_selective: float
     embedding: SavedBytes
     head: SavedBytes
+    first: ContextProfile | None = None
+    """A stage's first block's, where it differs (LoRA: see ActivationProfile.first)."""
+
+
+def rank_profile(acts: ActivationProfile, context: ContextProfile | None, cp: int,
+                 dense_mask: bool) -> ActivationProfile:
+    """`acts` as one rank sees it, per token of its part of the sequence: under context
+    parallelism (`context`, measured in the layout's cp mode) its blocks' tensors plus cp x
+    the whole sequence's keys and values the kernel keeps, and its masks over the whole
+    sequence (MoE layers' MLPs as without cp, on the rank's tokens); without `dense_mask`
+    (FlexAttention) no dense mask; its `first` block's likewise."""
+    first = None
+    if acts.first is not None:
+        first = rank_profile(acts.first, context.first if context is not None else None, cp,
+                             dense_mask)
+    if context is not None:
+        block = context.block + context.gathered * cp
+        acts = replace(
+            acts, block=block, block_selective=context.block_selective,
+            per_position=context.per_position + context.per_position_cp * cp,
+            mask_per_position=context.mask_per_position + context.per_position_cp * cp,
+            per_position_selective=context.per_position_selective,
+            embedding=context.embedding, head=context.head,
+            moe_block=acts.moe_block and block + (acts.moe_block - acts.block),
+            moe_block_selective=acts.moe_block_selective and (
+                context.block_selective + (acts.moe_block_selective - acts.block_selective)))
+    if not dense_mask:
+        acts = replace(acts, per_position=acts.per_position - acts.mask_per_position,
+                       mask_per_position=0.0)
+    return replace(acts, first=first) if first is not None else acts
+
+
+def layer_bytes(acts: ActivationProfile, checkpointing: str, tp: int, sp: bool,
+                seq_len: int) -> tuple[float, float]:
+    """Bytes per token one micro-batch keeps of a dense and of an MoE layer under
+    activation checkpointing `checkpointing` on a tensor-parallel rank."""
+    if checkpointing == "full":
+        return acts.block_input.per_token(tp, sp), acts.block_input.per_token(tp, sp)
+    if checkpointing == "selective":
+        scores = acts.per_position_selective * seq_len
+        moe = acts.moe_block_selective or acts.block_selective
+        return (acts.block_selective.per_token(tp, sp) + scores,
+                moe.per_token(tp, sp) + scores)
+    per_position = acts.per_position * seq_len
+    moe = acts.moe_block or acts.block
+    return acts.block.per_token(tp, sp) + per_position, moe.per_token(tp, sp) + per_position

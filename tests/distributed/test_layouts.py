@@ -395,7 +395,9 @@ def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict], short: bool = 
 def assert_planner_memory_matches(run: Path, world: int) -> None:
     """The planner against what the ranks measured on their second step: the bytes autograd
     saved for backward (peak, micro-batches in flight included) within 10% on every rank,
-    and parameter and AdamW-state elements exactly (summed over the ranks).
+    and parameter and AdamW-state elements exactly (summed over the ranks; a LoRA run:
+    AdamW state for the adapters alone, as placed under tp, parameters = the frozen base +
+    the adapters).
 
     Under expert parallelism each rank saves what its experts received, which the planner
     takes as balanced (tokens x top-k / ep) and a tiny untrained router is not (ranks of
@@ -407,8 +409,9 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
     records = [json.loads(f.read_text()) for f in sorted(run.glob("memory-rank*.json"))]
     assert len(records) == world, run.name
     layout, t, m = Layout.from_config(cfg, world), cfg.train, cfg.model
+    lora = cfg.lora if cfg.lora.enabled else None
     predicted = memory_by_rank(m, layout, t.seq_len, t.global_batch_size, "fp32",
-                               cfg.data.document_mask)
+                               cfg.data.document_mask, lora)
     pairs = [(rec["saved_peak"], predicted[rec["pp_rank"]].saved) for rec in records]
     if layout.ep > 1:
         pairs = [(sum(got for got, _ in pairs), sum(want for _, want in pairs))]
@@ -417,8 +420,9 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
             f"{run.name}: pipeline rank {rec['pp_rank']} saved {got:,} bytes, "
             f"planner {want:,.0f}")
     expected = parameter_elements(m, layout)  # the routed experts sharded, not copied, by ep
-    assert sum(rec["params"] for rec in records) == expected, run.name
-    assert sum(rec["exp_avg"] for rec in records) == expected, run.name
+    adapters = parameter_elements(m, layout, lora) if lora is not None else 0
+    assert sum(rec["params"] for rec in records) == expected + adapters, run.name
+    assert sum(rec["exp_avg"] for rec in records) == (adapters or expected), run.name
 
 
 @pytest.mark.budget(420)  # seconds on the reference machine: measured, +~40%
@@ -465,28 +469,15 @@ def lora_runs(refs, tmp_path: Path) -> list[dict]:  # noqa: ANN001
 
 def assert_lora_runs(refs, tmp_path: Path) -> None:  # noqa: ANN001
     """Each LoRA layout equals the single-process LoRA run; it trained (the adapters moved
-    off their zero B) and its checkpoints hold only the adapters."""
+    off their zero B), its checkpoints hold only the adapters, and the planner's LoRA
+    estimate matches what its ranks measured."""
     for name in LORA_2:
         assert_same_run(tmp_path / name, refs["lora"])
         adapters = final_weights(tmp_path / name)
         assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters), name
         assert all(adapters[k].abs().max() > 0 for k in adapters if ".lora_B." in k), name
         if list((tmp_path / name).glob("memory-rank*.json")):
-            assert_lora_planner_elements(tmp_path / name, 2)
-
-
-def assert_lora_planner_elements(run: Path, world: int) -> None:
-    """The planner's LoRA count against the ranks' own: AdamW state for the adapters alone
-    (as placed under tp), parameters = the frozen base + the adapters (summed over ranks)."""
-    from tessel.planner.layout import Layout
-    from tessel.planner.memory import parameter_elements
-
-    cfg = Config.load(run / "config.toml")
-    records = [json.loads(f.read_text()) for f in sorted(run.glob("memory-rank*.json"))]
-    layout = Layout.from_config(cfg, world)
-    adapters = parameter_elements(cfg.model, layout, cfg.lora)
-    assert sum(rec["exp_avg"] for rec in records) == adapters, run.name
-    assert sum(rec["params"] for rec in records) == parameter_elements(cfg.model, layout) + adapters
+            assert_planner_memory_matches(tmp_path / name, 2)
 
 
 def assert_one_embedding(run: Path) -> None:

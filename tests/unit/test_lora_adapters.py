@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from saved_memory import SavedTensorMeter
 
 from tessel.config import Config, ConfigError
 from tessel.models.lora import (
@@ -70,6 +71,49 @@ def test_a_bf16_base_keeps_fp32_adapters_and_output():
     wq = model.layers["0"].attention.wq
     assert wq.weight.dtype == torch.bfloat16 and wq.lora_A.weight.dtype == torch.float32
     assert model(torch.randint(0, 500, (1, 8))).dtype == torch.float32
+
+
+def _saved_bytes(base_dtype: torch.dtype | None, autocast: bool) -> tuple[int, torch.dtype]:
+    """Bytes autograd keeps after a forward of the tiny model with adapters on every
+    projection (base held in `base_dtype`), and the dtype of wq's output."""
+    model = _model()
+    add_lora(model, ["wq", "wk", "wv", "wo", "w1", "w2", "w3"], rank=4, alpha=8.0)
+    if base_dtype is not None:
+        cast_base(model, base_dtype)
+    wq = model.layers["0"].attention.wq
+    out = []
+    wq.register_forward_hook(lambda _m, _a, y: out.append(y.dtype))
+    meter = SavedTensorMeter.for_modules([model])
+    with meter.measuring(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        model(torch.randint(0, 500, (2, 32)))
+    return meter.peak, out[0]
+
+
+def test_a_bf16_base_saves_no_more_than_a_float32_one():
+    """Without autocast the adapters take the projection's input as it came, not its bf16
+    cast: adapters of one input (wq/wk/wv, w1/w3) share it rather than each keeping its own
+    float32 copy (this model kept 1.20x the float32 base's bytes, now 1.0x); under autocast
+    the projection returns what a float32 base's does (bf16), not a float32 copy that the
+    next operators keep (0.95x, now 0.73x)."""
+    fp32_base, dtype = _saved_bytes(None, autocast=False)
+    bf16_base, bf16_dtype = _saved_bytes(torch.bfloat16, autocast=False)
+    assert bf16_base <= fp32_base and dtype == bf16_dtype == torch.float32
+    fp32_base, dtype = _saved_bytes(None, autocast=True)
+    bf16_base, bf16_dtype = _saved_bytes(torch.bfloat16, autocast=True)
+    assert bf16_base < fp32_base and dtype == bf16_dtype == torch.bfloat16
+
+
+def test_the_adapters_of_a_bf16_base_see_its_unrounded_input():
+    model = _model()
+    add_lora(model, ["wq"], rank=4, alpha=8.0)
+    cast_base(model, torch.bfloat16)
+    wq = model.layers["0"].attention.wq
+    with torch.no_grad():
+        wq.lora_B.weight.normal_()
+    h = torch.randn(3, 64)
+    base = (h.bfloat16() @ wq.weight.T).float()
+    want = base + 2.0 * h @ wq.lora_A.weight.T @ wq.lora_B.weight.T  # peft: x cast to A's dtype
+    assert torch.allclose(wq(h), want, rtol=1e-5, atol=1e-5)  # bf16 rounding: ~1e-3
 
 
 def test_projections_the_model_lacks_are_refused():

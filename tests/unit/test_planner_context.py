@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from saved_memory import SavedTensorMeter, metered_contexts
+from test_planner_memory import ALL, LAYOUTS, adapters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tessel.parallel.apply as apply
 from tessel.config import Config, ModelConfig
+from tessel.models.lora import add_lora, cast_base
 from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import build_model
 from tessel.parallel.context import apply_context_parallel
@@ -66,34 +68,49 @@ CASES = [  # shape, cp, mode, precision, checkpointing, document mask
     (GQA, 2, "ulysses", "fp32", "none", True),
     (GPT, 2, "ulysses", "bf16", "selective", True),
 ]
+# LoRA (test_planner_memory.py's adapters): lora_cp2 of tests/distributed/test_layouts.py
+# (its rank 0 measured 746,756 bytes), under full checkpointing, in bf16 with a bf16 base,
+# and Ulysses.
+LORA_CASES = [
+    (LAYOUTS, 2, "allgather", "fp32", "none", True, adapters(ALL, rank=4)),
+    (LAYOUTS, 2, "allgather", "fp32", "full", True, adapters(ALL, rank=4)),
+    (GQA, 4, "allgather", "bf16", "none", True, adapters(["wq", "wv", "w2"], "bfloat16")),
+    (GQA, 2, "ulysses", "fp32", "selective", True, adapters(["wo", "w1"], dropout=0.1)),
+]
 
 
-@pytest.mark.parametrize("shape, cp, mode, precision, ac, docs", CASES)
+@pytest.mark.parametrize("shape, cp, mode, precision, ac, docs, lora",
+                         [(*case, None) for case in CASES] + LORA_CASES)
 def test_a_context_parallel_rank_saves_what_the_planner_predicts(monkeypatch, shape, cp, mode,
-                                                                 precision, ac, docs):
+                                                                 precision, ac, docs, lora):
     monkeypatch.setattr(apply, "create_selective_checkpoint_contexts",
                         metered_contexts(apply.create_selective_checkpoint_contexts))
     torch.manual_seed(0)
     m = ModelConfig(**shape)
-    mbs, T = 2, 128
+    mbs, T = (2, 32) if shape is LAYOUTS else (2, 128)
     model = build_model(m, seed=0)
     model.train()
-    if ac != "none":
-        apply.apply_activation_checkpointing(model, ac)
     tokens, targets = (torch.randint(0, m.vocab_size, (mbs, T)) for _ in range(2))
     doc_ids = torch.tensor([[0] * (T // 3) + [1] * (T - T // 3)] * mbs) if docs else None
-    meter = SavedTensorMeter.for_modules([model])
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
     with fake_group(cp) as mesh:
+        # in the trainer's order (tessel.parallel.apply.build_parallel_model)
         context = apply_context_parallel(model, mesh["cp"], mode, balanced=True)
+        if lora is not None:
+            add_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout)
+            if lora.base_dtype == "bfloat16":
+                cast_base(model, torch.bfloat16)
+        if ac != "none":
+            apply.apply_activation_checkpointing(model, ac)
+        meter = SavedTensorMeter.for_modules([model])
         x, y, positions = context.shard(tokens, targets)
         with meter.measuring(), autocast:
             loss = token_loss_sum(model(x, doc_ids, positions), y)
         layout = lay(cp, mode, micro_batch=mbs, activation_checkpointing=ac)
-        mem = estimate_memory(m, layout, T, mbs, precision, docs)
+        mem = estimate_memory(m, layout, T, mbs, precision, docs, lora)
         # Autocast's weight casts are counted with the parameters (their compute copies).
-        casts = mem.parameters - 4 * sum(p.numel() for p in model.parameters())
+        casts = mem.parameters - sum(p.numel() * p.element_size() for p in model.parameters())
         assert meter.peak == pytest.approx(mem.saved + casts, rel=0.01), (meter.peak, mem.saved)
         loss.backward()
     assert meter.current == 0

@@ -1,7 +1,8 @@
 """The planner's activation memory against what autograd really saves, in one process: the
 bytes held for backward at the end of a forward pass (saved-tensor hooks, plus selective
 checkpointing's cache), for several model shapes, precisions, checkpointing modes, document
-masks and dropout. Per-rank layouts (TP, SP, PP, ZeRO): tests/distributed/test_layouts.py.
+masks and dropout, with and without LoRA adapters. Per-rank layouts (TP, SP, PP, ZeRO):
+tests/distributed/test_layouts.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 from saved_memory import SavedTensorMeter, metered_contexts
 
 import tessel.parallel.apply as apply
-from tessel.config import ModelConfig
+from tessel.config import LoraConfig, ModelConfig
+from tessel.models.lora import add_lora, cast_base
 from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import build_model
 from tessel.planner.layout import Layout
@@ -53,17 +55,53 @@ CASES = [
     (SWITCH, "fp32", "none", False, 0.1),
     (SWITCH, "bf16", "selective", False, 0.0),
 ]
+# LoRA: the shape and adapters of tests/distributed/test_layouts.py's LORA_2 (4 layers, rank
+# 4 on every projection, documents, fp32), whose layouts measured these figures per rank;
+# then other targets, a bf16 base (its input cast inside the projection: the adapters share
+# the input), adapter dropout, and MoE models (adapters on the attention).
+LAYOUTS = dict(preset="tiny-llama", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2,
+               head_dim=16, vocab_size=512, ffn_hidden=192)
+ALL = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 
 
-@pytest.mark.parametrize("shape, precision, ac, mask, dropout", CASES)
-def test_saved_activations_match_the_prediction(monkeypatch, shape, precision, ac, mask, dropout):
+def adapters(targets: list[str], base_dtype: str = "float32", dropout: float = 0.0,
+             rank: int = 8) -> LoraConfig:
+    return LoraConfig(enabled=True, rank=rank, alpha=2.0 * rank, targets=targets,
+                      base_dtype=base_dtype, dropout=dropout)
+
+
+LORA_CASES = [
+    (LAYOUTS, "fp32", "none", True, 0.0, adapters(ALL, rank=4)),  # lora_ddp: 1,423,876 bytes
+    (LAYOUTS, "fp32", "full", True, 0.0, adapters(ALL, rank=4)),  # lora_zero3_ac_full: 226,052
+    (LAYOUTS, "fp32", "selective", True, 0.0, adapters(ALL, rank=4)),  # 1,635,076
+    (LLAMA, "bf16", "none", False, 0.0, adapters(["wq", "wv"])),
+    (LLAMA, "bf16", "none", True, 0.0, adapters(ALL, "bfloat16")),
+    (LLAMA, "fp32", "none", False, 0.0, adapters(ALL, "bfloat16")),
+    (LLAMA, "bf16", "full", False, 0.0, adapters(["wq", "wv"], "bfloat16")),
+    (LLAMA, "fp32", "selective", False, 0.0, adapters(["w1", "w2"], dropout=0.1)),
+    (GPT, "fp32", "none", True, 0.1, adapters(["wq", "w2"], dropout=0.1)),
+    (GPT, "bf16", "selective", False, 0.0, adapters(["wo", "w1"])),
+    (QWEN, "fp32", "none", True, 0.0, adapters(["wk", "w3"])),
+    (MOE, "fp32", "none", False, 0.0, adapters(["wq", "wk", "wv", "wo"])),
+    (MOE, "bf16", "none", False, 0.0, adapters(["wq", "wo"], "bfloat16")),
+]
+
+
+@pytest.mark.parametrize("shape, precision, ac, mask, dropout, lora",
+                         [(*case, None) for case in CASES] + LORA_CASES)
+def test_saved_activations_match_the_prediction(monkeypatch, shape, precision, ac, mask, dropout,
+                                                lora):
     monkeypatch.setattr(apply, "create_selective_checkpoint_contexts",
                         metered_contexts(apply.create_selective_checkpoint_contexts))
     torch.manual_seed(0)
     m = ModelConfig(**shape, dropout=dropout)
-    mbs, T = 3, 96
+    mbs, T = (2, 32) if shape is LAYOUTS else (3, 96)
     model = build_model(m, seed=0)
     model.train()
+    if lora is not None:  # as the trainer applies it (tessel.parallel.apply.apply_lora)
+        add_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout)
+        if lora.base_dtype == "bfloat16":
+            cast_base(model, torch.bfloat16)
     if ac != "none":
         apply.apply_activation_checkpointing(model, ac)
     tokens = torch.randint(0, m.vocab_size, (mbs, T))
@@ -73,10 +111,10 @@ def test_saved_activations_match_the_prediction(monkeypatch, shape, precision, a
                 else contextlib.nullcontext())
     with meter.measuring(), autocast:
         loss = token_loss_sum(model(tokens, docs), torch.randint(0, m.vocab_size, (mbs, T)))
-    mem = estimate_memory(m, Layout(1, 1, 1, 1, 1, 0, mbs, ac), T, mbs, precision, mask)
+    mem = estimate_memory(m, Layout(1, 1, 1, 1, 1, 0, mbs, ac), T, mbs, precision, mask, lora)
     # Autocast's weight casts are saved tensors too; the planner counts them with the
-    # parameters (their copies), above the fp32 masters.
-    casts = mem.parameters - 4 * sum(p.numel() for p in model.parameters())
+    # parameters (their copies), above the masters (fp32; a LoRA base: lora.base_dtype).
+    casts = mem.parameters - sum(p.numel() * p.element_size() for p in model.parameters())
     predicted = mem.saved + casts
     assert meter.peak == pytest.approx(predicted, rel=0.01), (meter.peak, predicted)
     loss.backward()  # and all of it is released again
