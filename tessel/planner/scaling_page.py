@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from tessel.observe.report.plots import esc
+from tessel.observe.report.plots import esc, page_head
 from tessel.planner.memory import GIB
 from tessel.planner.scaling import (
     COMMUNICATION,
@@ -287,13 +287,7 @@ def render(sweep: Sweep) -> str:
             else "the same batch per GPU on more GPUs")
     notes = ", ".join(k.removesuffix("_s").replace("_", " ") for k in COMMUNICATION)
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-        "style-src 'unsafe-inline'; img-src data:\">",
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>tessel scale: {sweep.mode} scaling</title>",
-        f"<style>{CSS}</style></head><body><main>",
+        *page_head(f"tessel scale: {sweep.mode} scaling", CSS),
         f'<h1 id="title">tessel scale: {esc(sweep.mode)} scaling ({esc(what)})</h1>',
         f'<p class="sub">{esc(header(sweep).removeprefix("tessel scale: "))}'
         f'{" · " + esc(sweep.config_path) if sweep.config_path else ""} · predicted by the '

@@ -12,7 +12,7 @@ from typing import Any
 from tessel.errors import TesselError
 from tessel.fileio import write_text_atomic
 from tessel.observe.report.experts import expert_heatmaps, expert_plots, is_moe
-from tessel.observe.report.plots import build_plots, esc, render_heatmap, render_plot
+from tessel.observe.report.plots import build_plots, esc, page_head, render_heatmap, render_plot
 from tessel.observe.report.run import Run, event_message, num, read_run
 from tessel.observe.report.summary import fmt, summary
 from tessel.observe.secrets import Redactor
@@ -159,14 +159,7 @@ def render(run: Run) -> str:
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        # Nothing on this page is fetched: inline styles and inline SVG only.
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-        "style-src 'unsafe-inline'; img-src data:\">",
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>tessel report: {esc(name)}</title>",
-        f"<style>{_CSS}</style></head><body><main>",
+        *page_head(f"tessel report: {name}", _CSS),
         f'<h1 id="title">tessel report: {esc(name)}</h1>',
         f'<p class="sub">{esc(redact.text(str(run.path)))}'
         f'{" · " + esc(redact.text(where)) if where else ""} · generated {generated}</p>',

@@ -227,6 +227,20 @@ def esc(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
+def page_head(title: str, css: str) -> list[str]:
+    """The opening lines of a self-contained page, up to <main>: nothing on it is fetched
+    (inline styles and inline SVG only, which its Content-Security-Policy enforces)."""
+    return [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
+        "style-src 'unsafe-inline'; img-src data:\">",
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{esc(title)}</title>",
+        f"<style>{css}</style></head><body><main>",
+    ]
+
+
 def render_plot(plot: Plot, redact: Redactor) -> str:
     """A <figure id=plot.id> with an inline SVG chart, or its "no data: <reason>" placeholder.
     Its data-* attributes say what it shows: series, finite points, non-finite values,
