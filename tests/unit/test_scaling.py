@@ -2,7 +2,7 @@
 records, the overrides each point gets (through the real config loader), the one-line
 errors, and the sweep's handling of commands that fail, die, hang or stop short (small
 Python commands standing in for `tessel train`). The real sweep: tests/distributed/
-test_scaling.py."""
+test_scale_measure.py."""
 
 from __future__ import annotations
 

@@ -155,3 +155,14 @@ def test_no_file_is_past_the_size_limit():
     big = {str(p.relative_to(ROOT.parent)): n for p in MODULES.values()
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert big == {}
+
+
+def test_test_modules_have_distinct_names():
+    """The test directories are not packages, so pytest imports each test module under its
+    file name: two with one name stop the whole session at collection ("import file
+    mismatch"), in CI, after the install."""
+    names: dict[str, list[str]] = {}
+    for path in (ROOT.parent / "tests").rglob("*.py"):
+        if path.name != "conftest.py" and "__pycache__" not in path.parts:
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
+    assert not {n: p for n, p in names.items() if len(p) > 1}
