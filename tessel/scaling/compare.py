@@ -20,7 +20,7 @@ weigh on small models.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +31,7 @@ import torch
 from tessel.config import Config
 from tessel.planner.hardware import GpuProfile, calibrate
 from tessel.planner.layout import Layout
+from tessel.planner.prelaunch import device_profile
 from tessel.planner.scaling import Point, Sweep
 from tessel.planner.search import evaluate
 from tessel.scaling.points import MeasuredPoint
@@ -51,13 +52,6 @@ def _memory_bandwidth(seconds: float = 0.3) -> float:
     return 2 * src.nbytes * reps / (time.perf_counter() - t0)
 
 
-def _host_memory_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):  # pragma: no cover (not Linux)
-        return 16.0
-
-
 def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, dict[str, Any]]:
     """This CPU as the planner's device, for `nproc` local processes of `threads` threads
     each (None: torch's default); also what was measured, for the output."""
@@ -76,14 +70,14 @@ def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, di
     # Collectives between local processes: the fitted bus bandwidth is what they reach, so
     # the link is that and comm_efficiency 1.
     link_gbps = gloo["bandwidth_Bps"] / 1e9 if gloo else 1.0
-    host = _host_memory_gib()
-    # The planner runs fp32 at half the BF16 rate (TF32 tensor cores); a CPU has no such
-    # split, so its "BF16 rate" is twice the fp32 one measured.
-    profile = GpuProfile(
-        CPU_PROFILE, bf16_flops=2 * matmul["flops"], fp8_flops=None,
-        memory_gib=host / max(nproc, 1), intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
-        gpus_per_node=max(nproc, os.cpu_count() or 1), hbm_gbps=memory_bps / 1e9,
-        host_memory_gib=host, comm_efficiency=1.0)
+    # This machine's memory as the trainer's pre-launch check sees it (shared by the local
+    # processes), with the measured rates in place of its nominal ones. The planner runs
+    # fp32 at half the BF16 rate (TF32 tensor cores); a CPU has no such split, so its "BF16
+    # rate" is twice the fp32 one measured.
+    profile = dataclasses.replace(
+        device_profile(torch.device("cpu"), nproc), name=CPU_PROFILE,
+        bf16_flops=2 * matmul["flops"], intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
+        hbm_gbps=memory_bps / 1e9, comm_efficiency=1.0)
     measured = {"matmul_flops": matmul["flops"], "matmul": f"{matmul['dtype']} {matmul['n']}^3",
                 "memory_bandwidth_Bps": memory_bps, "threads": threads,
                 "gloo": None if gloo is None else {k: gloo[k] for k in
