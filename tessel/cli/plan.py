@@ -50,7 +50,9 @@ def add_hardware_arguments(p: Parser) -> None:
     p.add_argument("--calibrate", metavar="PATH",
                    help="fit the profile's matmul efficiency to a measured run: a run directory "
                         "of `tessel train`, a JSON file with tokens_per_s, world_size, config, "
-                        "or the JSON of `tessel bench`")
+                        "or the JSON of `tessel bench`; or fit it and the communication "
+                        "speed to a measured sweep (the JSON of `tessel scale --measure "
+                        "--json`)")
 
 
 def hardware_profile(args: argparse.Namespace) -> GpuProfile | None:
@@ -95,7 +97,8 @@ def cmd_plan(argv: list[str]) -> int:
     searching = cfg.parallel.auto or not (cfg.parallel.model_fields_set & _DEGREES)
     if searching:
         start = time.perf_counter()
-        result = search.search(cfg, args.gpus, hw, keep=max(args.top, 10))
+        result = search.search(cfg, args.gpus, hw, keep=max(args.top, 10),
+                               device_type=hw.device_type)
         took = time.perf_counter() - start
         if args.json:
             out = report.as_json(cfg, args.gpus, hw, result.plans[: args.top],
@@ -109,10 +112,10 @@ def cmd_plan(argv: list[str]) -> int:
     from tessel.planner.layout import Layout
 
     layout = Layout.from_config(cfg, args.gpus)
-    reason = search.check_layout(cfg, layout, full=True)
+    reason = search.check_layout(cfg, layout, full=True, device_type=hw.device_type)
     if reason is not None:
         raise TesselError(reason)
-    plan = search.evaluate(cfg, layout, hw)
+    plan = search.evaluate(cfg, layout, hw, hw.device_type)
     nearest = [] if plan.fits else search.nearest_fitting(cfg, layout, hw)
     if args.json:
         out = report.as_json(cfg, args.gpus, hw, [plan], [])
@@ -125,13 +128,24 @@ def cmd_plan(argv: list[str]) -> int:
 
 def calibrated(hw: GpuProfile, path: Path) -> GpuProfile:
     """The profile with its matmul efficiency fitted to the measured run at `path`."""
-    from tessel.planner import hardware, search
+    from tessel.planner import hardware, search, sweep_fit
     from tessel.planner.layout import Layout
-    from tessel.planner.measured import read_measured
+    from tessel.planner.measured import read_json_object, read_measured
 
+    data = read_json_object(path) if path.is_file() else None
+    if data is not None and sweep_fit.is_sweep(data):
+        sweep = sweep_fit.read_sweep(data, repr(str(path)))
+        base = sweep.profile or hw
+        tuned, said = sweep_fit.fit(
+            base, sweep, lambda c, lay, h, d: search.evaluate(c, lay, h, d).tokens_per_s)
+        whose = (" (the profile the sweep measured on CPU processes)"
+                 if sweep.profile is not None else "")
+        print(f"calibrated {base.name}{whose} on the sweep {path}: {said}", file=sys.stderr)
+        return tuned
     run = read_measured(path)
     layout = Layout.from_config(run.config, run.world_size)
-    predict = lambda profile: search.evaluate(run.config, layout, profile).tokens_per_s  # noqa: E731
+    predict = lambda profile: search.evaluate(  # noqa: E731
+        run.config, layout, profile, profile.device_type).tokens_per_s
     predicted = predict(hw)
     tuned = hardware.calibrate(hw, predict, run.tokens_per_s)
     print(f"calibrated {hw.name}: matmul efficiency {hw.matmul_efficiency:.3f} -> "

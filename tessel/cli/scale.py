@@ -34,8 +34,9 @@ GPU over the first point's; 1 is perfect scaling). The config's own layout (para
 not used: each count is searched.
 
   --measure --nproc 1,2,4   instead of predicting GPU counts, run the config for real at
-                      each process count of this machine (`tessel train --nproc N`, pure
-                      data parallel at every count; --warmup steps, then --steps timed
+                      each process count of this machine (`tessel train --nproc N`, all
+                      processes in one parallel dimension: --over dp (default), tp, pp,
+                      cp or ep; --warmup steps, then --steps timed
                       ones) and print what each run measured (tokens/s, efficiency, step
                       split, exposed communication) beside the planner's
                       prediction of that run. On CPU the planner's device is this machine,
@@ -66,6 +67,9 @@ not used: each count is searched.
                    help="with --measure: untimed steps of each run first (default 3)")
     p.add_argument("--steps", default="10", metavar="N",
                    help="with --measure: timed steps of each run (default 10)")
+    p.add_argument("--over", default="dp", choices=("dp", "tp", "pp", "cp", "ep"),
+                   help="with --measure: the parallel dimension the processes go to: data "
+                        "(default), tensor, pipeline, context or expert parallel of degree N")
     p.add_argument("--out", metavar="DIR",
                    help="with --measure: a new directory for the runs (default "
                         "runs/scale-<config>-<time>)")
@@ -174,6 +178,7 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
     from tessel.checkpoint.init_from import load_config
     from tessel.planner import scaling
     from tessel.scaling import compare, measure_sweep
+    from tessel.scaling.measure import layout_over
 
     if not args.measure or args.nproc is None:
         raise TesselError("--measure runs the config at each process count of --nproc (e.g. "
@@ -204,12 +209,20 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         print(f"tessel scale: {point.nproc} process(es): {what}", file=sys.stderr, flush=True)
 
     points = measure_sweep(Path(args.config), overrides, nprocs, out, warmup=warmup,
-                           steps=steps, strong=mode == scaling.STRONG, on_point=said)
+                           steps=steps, strong=mode == scaling.STRONG, on_point=said,
+                           layout_for=layout_over(args.over))
     sweep, fitted = compare.predict(points, hw, "cuda" if cuda else "cpu", mode, args.config,
                                     base)
     record = scaling.as_json(sweep)
-    record["measurement"] = {"out": str(out), "warmup": warmup, "steps": steps,
+    from tessel.planner.hardware import profile_table
+
+    for rec, point in zip(record["points"], sweep.points):
+        if rec["measured"] is not None and rec["measured"]["tokens_per_s"] is not None:
+            rec["config"] = point.config.to_dict()  # what `--calibrate` predicts the run from
+    record["measurement"] = {"out": str(out), "warmup": warmup, "steps": steps, "over": args.over,
+                             "device_type": "cuda" if cuda else "cpu",
                              "machine": None if cuda else machine,
+                             "profile": None if cuda else profile_table(hw),
                              "calibrated_matmul_efficiency": fitted}
     if html is not None:
         from tessel.fileio import write_text_atomic

@@ -16,6 +16,7 @@ and link bandwidths (sources in SOURCES). Users add or override profiles in a TO
     host_memory_gib = 2048     # optional: host memory per node (offload), GiB
     matmul_efficiency = 0.625  # optional: fraction of peak that large matmuls reach
     comm_efficiency = 0.75     # optional: fraction of link bandwidth collectives reach
+    collective_latency_us = 20 # optional: fixed cost of one collective call, microseconds
 
 A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
 set to the value at which the planner's prediction for that run equals what it measured.
@@ -24,6 +25,7 @@ set to the value at which the planner's prediction for that run equals what it m
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -41,6 +43,10 @@ else:  # pragma: no cover
 # table). Communication efficiency: an assumption (bus bandwidth ~75% of the link's).
 MATMUL_EFFICIENCY = 0.625
 COMM_EFFICIENCY = 0.75
+# Fixed cost of one collective call (launch, synchronisation, the first bytes' trip): an
+# assumption for NCCL within a node (small-message all-reduce runs in tens of microseconds);
+# measured for gloo by `tessel scale --measure` (about 0.5 ms between CPU processes).
+COLLECTIVE_LATENCY_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,13 @@ class GpuProfile:
     """Fraction of the dense peak that the step's large matmuls reach."""
     comm_efficiency: float = COMM_EFFICIENCY
     """Fraction of the link bandwidth that collectives reach (bus bandwidth / link)."""
+    collective_latency_s: float = COLLECTIVE_LATENCY_S
+    """Seconds every collective call costs beyond its bytes' time (TOML: collective_latency_us)."""
     device_names: tuple[str, ...] = ()
     """Substrings of torch.cuda.get_device_name() that identify this GPU."""
+    device_type: str = "cuda"
+    """What runs the model: "cuda" (GPUs: bf16 by default, FlexAttention), or "cpu" for a
+    profile measured on CPU processes (`tessel scale --measure`: fp32, dense masks)."""
 
     def with_memory(self, memory_gib: float) -> GpuProfile:
         return dataclasses.replace(self, memory_gib=memory_gib)
@@ -117,7 +128,7 @@ SOURCES = {
 
 _FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
            "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
-           "device_names"}
+           "collective_latency_us", "device_names", "device_type"}
 
 
 def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuProfile:
@@ -130,12 +141,27 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
     values = dataclasses.asdict(base) if base is not None else {}
     values["name"] = name
     for key, value in table.items():
+        if key in ("bf16_tflops", "fp8_tflops") and value and (
+                isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TesselError(f"hardware profile {name!r}: {key} must be a number")
+        if key == "device_type" and value not in ("cuda", "cpu"):
+            raise TesselError(f"hardware profile {name!r}: device_type must be \"cuda\" or "
+                              "\"cpu\"")
+        if key == "device_names" and (not isinstance(value, (list, tuple))
+                                      or not all(isinstance(n, str) for n in value)):
+            raise TesselError(f"hardware profile {name!r}: device_names must be a list of text")
         if key == "bf16_tflops":
             values["bf16_flops"] = float(value) * 1e12
         elif key == "fp8_tflops":
             values["fp8_flops"] = float(value) * 1e12 if value else None
         elif key == "device_names":
             values["device_names"] = tuple(value)
+        elif key == "collective_latency_us":
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
+                raise TesselError(f"hardware profile {name!r}: collective_latency_us must be a "
+                                  "number >= 0 (microseconds)")
+            values["collective_latency_s"] = float(value) / 1e6
         else:
             values[key] = value
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
@@ -153,7 +179,9 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
         raise TesselError(f"hardware profile {name!r}: {exc}") from None
     for key in ("bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "hbm_gbps",
                 "host_memory_gib", "matmul_efficiency", "comm_efficiency"):
-        if not isinstance(getattr(profile, key), (int, float)) or getattr(profile, key) <= 0:
+        value = getattr(profile, key)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
             raise TesselError(f"hardware profile {name!r}: {key} must be a positive number")
     if not isinstance(profile.gpus_per_node, int) or profile.gpus_per_node < 1:
         raise TesselError(f"hardware profile {name!r}: gpus_per_node must be a whole number >= 1")
@@ -230,22 +258,34 @@ def calibrate(profile: GpuProfile, predict: Callable[[GpuProfile], float],
     return dataclasses.replace(profile, matmul_efficiency=float(f"{(lo * hi) ** 0.5:.4g}"))
 
 
+def profile_table(profile: GpuProfile) -> dict[str, object]:
+    """The profile as the keys of a `[gpu.NAME]` table (`profile_from_table` reads it back to
+    the same profile): in a hardware file, or in the JSON of `tessel scale --measure`."""
+    table: dict[str, object] = {"bf16_tflops": profile.bf16_flops / 1e12}
+    if profile.fp8_flops:
+        table["fp8_tflops"] = profile.fp8_flops / 1e12
+    table.update(
+        memory_gib=profile.memory_gib, intra_node_gbps=profile.intra_node_gbps,
+        inter_node_gbps=profile.inter_node_gbps, gpus_per_node=profile.gpus_per_node,
+        hbm_gbps=profile.hbm_gbps, host_memory_gib=profile.host_memory_gib,
+        matmul_efficiency=profile.matmul_efficiency, comm_efficiency=profile.comm_efficiency,
+        collective_latency_us=profile.collective_latency_s * 1e6)
+    if profile.device_names:
+        table["device_names"] = list(profile.device_names)
+    if profile.device_type != "cuda":
+        table["device_type"] = profile.device_type
+    return table
+
+
+def profile_from_table(name: str, table: object) -> GpuProfile:
+    """A whole profile from a `[gpu.NAME]` table's keys (all required ones present)."""
+    if not isinstance(table, dict):
+        raise TesselError(f"hardware profile {name!r} is not a table of keys")
+    return _profile_from_table(name, table, None)
+
+
 def profile_toml(profile: GpuProfile) -> str:
     """A `[gpu.NAME]` table that load_profiles reads back to the same profile."""
-    lines = [f"[gpu.{profile.name}]",
-             f"bf16_tflops = {profile.bf16_flops / 1e12:g}"]
-    if profile.fp8_flops:
-        lines.append(f"fp8_tflops = {profile.fp8_flops / 1e12:g}")
-    lines += [
-        f"memory_gib = {profile.memory_gib:g}",
-        f"intra_node_gbps = {profile.intra_node_gbps:g}",
-        f"inter_node_gbps = {profile.inter_node_gbps:g}",
-        f"gpus_per_node = {profile.gpus_per_node}",
-        f"hbm_gbps = {profile.hbm_gbps:g}",
-        f"host_memory_gib = {profile.host_memory_gib:g}",
-        f"matmul_efficiency = {profile.matmul_efficiency:.4f}",
-        f"comm_efficiency = {profile.comm_efficiency:.4f}",
-    ]
-    if profile.device_names:
-        lines.append("device_names = [" + ", ".join(f'"{n}"' for n in profile.device_names) + "]")
-    return "\n".join(lines) + "\n"
+    import tomli_w
+
+    return f"[gpu.{profile.name}]\n" + tomli_w.dumps(profile_table(profile))

@@ -44,7 +44,7 @@ def _from_run_dir(run: Path) -> MeasuredRun:
         if not (run / name).is_file():
             raise TesselError(f"--calibrate {str(run)!r}: not a tessel run directory (no {name})")
     cfg = Config.from_dict(read_saved(run / "config.toml"))
-    info = _read_json(run / "run.json")
+    info = read_json_object(run / "run.json")
     rates = [r["tokens_per_s"] for r in read_metrics(run / "metrics.jsonl") if "tokens_per_s" in r]
     if len(rates) <= WARMUP_RECORDS:
         raise TesselError(
@@ -56,7 +56,7 @@ def _from_run_dir(run: Path) -> MeasuredRun:
 
 
 def _from_json(path: Path) -> MeasuredRun:
-    data = _read_json(path)
+    data = read_json_object(path)
     if not isinstance(data.get("config"), dict):
         raise TesselError(f"--calibrate {str(path)!r}: no 'config' object (the resolved config)")
     tps = data.get("tokens_per_s")
@@ -67,7 +67,7 @@ def _from_json(path: Path) -> MeasuredRun:
     return MeasuredRun(cfg, world, float(tps), str(path))
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:

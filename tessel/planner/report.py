@@ -33,10 +33,10 @@ def header(cfg: Config, gpus: int, hw: GpuProfile) -> str:
     active = f", {active_param_count(m) / 1e9:.2f}B active" if m.moe_experts else ""
     return (
         f"tessel plan: {m.preset or 'custom'} model ({param_count(m) / 1e9:.2f}B "
-        f"parameters{active}), {gpus} x {hw.name} ({hw.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"parameters{active}), {gpus} x {hw.name} ({hw.bf16_flops / 1e12:.3g} TFLOP/s bf16, "
         f"{hw.memory_gib:.1f} GiB, {hw.gpus_per_node} per node), seq {t.seq_len}, global batch "
         f"{t.global_batch_size} ({t.global_batch_size * t.seq_len:,} tokens/step), "
-        f"{precision_for(cfg)}, {t.steps:,} steps"
+        f"{precision_for(cfg, hw.device_type)}, {t.steps:,} steps"
     )
 
 
@@ -151,7 +151,7 @@ def as_json(cfg: Config, gpus: int, hw: GpuProfile, plans: list[Plan], too_big: 
     return {
         "model": cfg.model.preset, "gpus": gpus, "gpu": hw.name,
         "seq_len": cfg.train.seq_len, "global_batch_size": cfg.train.global_batch_size,
-        "precision": precision_for(cfg),
+        "precision": precision_for(cfg, hw.device_type),
         "layouts": [p.as_dict() for p in plans],
         "too_big": [p.as_dict() for p in too_big],
         "rejected": [{"count": c, "reason": r} for c, r in (invalid or {}).values()],

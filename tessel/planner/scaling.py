@@ -112,7 +112,7 @@ def check_splits(points: list[tuple[int, Config]], hw: GpuProfile) -> None:
     (tp within a node and dividing the key/value heads, pp up to the layers, cp only for
     long sequences). Cheap (no layout is evaluated), so a sweep fails before it starts."""
     for gpus, cfg in points:
-        if not candidates(cfg, gpus, hw):
+        if not candidates(cfg, gpus, hw, hw.device_type):
             batch = cfg.train.global_batch_size
             raise TesselError(
                 f"no layout of {gpus:,} GPUs splits a global batch of {batch:,} sequences of "
@@ -131,13 +131,13 @@ def run_sweep(points: list[tuple[int, Config]], hw: GpuProfile, mode: str,
     for gpus, cfg in points:
         if progress is not None:
             progress(gpus)
-        result = search(cfg, gpus, hw, keep=1)
+        result = search(cfg, gpus, hw, keep=1, device_type=hw.device_type)
         if result.plans:
             out.append(Point(gpus, cfg, result.plans[0]))
         else:
             out.append(Point(gpus, cfg, None, no_fit_headline(result),
                              result.too_big[0] if result.too_big else None))
-    return Sweep(mode, hw, out, config_path)
+    return Sweep(mode, hw, out, config_path, hw.device_type)
 
 
 def split(step: StepTime) -> dict[str, float]:

@@ -310,7 +310,7 @@ def _changes(a: Layout, b: Layout) -> int:
 def nearest_fitting(cfg: Config, current: Layout, hw: GpuProfile, limit: int = 3) -> list[Plan]:
     """Layouts on the same number of GPUs that fit: fewest changes from `current` first,
     then the fastest."""
-    result = search(cfg, current.world, hw, keep=10**9)
+    result = search(cfg, current.world, hw, keep=10**9, device_type=hw.device_type)
     return sorted(result.plans, key=lambda p: (_changes(p.layout, current), -p.tokens_per_s))[:limit]
 
 

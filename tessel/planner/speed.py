@@ -11,6 +11,7 @@ runs) and pipeline sends are not overlapped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tessel.config import ModelConfig
@@ -42,9 +43,15 @@ ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
 GROUPED_GEMM_EFFICIENCY = 0.5
 # The search splits a sequence over cp ranks only while each keeps at least this many
 # positions (cp from 8K sequences on, as NeMo advises): the model counts the exchange's bytes
-# but not its per-collective latency nor the masked kernel's lower efficiency, which would
-# credit splitting short sequences with more than they give.
+# and calls but not the masked kernel's lower efficiency on short pieces, which would credit
+# splitting short sequences with more than they give.
 MIN_CP_POSITIONS = 4096
+DDP_BUCKET_MB = 25  # tessel.parallel.fsdp's DDP gradient buckets (a test checks): one call each
+# Collective calls of one layer's context-parallel exchange, one way: the keys' and values'
+# all-gathers; Ulysses' all-to-alls of queries, keys, values and the attention output.
+CP_CALLS = {"allgather": 2, "ulysses": 4}
+# Expert parallelism's dispatch (or combine): the per-expert counts, then the tokens.
+EP_CALLS_EACH_WAY = 2
 
 ASSUMPTIONS = (
     f"compute: each matmul's FLOPs (causal attention at half its full-matrix FLOPs) at peak x "
@@ -55,7 +62,10 @@ ASSUMPTIONS = (
     f"fits in a node, else the inter-node bandwidth; DDP hides behind {DDP_OVERLAP:.0%} of "
     f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute (ZeRO-1, which gathers and "
     "reduce-scatters once per step, of one micro-batch's); tensor-parallel collectives and "
-    "pipeline sends are exposed",
+    "pipeline sends are exposed; every call also costs the profile's collective latency "
+    f"(calls: a DDP bucket of {DDP_BUCKET_MB} MiB, an FSDP unit's gather or reduce-scatter, "
+    "a tensor-parallel block's 4 (10 with sequence parallelism), a pipeline send, a "
+    "context-parallel layer's 2 (Ulysses 4), an expert dispatch's 2)",
     "context parallelism: each rank computes its 1/cp of every sequence's causal attention "
     "(head-tail chunks balance it; contiguous pieces cost the last rank (2cp-1)/cp of the "
     "mean). allgather: per layer the whole sequence's keys and values, 2 x micro_batch x "
@@ -65,8 +75,8 @@ ASSUMPTIONS = (
     "its tokens x (cp-1)/cp bytes, each way; again when checkpointing recomputes the layer "
     "(full or selective: the exchange is not a saved operator); over NVLink when the cp x tp "
     "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange); "
-    "per-collective latency is not modelled, so the search splits a sequence only where each "
-    f"rank keeps {MIN_CP_POSITIONS:,} positions or more",
+    "the masked kernel's lower efficiency on short pieces is not modelled, so the search "
+    f"splits a sequence only where each rank keeps {MIN_CP_POSITIONS:,} positions or more",
     f"MoE layers: routed experts' FLOPs for each token's top_k experts (active parameters) at "
     f"{GROUPED_GEMM_EFFICIENCY} x a dense matmul's rate (grouped GEMM), each expert's rows "
     "tokens x top_k x ep / experts (balanced routing); the fp32 router at half the BF16 rate; "
@@ -101,6 +111,27 @@ class StepTime:
         return (self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s
                 + self.cp_comm_s + self.ep_comm_s + self.bubble_s + self.optimizer_s
                 + self.offload_s)
+
+
+def tp_calls(layout: Layout, layers: int, moe_layers: int, first: bool, last: bool) -> int:
+    """Tensor-parallel collective calls of one micro-batch's forward and backward on a
+    pipeline rank (each costs `collective_latency_s` beside its bytes; counted from
+    tessel.parallel.tensor's plan). Per dense block: two all-reduces each way (with sequence
+    parallelism two all-gather + reduce-scatter pairs each way, and the two norms' partial
+    weight gradients summed); MoE blocks only attention's half. The first stage's
+    vocabulary-parallel embedding adds one call each way; the last stage's output projection
+    one each way, and the vocabulary-parallel loss three (maximum, sum of exponentials,
+    target logit), with sequence parallelism the final norm's gradient too."""
+    if layout.tp <= 1:
+        return 0
+    sp = layout.sequence_parallel
+    per_dense, per_moe = (10, 5) if sp else (4, 2)
+    calls = per_dense * (layers - moe_layers) + per_moe * moe_layers
+    if first:
+        calls += 2
+    if last:
+        calls += 2 + 3 + (1 if sp else 0)
+    return calls
 
 
 def _ring(nbytes: float, n: int, bandwidth: float, all_reduce: bool) -> float:
@@ -246,12 +277,16 @@ def estimate_step(
                            all_reduce=True)
     # MoE layers have attention's two only (their MLP is not split).
     collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
-    tp_comm = micro_batches * collectives * per_collective * (1 + recompute)
+    lat = hw.collective_latency_s
+    calls = tp_calls(layout, layers, stage.moe_layers, 0 in ids, n_stages - 1 in ids)
+    tp_comm = micro_batches * (collectives * per_collective + calls * lat) * (1 + recompute)
 
     # Context parallel: every layer's exchange in the forward, the backward and a
     # recomputation, not overlapped.
     passes = 2 + (layout.activation_checkpointing != "none")
-    cp_comm = micro_batches * passes * layers * cp_exchange(m, layout, hw, seq_len, act_bytes)
+    cp_comm = micro_batches * passes * layers * (
+        cp_exchange(m, layout, hw, seq_len, act_bytes)
+        + (CP_CALLS[layout.cp_mode] * lat if cp > 1 else 0.0))
 
     # Expert parallelism: each MoE layer sends every token's top_k copies to the experts'
     # ranks and back (dispatch, combine) in the forward, the same again in the backward, and
@@ -261,7 +296,8 @@ def estimate_step(
         passes = 2 + (1 if layout.activation_checkpointing == "full" else 0)
         # dispatch or combine of this rank's part of the sequence
         one_way = tokens / tp * m.moe_top_k * m.d_model * act_bytes
-        ep_comm = micro_batches * stage.moe_layers * passes * 2 * all_to_all(one_way, layout.ep, hw)
+        ep_comm = micro_batches * stage.moe_layers * passes * 2 * (
+            all_to_all(one_way, layout.ep, hw) + EP_CALLS_EACH_WAY * lat)
 
     # Data parallel over dp x cp ranks (FSDP's shard group includes the cp ranks). Routed
     # experts are sharded over their own group, whose ranks are ep apart across the
@@ -280,7 +316,8 @@ def estimate_step(
         dp_comm = 0.0
     elif not fsdp_active(layout):
         dp_bw = intra if layout.dp * cp * tp <= hw.gpus_per_node else inter
-        raw = _ring(grad_bytes, layout.dp * cp, dp_bw, all_reduce=True)
+        buckets = max(1, math.ceil(grad_bytes / (DDP_BUCKET_MB * 2**20)))
+        raw = _ring(grad_bytes, layout.dp * cp, dp_bw, all_reduce=True) + buckets * lat
         hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
         dp_comm = max(0.0, raw - hide * t_mb * 2 / 3)  # the last micro-batch's backward
     else:
@@ -290,9 +327,13 @@ def estimate_step(
                           + _ring(act_bytes * experts, expert_group, expert_bw, all_reduce=False))
                + scatters * (_ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)
                              + _ring(4.0 * experts, expert_group, expert_bw, all_reduce=False)))
+        # One all-gather and one reduce-scatter call per FSDP unit (each block, and the root
+        # module's embeddings and output), as many times as the bytes above move.
+        units = layers + 1
+        raw += units * (gathers + scatters) * lat
         if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
             raw += _ring(4.0 * (dense / shard_group + experts / expert_group),
-                         layout.dp_replicate, inter, all_reduce=True)
+                         layout.dp_replicate, inter, all_reduce=True) + units * lat
         hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
         # ZeRO-1 gathers parameters once (behind the first micro-batch's forward) and
         # reduce-scatters gradients once (behind the last one's backward): one micro-batch
@@ -305,7 +346,7 @@ def estimate_step(
     pp_comm = bubble = 0.0
     if pp > 1:
         pp_bw = intra if layout.world <= hw.gpus_per_node else inter
-        pp_comm = 2 * micro_batches * v * tokens * m.d_model * act_bytes / tp / pp_bw
+        pp_comm = 2 * micro_batches * v * (tokens * m.d_model * act_bytes / tp / pp_bw + lat)
         if m.tie_embeddings:
             # Megatron's embedding group: the first and the last stage sum the tied
             # embedding's fp32 gradient (their shard of it) once per step, across nodes.

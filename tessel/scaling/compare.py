@@ -13,9 +13,9 @@ kernel's, and a CPU runs small matmuls nearer its large-matmul rate); every
 other point is a prediction of the planner, and its error against the measurement is the
 planner's error in scaling, not in the machine's speed.
 
-What the planner leaves out shows up as error here: it has no per-collective latency
-(gloo's is ~1 ms on this kind of machine) and no per-operator overhead, both of which
-weigh on small models.
+What the planner leaves out shows up as error here: it has no per-operator overhead (a
+tensor-parallel DTensor operator's dispatch, Python's time per module), which weighs on
+small models; each collective call's latency it has (gloo's measured, about 0.5 ms).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tessel.planner.layout import Layout
 from tessel.planner.prelaunch import device_profile
 from tessel.planner.scaling import Point, Sweep
 from tessel.planner.search import evaluate
+from tessel.planner.speed import StepTime
 from tessel.scaling.points import MeasuredPoint
 
 CPU_PROFILE = "cpu-measured"
@@ -70,6 +71,7 @@ def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, di
     # Collectives between local processes: the fitted bus bandwidth is what they reach, so
     # the link is that and comm_efficiency 1.
     link_gbps = gloo["bandwidth_Bps"] / 1e9 if gloo else 1.0
+    latency = gloo["latency_s"] if gloo else 0.0
     # This machine's memory as the trainer's pre-launch check sees it (shared by the local
     # processes), with the measured rates in place of its nominal ones. The planner runs
     # fp32 at half the BF16 rate (TF32 tensor cores); a CPU has no such split, so its "BF16
@@ -77,7 +79,8 @@ def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, di
     profile = dataclasses.replace(
         device_profile(torch.device("cpu"), nproc), name=CPU_PROFILE,
         bf16_flops=2 * matmul["flops"], intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
-        hbm_gbps=memory_bps / 1e9, comm_efficiency=1.0)
+        hbm_gbps=memory_bps / 1e9, comm_efficiency=1.0, collective_latency_s=latency,
+        device_type="cpu")
     measured = {"matmul_flops": matmul["flops"], "matmul": f"{matmul['dtype']} {matmul['n']}^3",
                 "memory_bandwidth_Bps": memory_bps, "threads": threads,
                 "gloo": None if gloo is None else {k: gloo[k] for k in
@@ -123,11 +126,23 @@ def predict(points: Sequence[MeasuredPoint], hw: GpuProfile, device_type: str, m
     return Sweep(mode, hw, out, config_path, device_type, measured), fitted
 
 
+def waiting_s(step: StepTime) -> float:
+    """The predicted seconds of a step that a rank spends blocked on communication, the
+    counterpart of the measured exposed time: exposed collectives and pipeline sends, and
+    the pipeline bubble (a stage waits for its neighbour's activations or gradients inside
+    a receive, which the meter counts as communication)."""
+    return (step.tp_comm_s + step.dp_comm_s + step.pp_comm_s + step.cp_comm_s
+            + step.ep_comm_s + step.bubble_s)
+
+
 def comparison(sweep: Sweep) -> str:
-    """The measured table `tessel scale --measure` prints after the predicted one."""
+    """The measured table `tessel scale --measure` prints after the predicted one: per point
+    measured throughput, efficiency, step split and exposed communication, then the
+    planner's tokens/s and blocked-on-communication time for the same run, and its errors
+    (predicted over measured, minus 1)."""
     rows = [f"{'procs':>5}  {'tokens/s':>9} {'per proc':>9} {'efficiency':>10} {'step s':>8} "
             f"{'data':>7} {'compute':>8} {'optimizer':>9} {'comm exp.':>9}  {'predicted':>9} "
-            f"{'error':>7}"]
+            f"{'error':>7} {'comm':>7} {'error':>7}"]
     for point in sweep.points:
         m = sweep.measured.get(point.gpus)
         if m is None:
@@ -140,12 +155,18 @@ def comparison(sweep: Sweep) -> str:
         def sec(v: float | None) -> str:
             return "-" if v is None else f"{v:.4f}"
 
-        predicted = point.plan.tokens_per_s if point.plan is not None else None
-        error = "" if predicted is None else f"{m['tokens_per_s'] / predicted - 1:+.1%}"
+        plan = point.plan
+        predicted = plan.tokens_per_s if plan is not None else None
+        error = "" if predicted is None else f"{predicted / m['tokens_per_s'] - 1:+.1%}"
+        wait = waiting_s(plan.step) if plan is not None else None
+        measured_wait = m["comm_exposed_s"]
+        wait_error = ("" if wait is None or not measured_wait
+                      else f"{wait / measured_wait - 1:+.0%}")
         rows.append(
             f"{point.gpus:>5}  {m['tokens_per_s']:9,.0f} {m['tokens_per_s_per_process']:9,.0f} "
             f"{m['efficiency'] if m['efficiency'] is not None else float('nan'):10.2f} "
             f"{m['step_time_s']:8.4f} {sec(split.get('data')):>7} {sec(split.get('compute')):>8} "
-            f"{sec(split.get('optimizer')):>9} {sec(m['comm_exposed_s']):>9}  "
-            f"{predicted if predicted is not None else float('nan'):9,.0f} {error:>7}")
+            f"{sec(split.get('optimizer')):>9} {sec(measured_wait):>9}  "
+            f"{predicted if predicted is not None else float('nan'):9,.0f} {error:>7} "
+            f"{sec(wait):>7} {wait_error:>7}")
     return "\n".join(rows) + "\n"

@@ -56,6 +56,28 @@ def default_layout(nproc: int) -> dict[str, object]:
             "parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1}
 
 
+OVER = ("dp", "tp", "pp", "cp", "ep")
+"""The parallel dimensions a sweep may spread its processes over (`layout_over`)."""
+
+
+def layout_over(dim: str) -> LayoutFor:
+    """All of the sweep's processes in one parallel dimension: data parallel (`dp`, the
+    default layout), or tensor, pipeline, context or expert parallel of degree N."""
+    if dim not in OVER:
+        raise TesselError(f"cannot spread processes over {dim!r}; choose one of "
+                          f"{', '.join(OVER)}")
+    if dim == "dp":
+        return default_layout
+
+    def layout(nproc: int) -> dict[str, object]:
+        # ep borrows the data-parallel ranks (dp_shard fills the world); the others take
+        # every process.
+        dp_shard = -1 if dim == "ep" else 1
+        return {**default_layout(nproc), "parallel.dp_shard": dp_shard, f"parallel.{dim}": nproc}
+
+    return layout
+
+
 def point_name(nproc: int) -> str:
     """The run directory of the point with `nproc` processes, inside the sweep directory;
     its command's output goes to `<name>.log` beside it."""

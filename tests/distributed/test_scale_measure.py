@@ -69,3 +69,38 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
     for series in ("tokens_per_s_per_gpu", "measured_tokens_per_s_per_gpu", "measured_efficiency"):
         assert f'<g class="dots" data-series="{series}"' in html
     assert html.count("GPUs: measured ") == 4  # two runs x (tokens/s per GPU, efficiency)
+    # the record carries what `tessel plan --calibrate SWEEP.json` needs: each measured run's
+    # resolved config and the profile measured on this machine (gloo's latency per call)
+    assert [("config" in p) for p in points] == [True, True, False]
+    profile = sweep["measurement"]["profile"]
+    assert profile["device_type"] == "cpu"
+    assert profile["collective_latency_us"] == pytest.approx(gloo["latency_s"] * 1e6)
+    (tmp_path / "sweep.json").write_text(out.stdout)
+    plan = subprocess.run(
+        [sys.executable, "-m", "tessel", "plan", str(ROOT / "configs/tiny.toml"), "--gpus", "2",
+         "--calibrate", str(tmp_path / "sweep.json")],
+        capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert "from 1 multi-process point(s)" in plan.stderr and ", fp32, " in plan.stdout
+
+
+@pytest.mark.budget(45)
+def test_a_pipeline_point_is_measured_with_its_bubble(tmp_path: Path):
+    """--over pp: the processes are pipeline stages; a stage's wait for its neighbour is
+    measured as exposed communication, and the planner's prediction of the run has a bubble."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tessel", "scale", str(ROOT / "configs/tiny.toml"), "--measure",
+         "--nproc", "2", "--over", "pp", "--warmup", "1", "--steps", "2", "--out",
+         str(tmp_path / "runs"), "--json", "--data.source=synthetic"],
+        capture_output=True, text=True, env={**os.environ, "CI": "true"}, timeout=600)
+    assert out.returncode == 0, out.stderr
+    sweep = json.loads(out.stdout)
+    assert sweep["measurement"]["over"] == "pp"
+    (point,) = sweep["points"]
+    m = point["measured"]
+    assert m["ok"] and m["timed_steps"] == 2, m["error"]
+    saved = read_saved(Path(m["run_dir"]) / "config.toml")
+    assert saved["parallel"]["pp"] == 2 and saved["parallel"]["tp"] == 1
+    assert point["layout"].startswith("dp=1 tp=1 pp=2")
+    assert m["comm_exposed_s"] > 0
+    assert point["predicted"]["split_s"]["pp_bubble_s"] > 0

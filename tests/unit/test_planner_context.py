@@ -27,7 +27,14 @@ from tessel.planner.layout import Layout
 from tessel.planner.memory import estimate_memory
 from tessel.planner.report import breakdown, launch_line
 from tessel.planner.search import check_layout, evaluate, search
-from tessel.planner.speed import _ring, all_to_all, cp_exchange, estimate_step, micro_batch_compute
+from tessel.planner.speed import (
+    CP_CALLS,
+    _ring,
+    all_to_all,
+    cp_exchange,
+    estimate_step,
+    micro_batch_compute,
+)
 
 H100 = hardware.BUILTIN["h100-sxm"]
 GQA = dict(preset="tiny-llama", n_layers=2, d_model=128, n_heads=8, n_kv_heads=2,
@@ -176,7 +183,8 @@ def test_the_exchange_is_exposed_once_a_pass(ac, passes):
     layout = lay(4, tp=2, dp_shard=2, zero=1, activation_checkpointing=ac)
     step = estimate_step(m, layout, H100, 32768, 8, "bf16")
     micro_batches = 8 // 2
-    one = cp_exchange(m, layout, H100, 32768, 2)
+    # the bytes' time and each call's latency (the keys' and the values' all-gathers)
+    one = cp_exchange(m, layout, H100, 32768, 2) + CP_CALLS["allgather"] * H100.collective_latency_s
     assert step.cp_comm_s == pytest.approx(micro_batches * passes * m.n_layers * one)
     assert step.cp_comm_s <= step.raw_comm_s
     c = Config.load(None, {"model.preset": "llama3-8b", "model.max_seq_len": 32768, "train.seq_len": 32768,

@@ -262,7 +262,7 @@ MEGATRON_VOCAB_PICKS = {
 }
 PUBLISHED_MFU = {96: 0.47, 4608: 0.42}  # NVIDIA/Megatron-LM README, strong scaling
 TOLERANCE = 0.10
-"""Relative: the planner's time model is within 8.8% of the published runs it was fitted on
+"""Relative: the planner's time model is within 9.9% of the published runs it was fitted on
 (docs/planning.md), rounded up."""
 
 
@@ -282,4 +282,4 @@ def test_gpt3_175b_strong_scaling_reads_like_megatron_lm_s_published_curve():
     for gpus, published in PUBLISHED_MFU.items():
         assert mfu[gpus] == pytest.approx(published, rel=TOLERANCE), (gpus, mfu[gpus])
     # The figures docs/performance.md quotes.
-    assert [round(100 * m, 1) for m in values] == [48.4, 47.9, 47.2, 46.2, 44.3, 41.1, 39.3]
+    assert [round(100 * m, 1) for m in values] == [47.5, 47.0, 46.3, 45.3, 43.5, 39.8, 38.1]

@@ -1,0 +1,205 @@
+"""The planner against measurement, without running anything: each collective call's latency
+in the step time, calibrating a profile on a measured sweep (`tessel plan --calibrate
+SWEEP.json`), and the layouts a measured sweep spreads its processes over. The real sweep:
+tests/distributed/test_scale_measure.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tessel.cli import main
+from tessel.config import Config, ModelConfig
+from tessel.errors import TesselError
+from tessel.parallel.fsdp import DDP_BUCKET_MB as TRAINER_BUCKET_MB
+from tessel.planner import search, sweep_fit
+from tessel.planner.hardware import get_profile, profile_from_table, profile_table
+from tessel.planner.layout import Layout
+from tessel.planner.speed import DDP_BUCKET_MB, estimate_step, tp_calls
+from tessel.scaling.measure import default_layout, layout_over
+
+ROOT = Path(__file__).resolve().parents[2]
+H100 = get_profile("h100-sxm")
+
+
+def lay(world: int, **kw) -> Layout:
+    base = {"dp_replicate": 1, "dp_shard": world, "tp": 1, "pp": 1, "cp": 1, "zero": 0,
+            "micro_batch": 1}
+    base.update(kw)
+    return Layout(**base)
+
+
+def latency_only(step_a, step_b) -> dict[str, float]:
+    """What each communication part gained between two predictions."""
+    return {f: getattr(step_b, f) - getattr(step_a, f)
+            for f in ("tp_comm_s", "pp_comm_s", "raw_comm_s")}
+
+
+# ---- latency in the step time -----------------------------------------------------------
+
+
+def test_every_collective_call_costs_the_profiles_latency():
+    m = ModelConfig(preset="gpt2-124m")
+    none = dataclasses.replace(H100, collective_latency_s=0.0)
+    slow = dataclasses.replace(H100, collective_latency_s=1e-3)
+    # tensor parallel: per micro-batch, the calls tessel's plan makes (12 layers, SP)
+    tp = lay(2, dp_shard=1, tp=2)
+    gained = latency_only(estimate_step(m, tp, none, 1024, 8, "bf16"),
+                          estimate_step(m, tp, slow, 1024, 8, "bf16"))
+    assert tp_calls(tp, 12, 0, True, True) == 12 * 10 + 2 + 6
+    assert gained["tp_comm_s"] == pytest.approx(8 * 128 * 1e-3)
+    # without sequence parallelism: two all-reduces each way per block
+    assert tp_calls(dataclasses.replace(tp, sequence_parallel=False), 12, 0, True, True) == \
+        12 * 4 + 2 + 5
+    # pipeline: a send each way per micro-batch and stage boundary crossing
+    pp = lay(2, dp_shard=1, pp=2, pp_schedule="1f1b")
+    gained = latency_only(estimate_step(m, pp, none, 1024, 8, "bf16"),
+                          estimate_step(m, pp, slow, 1024, 8, "bf16"))
+    assert gained["pp_comm_s"] == pytest.approx(2 * 8 * 1e-3)
+    # DDP: one all-reduce per gradient bucket (124M fp32 gradients: 19 buckets of 25 MiB)
+    dp = lay(2)
+    gained = latency_only(estimate_step(m, dp, none, 1024, 8, "bf16"),
+                          estimate_step(m, dp, slow, 1024, 8, "bf16"))
+    from tessel.models import param_count
+
+    buckets = math.ceil(4 * param_count(m) / (25 * 2**20))
+    assert gained["raw_comm_s"] == pytest.approx(buckets * 1e-3)
+    # one process: no call, no latency
+    one = lay(1)
+    assert estimate_step(m, one, slow, 1024, 8, "bf16") == estimate_step(m, one, none, 1024, 8,
+                                                                         "bf16")
+
+
+def test_the_planners_ddp_buckets_are_the_trainers():
+    assert DDP_BUCKET_MB == TRAINER_BUCKET_MB
+
+
+def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
+    cpu = dataclasses.replace(H100, name="cpu-x", collective_latency_s=5.5e-4, device_type="cpu",
+                              matmul_efficiency=0.001234567)
+    table = json.loads(json.dumps(profile_table(cpu)))  # as a sweep's JSON carries it
+    assert table["collective_latency_us"] == pytest.approx(550.0)
+    assert profile_from_table("cpu-x", table) == cpu  # full precision, device type kept
+    for key, value, needle in [("collective_latency_us", -1, "collective_latency_us must be"),
+                               ("collective_latency_us", float("nan"), "collective_latency_us"),
+                               ("device_type", "tpu", "device_type must be"),
+                               ("bf16_tflops", "fast", "bf16_tflops must be a number"),
+                               ("hbm_gbps", float("inf"), "hbm_gbps must be a positive"),
+                               ("device_names", "H100", "device_names must be a list")]:
+        with pytest.raises(TesselError, match=needle):
+            profile_from_table("cpu-x", {**table, key: value})
+    with pytest.raises(TesselError, match="not a table"):
+        profile_from_table("cpu-x", [1, 2])
+
+
+# ---- the layouts of a measured sweep ----------------------------------------------------
+
+
+def test_a_sweep_spreads_its_processes_over_one_dimension():
+    assert layout_over("dp") is default_layout
+    assert layout_over("tp")(2) == {**default_layout(2), "parallel.dp_shard": 1, "parallel.tp": 2}
+    assert layout_over("pp")(4)["parallel.pp"] == 4
+    ep = layout_over("ep")(2)  # borrows the data-parallel ranks: dp_shard fills the world
+    assert ep["parallel.ep"] == 2 and ep["parallel.dp_shard"] == -1
+    with pytest.raises(TesselError, match="cannot spread processes over 'zz'; choose one of dp"):
+        layout_over("zz")
+
+
+# ---- calibrating on a measured sweep ----------------------------------------------------
+
+
+def tiny(world: int, **parallel) -> Config:
+    return Config.load(ROOT / "configs/tiny.toml", [f"--parallel.{k}={v}" for k, v in
+                                                    {"dp_shard": world, **parallel}.items()])
+
+
+def predict(cfg: Config, layout: Layout, hw, device_type: str) -> float:
+    return search.evaluate(cfg, layout, hw, device_type).tokens_per_s
+
+
+def sweep_record(truth, points: list[tuple[int, Config]], profile=None) -> dict:
+    """A `tessel scale --measure --json` record whose measurements are what `truth` predicts."""
+    out = []
+    for world, cfg in points:
+        tps = predict(cfg, Layout.from_config(cfg, world), truth, "cpu")
+        out.append({"gpus": world, "measured": {"tokens_per_s": tps}, "config": cfg.to_dict()})
+    out.append({"gpus": 3, "measured": {"tokens_per_s": None, "error": "refused"}})
+    return {"schema": 1, "points": out,
+            "measurement": {"device_type": "cpu", "machine": {},
+                            "profile": None if profile is None else profile_table(profile)},
+            "gpu": {"name": "cpu-measured"}}
+
+
+@pytest.fixture(scope="module")
+def cpu_truth():
+    """A CPU-like machine: slow matmuls, slow links, gloo's latency."""
+    return dataclasses.replace(
+        H100, name="cpu-measured", bf16_flops=1.4e11, intra_node_gbps=1.0, inter_node_gbps=1.0,
+        gpus_per_node=2, hbm_gbps=8.0, memory_gib=12.0, comm_efficiency=1.0,
+        collective_latency_s=5e-4, device_type="cpu", matmul_efficiency=0.9)
+
+
+def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path: Path):
+    """Measurements made by a machine whose communication is 3x slower than its profile
+    says: the fit finds the 3 and then predicts every measured point."""
+    slower = dataclasses.replace(cpu_truth, comm_efficiency=1.0 / 3,
+                                 collective_latency_s=3 * 5e-4, matmul_efficiency=0.7)
+    points = [(1, tiny(1)), (2, tiny(2, dp_shard=1, tp=2)), (2, tiny(2, dp_shard=1, pp=2))]
+    record = sweep_record(slower, points, profile=cpu_truth)
+    sweep = sweep_fit.read_sweep(record, "sweep.json")
+    assert [r.world for r in sweep.runs] == [1, 2, 2]  # the failed point is left out
+    assert sweep.profile == cpu_truth and sweep.device_type == "cpu"
+    tuned, said = sweep_fit.fit(sweep.profile, sweep, predict)
+    assert tuned.matmul_efficiency == pytest.approx(0.7, rel=1e-3)
+    assert tuned.collective_latency_s == pytest.approx(1.5e-3, rel=1e-3)
+    assert tuned.comm_efficiency == pytest.approx(1 / 3, rel=1e-3)
+    for world, cfg in points:
+        lay_ = Layout.from_config(cfg, world)
+        assert predict(cfg, lay_, tuned, "cpu") == pytest.approx(
+            predict(cfg, lay_, slower, "cpu"), rel=2e-3)
+    assert "communication x3 " in said and "from 2 multi-process point(s)" in said
+
+    # the command: `tessel plan --calibrate SWEEP.json` plans with the sweep's own profile
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(record))
+    saved = tmp_path / "hw.toml"
+    assert main(["plan", str(ROOT / "configs/tiny.toml"), "--gpus", "2", "--calibrate", str(path),
+                 "--save-hardware", str(saved), "--parallel.tp=2", "--parallel.dp_shard=1"]) == 0
+    from tessel.planner.hardware import load_profiles
+
+    again = load_profiles(saved)["cpu-measured"]
+    assert again.device_type == "cpu"
+    assert again.collective_latency_s == pytest.approx(1.5e-3, rel=1e-3)
+
+
+def test_a_single_point_sweep_fits_the_matmul_rate_only(cpu_truth):
+    record = sweep_record(cpu_truth, [(1, tiny(1))], profile=cpu_truth)
+    tuned, said = sweep_fit.fit(cpu_truth, sweep_fit.read_sweep(record, "s"), predict)
+    assert tuned.comm_efficiency == cpu_truth.comm_efficiency
+    assert said.endswith("no multi-process point: communication not fitted")
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda r: r["points"][0].pop("config"), "points\\[0\\] has no 'config'"),
+    (lambda r: r["points"][0]["measured"].update(tokens_per_s=-5), "must be a positive number"),
+    (lambda r: r["points"][0]["measured"].update(tokens_per_s=True), "must be a positive number"),
+    (lambda r: r["points"][0].update(gpus="2"), "gpus must be a whole number"),
+    (lambda r: r["measurement"].update(device_type="tpu"), "device_type must be"),
+    (lambda r: r["measurement"].update(profile={"bf16_tflops": 1}), "lacks gpus_per_node"),
+    (lambda r: r.update(points=[r["points"][-1]]), "no point of the sweep measured"),
+])
+def test_a_damaged_sweep_is_one_line(cpu_truth, tmp_path: Path, capsys, damage, needle):
+    record = sweep_record(cpu_truth, [(1, tiny(1))], profile=cpu_truth)
+    damage(record)
+    with pytest.raises(TesselError, match=needle):
+        sweep_fit.read_sweep(record, "s")
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(record))
+    assert main(["plan", str(ROOT / "configs/tiny.toml"), "--gpus", "1",
+                 "--calibrate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
