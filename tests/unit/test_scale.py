@@ -252,13 +252,13 @@ def test_html_page_has_the_curves_the_split_and_nothing_fetched(tmp_path: Path, 
 # Megatron's 131,072-token vocabulary (benchmarks/gpt3_strong_scaling.py searches them again):
 # GPUs -> (dp_replicate, dp_shard, tp, pp, zero, schedule, virtual stages).
 MEGATRON_VOCAB_PICKS = {
-    96: (1, 2, 4, 12, 3, "interleaved-1f1b", 2),
+    96: (1, 2, 4, 12, 2, "1f1b", 1),
     192: (2, 2, 4, 12, 3, "interleaved-1f1b", 2),
     384: (4, 2, 4, 12, 2, "interleaved-1f1b", 4),
     768: (8, 2, 4, 12, 2, "interleaved-1f1b", 4),
     1536: (16, 2, 4, 12, 2, "interleaved-1f1b", 4),
-    3072: (48, 1, 8, 8, 3, "interleaved-1f1b", 4),
-    4608: (72, 1, 8, 8, 3, "interleaved-1f1b", 4),
+    3072: (48, 1, 8, 8, 2, "interleaved-1f1b", 4),
+    4608: (72, 1, 8, 8, 2, "interleaved-1f1b", 4),
 }
 PUBLISHED_MFU = {96: 0.47, 4608: 0.42}  # NVIDIA/Megatron-LM README, strong scaling
 TOLERANCE = 0.10
@@ -282,4 +282,4 @@ def test_gpt3_175b_strong_scaling_reads_like_megatron_lm_s_published_curve():
     for gpus, published in PUBLISHED_MFU.items():
         assert mfu[gpus] == pytest.approx(published, rel=TOLERANCE), (gpus, mfu[gpus])
     # The figures docs/performance.md quotes.
-    assert [round(100 * m, 1) for m in values] == [47.5, 47.0, 46.3, 45.3, 43.5, 39.8, 38.1]
+    assert [round(100 * m, 1) for m in values] == [47.4, 47.0, 46.3, 45.3, 43.5, 39.8, 38.1]
