@@ -63,9 +63,14 @@ def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
         else:
             rest.append(arg)
         i += 1
-    if nproc is not None and any(os.environ.get(name) for name in _TORCHRUN_ENV):
+    if nproc is not None and launched_by_torchrun():
         raise TesselError("--nproc starts processes itself; drop it when launching with torchrun")
     return nproc, rest
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is already a launched worker (torchrun sets these in each)."""
+    return any(os.environ.get(name) for name in _TORCHRUN_ENV)
 
 
 def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
@@ -88,6 +93,12 @@ def run_local(nproc: int, train_args: list[str]) -> int:
     torchrun itself exits 1 with a traceback after forwarding a signal, whatever the workers
     did; after a Ctrl-C we return 130 instead, as `tessel train` does in one process.
     """
+    return run_torchrun(torchrun_command(nproc, train_args))
+
+
+def run_torchrun(command: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a torchrun `command` (this machine's part of the run) in its own process group,
+    passing SIGINT and SIGTERM on, as `run_local` describes; torchrun's exit code."""
     child: subprocess.Popen[bytes] | None = None
     forwarded: list[int] = []
 
@@ -100,7 +111,7 @@ def run_local(nproc: int, train_args: list[str]) -> int:
     # Installed before the child exists so that no signal can slip between start and wait.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        child = subprocess.Popen(torchrun_command(nproc, train_args), start_new_session=True)
+        child = subprocess.Popen(command, start_new_session=True, env=env)
         while True:
             # A timed wait, not one blocking waitpid: a signal that the kernel hands to another
             # thread (torch starts some) must still get our handler run promptly.
