@@ -39,15 +39,15 @@ class NodeRange:
     high: int
 
     @classmethod
-    def parse(cls, text: str) -> NodeRange:
+    def parse(cls, text: str, flag: str = "--nnodes") -> NodeRange:
         low, _, high = text.partition(":")
         try:
             lo, hi = int(low), int(high or low)
         except ValueError:
             lo = hi = 0
         if lo < 1 or hi < lo:
-            raise TesselError(f"--nnodes needs N or MIN:MAX with 1 <= MIN <= MAX (got {text!r}), "
-                              "e.g. --nnodes 2 or --nnodes 1:4")
+            raise TesselError(f"{flag} needs N or MIN:MAX with 1 <= MIN <= MAX (got {text!r}), "
+                              f"e.g. {flag} 2 or {flag} 1:4")
         return cls(lo, hi)
 
     @property

@@ -176,3 +176,68 @@ def test_a_resume_on_fewer_processes_is_a_world_shrink_event_and_alert(tiny_conf
     alert = next(e for e in events if e["kind"] == "alert")
     assert alert["rule"] == "lost a node" and alert["step"] == 2
     assert not any(e["kind"] in ("world_shrink", "world_grow") for e in events[:2])
+
+
+# ---- job files: Slurm and Kubernetes ---------------------------------------------------------
+
+
+def test_an_elastic_slurm_job_asks_for_a_node_range_and_tells_the_workers(capsys, tmp_path,
+                                                                         monkeypatch):
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    args = ["launch", "slurm", CONFIG, "--gpus-per-node", "0", "--nproc-per-node", "2"]
+    assert main([*args, "--nodes", "1:2"]) == 0
+    script = capsys.readouterr().out
+    (tmp_path / "job.sh").write_text(script)
+    subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], check=True)
+    assert "#SBATCH --nodes=1-2\n" in script and "(1-2 x 2 CPU processes)" in script
+    assert f"\nexport {ELASTIC_ENV}=1:2\n" in script
+    # whatever SLURM allocates, one launcher per node through srun
+    assert 'srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &' in script
+    assert main([*args, "--nodes", "2", "--train.micro_batch_size=4"]) == 0
+    assert ELASTIC_ENV not in capsys.readouterr().out  # a fixed size: no re-planning
+    # configs/tiny.toml's global batch of 16 does not split over 3 nodes x 2
+    err = one_line_error(capsys, [*args, "--nodes", "1:4"])
+    assert "cannot run on 3 node(s) x 2 processes" in err
+    assert "node counts allowed for this layout in 1:4: 1, 2, 4" in err
+
+
+def _k8s_job(capsys, *args: str) -> dict:
+    """The PyTorchJob of `tessel launch k8s`, checked against the CRD's own schema."""
+    import gzip
+
+    import jsonschema
+    import yaml
+
+    assert main(["launch", "k8s", CONFIG, "--image", "i:1", "--pvc", "p", *args]) == 0
+    _, job = yaml.safe_load_all(capsys.readouterr().out)
+    schema = json.loads(gzip.decompress((ROOT / "tests/data/pytorchjob_v1.schema.json.gz")
+                                        .read_bytes()))
+    jsonschema.Draft4Validator(schema).validate(job)
+    return job
+
+
+def test_an_elastic_pytorchjob_has_an_elastic_policy_and_workers_only(capsys):
+    import subprocess
+
+    job = _k8s_job(capsys, "--nodes", "1:2", "--gpus-per-node", "2")
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1,
+                                            "maxReplicas": 2, "maxRestarts": 3}
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert list(specs) == ["Worker"] and specs["Worker"]["replicas"] == 2
+    (container,) = specs["Worker"]["template"]["spec"]["containers"]
+    script = container["args"][0]
+    subprocess.run(["bash", "-n", "-c", script], check=True)
+    assert f"export {ELASTIC_ENV}=1:2\n" in script
+    # the operator's PET_NNODES (1:2) and PET_RDZV_* give torchrun its range and rendezvous
+    assert "exec torchrun --nproc-per-node 2 --max-restarts 3 -m tessel train" in script
+    assert "--nnodes" not in script and "MASTER_ADDR" not in script
+    fixed = _k8s_job(capsys, "--nodes", "2", "--gpus-per-node", "2", "--train.micro_batch_size=4")
+    assert "elasticPolicy" not in fixed["spec"]
+
+
+def test_an_elastic_trainjob_is_refused(capsys):
+    err = one_line_error(capsys, ["launch", "k8s", CONFIG, "--image", "i", "--pvc", "p",
+                                  "--kind", "trainjob", "--nodes", "1:2"])
+    assert "has no elastic policy" in err and "use --kind pytorchjob for an elastic job" in err
