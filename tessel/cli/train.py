@@ -65,7 +65,7 @@ def build_parser() -> Parser:
                             "checkpoint at the smaller world, a returning node joins at the "
                             "next restart (the global batch and LR schedule are kept)")
     multi.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                       help="the rendezvous: an address of the first node (which hosts it) and "
+                       help="the rendezvous: an address of one of the nodes (which hosts it) and "
                             "a free port")
     multi.add_argument("--rdzv-id", metavar="ID",
                        help="the run's name in the rendezvous (default: tessel)")
