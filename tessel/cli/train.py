@@ -62,8 +62,8 @@ def build_parser() -> Parser:
     multi.add_argument("--nnodes", metavar="N|MIN:MAX",
                        help="nodes of the run, through torchrun's c10d rendezvous; MIN:MAX is "
                             "elastic: a lost node's survivors restart from the latest "
-                            "checkpoint at the smaller world, a returning node joins at the "
-                            "next restart (the global batch and LR schedule are kept)")
+                            "checkpoint at the smaller world (the global batch and LR schedule "
+                            "are kept)")
     multi.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="the rendezvous: an address of one of the nodes (which hosts it) and "
                             "a free port")

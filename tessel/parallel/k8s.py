@@ -218,7 +218,7 @@ def _pytorchjob(name: str, meta_ns: list[str], script: list[str],
 
     if low < nodes:
         policy = ["  # A lost pod's survivors restart from the latest checkpoint on fewer pods;",
-                  "  # a returning pod joins at the next restart (docs/parallelism.md).",
+                  "  # docs/parallelism.md#elastic-world-size says what returning pods do.",
                   "  elasticPolicy:", "    rdzvBackend: c10d", f"    minReplicas: {low}",
                   f"    maxReplicas: {nodes}", f"    maxRestarts: {MAX_RESTARTS}"]
         replicas = replica("Worker", nodes)
