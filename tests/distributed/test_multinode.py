@@ -31,8 +31,9 @@ from tessel.train import Trainer
 
 pytestmark = pytest.mark.slow
 
-# Fast failure detection in the rendezvous: a lost node's heartbeat expires in 2 x 1 s.
-RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2"
+# Fast failure detection in the rendezvous: a lost node's heartbeat expires in 2 x 1 s, and a
+# round with fewer than MAX nodes waits 1 s for more (tessel's default: 5).
+RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def _start(node: Node, head: Node, port: int, nnodes: str, overrides: dict,
     return node.popen(cmd, full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.budget(45)  # seconds on the reference machine
+@pytest.mark.budget(45)  # seconds on the reference machine (28-30 s here, the refs trained in it)
 def test_two_nodes_train_like_one_process(refs, two_nodes, tmp_path: Path):
     head, other = two_nodes
     run = tmp_path / "two_nodes"
@@ -77,7 +78,7 @@ def _wait_for_checkpoint(run: Path, step: int, procs: list[subprocess.Popen],
         time.sleep(0.2)
 
 
-@pytest.mark.budget(60)  # seconds on the reference machine
+@pytest.mark.budget(80)  # seconds on the reference machine (51-56 s measured here)
 def test_a_lost_node_shrinks_the_run_which_finishes_on_the_survivor(refs, two_nodes,
                                                                      tmp_path: Path):
     head, lost = two_nodes
