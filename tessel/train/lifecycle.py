@@ -74,8 +74,9 @@ def start_event(tr: Trainer) -> None:
 
 def world_change(tr: Trainer, before: int | None) -> None:
     """A resume on another number of processes than the checkpoint's (an elastic run that
-    lost or regained nodes): a `world_shrink` or `world_grow` event, and the alert rules on
-    it. (Checkpoints written before the world size was saved say nothing: no event.)"""
+    lost or regained nodes, or a resume on another layout): a `world_shrink` or `world_grow`
+    event, and the alert rules on it. (Checkpoints written before the world size was saved
+    say nothing: no event.)"""
     after = tr.proc.world_size
     if before is None or before == after:
         return
