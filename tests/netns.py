@@ -19,6 +19,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -94,6 +95,10 @@ def nodes(n: int) -> Iterator[list[Node]]:
     tag = secrets.token_hex(3)
     bridge = f"tb{tag}"
     made: list[Node] = []
+    # A SIGTERM (a CI time limit) would end the process without running `finally`: turned into
+    # SystemExit while the namespaces exist, so they are removed.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_term) if main else None
     try:
         try:
             _ip("link", "add", bridge, "type", "bridge")
@@ -120,3 +125,9 @@ def nodes(n: int) -> Iterator[list[Node]]:
             # deleting the namespace removes its end of the veth pair, and with it the other
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_term(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)

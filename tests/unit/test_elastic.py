@@ -241,3 +241,17 @@ def test_an_elastic_trainjob_is_refused(capsys):
     err = one_line_error(capsys, ["launch", "k8s", CONFIG, "--image", "i", "--pvc", "p",
                                   "--kind", "trainjob", "--nodes", "1:2"])
     assert "has no elastic policy" in err and "use --kind pytorchjob for an elastic job" in err
+
+
+def test_namespaces_that_cannot_be_made_skip_in_one_line_but_fail_under_ci(monkeypatch):
+    import netns
+
+    monkeypatch.setattr(netns, "unavailable", lambda: "not root")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match=r"network namespaces unavailable \(not root\)"):
+        with netns.nodes(2):
+            pass
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true: must run"):
+        with netns.nodes(2):
+            pass
