@@ -25,8 +25,11 @@ def build_parser() -> Parser:
                              description=ABOUT)
     for target in (slurm, k8s):
         add_config_arguments(target, "the TOML recipe the job trains (required)")
-        target.add_argument("--nodes", type=int, required=True, metavar="N",
-                            help="machines (pods) to train on")
+        target.add_argument("--nodes", required=True, metavar="N|MIN:MAX",
+                            help="machines (pods) to train on; MIN:MAX is elastic: the run "
+                                 "continues on the nodes it has, between MIN and MAX, keeping "
+                                 "its global batch (Slurm: --nodes=MIN-MAX at every start; "
+                                 "k8s: a PyTorchJob elasticPolicy)")
         target.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
                             help="GPUs (one process each) per node or pod (default: 8); "
                                  "0 for CPU machines")
@@ -75,17 +78,20 @@ def cmd_launch(argv: list[str]) -> int:
     from tessel.checkpoint.init_from import load_config
     from tessel.parallel import launch
     from tessel.parallel.dims import ParallelDims
+    from tessel.parallel.elastic import check_node_counts
+    from tessel.parallel.rendezvous import NodeRange
     from tessel.train.harness_check import check_lm_eval_layout
 
     cfg = load_config(args.config, overrides)  # what `tessel train` would load: fail now
+    span = NodeRange.parse(args.nodes, "--nodes")
     if args.target == "slurm":
         text = launch.slurm_script(
-            args.config, overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            args.config, overrides, nodes=span.high, min_nodes=span.low,
+            gpus_per_node=args.gpus_per_node,
             nproc_per_node=args.nproc_per_node, cpus_per_task=args.cpus_per_task,
             partition=args.partition, time=args.time, job_name=args.job_name,
             account=args.account, port=args.port, python=args.python,
             grace_s=args.signal_grace, output_dir=args.output_dir)
-        processes = args.nodes * (args.gpus_per_node or args.nproc_per_node or 1)
     else:
         from tessel.parallel.k8s import k8s_manifest
 
@@ -94,13 +100,18 @@ def cmd_launch(argv: list[str]) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise TesselError(f"cannot read {args.config!r} for the ConfigMap: {exc}") from None
         text = k8s_manifest(
-            args.config, config_text, overrides, nodes=args.nodes, image=args.image,
+            args.config, config_text, overrides, nodes=span.high, min_nodes=span.low,
+            image=args.image,
             pvc=args.pvc, gpus_per_node=args.gpus_per_node, nproc_per_node=args.nproc_per_node,
             mount_path=args.mount_path, name=args.name, namespace=args.namespace,
             kind=args.kind, runtime=args.runtime)
-        processes = args.nodes * (args.gpus_per_node or args.nproc_per_node or 1)
-    # ... and the layout against the job's world size (after the builders checked the counts).
-    ParallelDims.from_config(cfg.parallel, processes).validate(cfg)
+    # ... and the layout against the job's world size (after the builders checked the counts),
+    # every world size an elastic job may have.
+    per_node = args.gpus_per_node or args.nproc_per_node or 1
+    if span.elastic:
+        check_node_counts(cfg, per_node, span.counts())
+    else:
+        ParallelDims.from_config(cfg.parallel, span.high * per_node).validate(cfg)
     check_lm_eval_layout(cfg)  # (its tasks are the cluster's files: checked by the job)
     if args.target == "slurm":
         # SLURM opens the log before the script runs: a missing directory fails the job

@@ -11,6 +11,7 @@ from tessel.errors import TesselError
 
 if TYPE_CHECKING:
     from tessel.config import Config
+    from tessel.parallel.rendezvous import Rendezvous
 
 EXIT_CODES = """\
 exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad input,
@@ -54,8 +55,23 @@ def build_parser() -> Parser:
     p.add_argument("--quiet", action="store_true",
                    help="no console output (metrics still go to RUN_DIR/metrics.jsonl)")
     p.add_argument("--nproc", type=int, metavar="N",
-                   help="train as N processes on this machine, started through torchrun (on "
-                        "several machines use torchrun yourself, or `tessel launch`)")
+                   help="train as N processes on this machine, started through torchrun "
+                        "(with --nnodes: this node's processes, default 1)")
+    multi = p.add_argument_group(
+        "several machines (run the same command on every node; docs/parallelism.md#multi-node)")
+    multi.add_argument("--nnodes", metavar="N|MIN:MAX",
+                       help="nodes of the run, through torchrun's c10d rendezvous; MIN:MAX is "
+                            "elastic: a lost node's survivors restart from the latest "
+                            "checkpoint at the smaller world (the global batch and LR schedule "
+                            "are kept)")
+    multi.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="the rendezvous: an address of one of the nodes (which hosts it) and "
+                            "a free port")
+    multi.add_argument("--rdzv-id", metavar="ID",
+                       help="the run's name in the rendezvous (default: tessel)")
+    multi.add_argument("--max-restarts", type=int, metavar="R",
+                       help="restarts of the workers after a failure or a lost node before "
+                            "the run gives up (default: 3)")
     return p
 
 
@@ -84,9 +100,13 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
 
 def cmd_train(argv: list[str]) -> int:
     from tessel.parallel.launch import split_nproc
+    from tessel.parallel.rendezvous import rendezvous_from, split_launch
 
-    # --nproc is taken out first: the workers get the other arguments exactly as given.
+    # --nproc and the multi-node options are taken out first: the workers get the other
+    # arguments exactly as given.
     nproc, argv = split_nproc(argv)
+    taken, argv = split_launch(argv)
+    rdzv = rendezvous_from(taken)
     args, overrides = parse_config_args(build_parser(), argv)
     if args.config is not None and args.resume is not None:
         raise TesselError(
@@ -122,6 +142,8 @@ def cmd_train(argv: list[str]) -> int:
                                [*overrides, f"--run.dir={toml_str(resume)}"])
     else:
         cfg = load_config(args.config, overrides)
+    if rdzv is not None:
+        return _launch_nodes(cfg, nproc or 1, rdzv, argv)
     if nproc is not None and nproc > 1:
         from tessel.parallel.launch import run_local
 
@@ -142,3 +164,25 @@ def cmd_train(argv: list[str]) -> int:
         if trainer is not None:
             trainer.close()
         restore_signals()
+
+
+def _launch_nodes(cfg: Config, nproc: int, rdzv: Rendezvous, train_args: list[str]) -> int:
+    """This node's part of a multi-node run: every node count it may run on checked first
+    (one line naming the counts that fit), then torchrun with the c10d rendezvous."""
+    import os
+
+    from tessel.parallel.dims import ParallelDims
+    from tessel.parallel.elastic import check_node_counts, replan
+    from tessel.parallel.launch import launched_by_torchrun, run_torchrun
+    from tessel.parallel.rendezvous import ELASTIC_ENV, multinode_command
+
+    if launched_by_torchrun():
+        raise TesselError("--nnodes starts torchrun itself; drop the multi-node options when "
+                          "launching with torchrun")
+    check_node_counts(cfg, nproc, rdzv.nodes.counts())
+    world = nproc * rdzv.nodes.high
+    check_before_launch(replan(cfg, ParallelDims.from_config(cfg.parallel, world))[0], world)
+    env = None
+    if rdzv.nodes.elastic:
+        env = {**os.environ, ELASTIC_ENV: str(rdzv.nodes)}
+    return run_torchrun(multinode_command(nproc, rdzv, train_args), env)

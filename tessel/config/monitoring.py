@@ -36,7 +36,8 @@ class MetricsConfig(Section):
 AlertCondition = Literal[
     "val_loss.no_improvement", "loss.no_improvement", "loss.above", "val_loss.above",
     "grad_norm.above", "nan", "tokens_per_s.drop", "step_time.stall",
-    "comm_exposed_share.above", "time_comm_exposed_s.above",
+    "comm_exposed_share.above", "time_comm_exposed_s.above", "world_size.shrink",
+    "world_size.grow",
 ]
 
 
@@ -51,7 +52,9 @@ class AlertConfig(Section):
     log steps); `step_time.stall` (no step finished for `threshold` seconds);
     `comm_exposed_share.above` (the share of a step spent waiting on communication, 0 to 1) and
     `time_comm_exposed_s.above` (those seconds), judged at log steps that carry them
-    (metrics.comm_sample_interval)."""
+    (metrics.comm_sample_interval); `world_size.shrink` / `world_size.grow` (the run resumed on
+    fewer / more processes than its checkpoint was written by: an elastic run that lost or
+    regained nodes, or a resume on another layout; judged once, at the start)."""
     patience: int = Field(3, gt=0)
     """Evaluations (or log steps) without improvement before a no_improvement rule fires."""
     min_delta: float = Field(0.0, ge=0)

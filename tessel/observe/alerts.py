@@ -79,6 +79,16 @@ class AlertRules:
                                     f"no step finished for {seconds:.0f}s (threshold {r.threshold:g}s)"))
         return fired
 
+    def world_changed(self, before: int, after: int, step: int) -> list[Firing]:
+        """The run restarted on `after` processes where its checkpoint was written by
+        `before` (an elastic run lost or regained nodes)."""
+        when = ("world_size.shrink" if after < before else
+                "world_size.grow" if after > before else None)
+        verb = "shrank" if after < before else "grew"
+        return [Firing(st.rule, step, {"world_size": after, "before": before},
+                       f"world size {verb} from {before} to {after} processes")
+                for st in self.states if st.rule.when == when]
+
     def progressed(self) -> None:
         for st in self.states:
             if st.rule.when == "step_time.stall":

@@ -19,6 +19,7 @@ import shlex
 
 from tessel.errors import TesselError
 from tessel.parallel.launch import MAX_RESTARTS, check_count, check_text, default_name, train_args
+from tessel.parallel.rendezvous import ELASTIC_ENV
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 CONFIG_DIR = "/etc/tessel"  # where the ConfigMap is mounted
@@ -51,6 +52,7 @@ def k8s_manifest(
     overrides: list[str],
     *,
     nodes: int,
+    min_nodes: int | None = None,
     image: str,
     pvc: str,
     gpus_per_node: int = 8,
@@ -64,10 +66,19 @@ def k8s_manifest(
     """A ConfigMap with `config_text` and a job that trains it on `nodes` pods, each with
     `gpus_per_node` GPUs, or, with 0, `nproc_per_node` CPU processes: a Kubeflow PyTorchJob
     (`kind="pytorchjob"`, Training Operator v1) or a Kubeflow Trainer v2 TrainJob
-    (`kind="trainjob"`) on the ClusterTrainingRuntime `runtime`."""
+    (`kind="trainjob"`) on the ClusterTrainingRuntime `runtime`. `min_nodes` < `nodes`: an
+    elastic PyTorchJob (`elasticPolicy`), between the two pods (TrainJob v1alpha1 has no
+    equivalent and is refused)."""
     if kind not in KINDS:
         raise TesselError(f"--kind {kind!r} must be one of {', '.join(KINDS)}")
     check_count("--nodes", nodes)
+    low = nodes if min_nodes is None else min_nodes
+    check_count("--nodes", low)
+    if low < nodes and kind == "trainjob":
+        raise TesselError(f"--nodes {low}:{nodes}: a TrainJob (trainer.kubeflow.org/v1alpha1) has "
+                          "no elastic policy (only its runtime's torch elasticPolicy can give a "
+                          "node range); use --kind pytorchjob for an elastic job, or a fixed "
+                          "--nodes N")
     if gpus_per_node < 0:
         raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU pool), got {gpus_per_node}")
     cpu = gpus_per_node == 0
@@ -96,7 +107,8 @@ def k8s_manifest(
     # user's text is doubled to reach bash unchanged.
     script = train_args(f"{CONFIG_DIR}/{CONFIG_KEY}", overrides,
                         quote=lambda text: shlex.quote(text).replace("$", "$$"))
-    what = f"{nodes} x {nproc} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
+    span = f"{low}-{nodes}" if low < nodes else str(nodes)
+    what = f"{span} x {nproc} CPU processes" if cpu else f"{span} x {gpus_per_node} GPUs"
     # Names are DNS labels, but "yes", "null" or "123" would not be YAML strings unquoted.
     meta_ns = [f"  namespace: {_yaml_str(namespace)}"] if namespace else []
     header = [
@@ -118,8 +130,8 @@ def k8s_manifest(
         job = _trainjob(name, meta_ns, script, volumes, image=image, nodes=nodes, nproc=nproc,
                         gpus_per_node=gpus_per_node, mount_path=mount_path, runtime=runtime)
     else:
-        job = _pytorchjob(name, meta_ns, script, volumes, image=image, nodes=nodes, nproc=nproc,
-                          gpus_per_node=gpus_per_node, mount_path=mount_path)
+        job = _pytorchjob(name, meta_ns, script, volumes, image=image, nodes=nodes, low=low,
+                          nproc=nproc, gpus_per_node=gpus_per_node, mount_path=mount_path)
     return "\n".join(header + job) + "\n"
 
 
@@ -162,14 +174,24 @@ def _indented(lines: list[str], indent: str) -> list[str]:
 
 
 def _pytorchjob(name: str, meta_ns: list[str], script: list[str],
-                volumes: tuple[list[str], list[str]], *, image: str, nodes: int, nproc: int,
-                gpus_per_node: int, mount_path: str) -> list[str]:
+                volumes: tuple[list[str], list[str]], *, image: str, nodes: int, low: int,
+                nproc: int, gpus_per_node: int, mount_path: str) -> list[str]:
     """A kubeflow.org/v1 PyTorchJob: one Master and nodes - 1 Workers (a one-node job has no
-    Worker spec, as the operator accepts). The operator sets MASTER_ADDR and MASTER_PORT."""
-    command = [*script, (
-        f"exec torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-id {name} "
-        '--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
-        f'--max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"')]
+    Worker spec, as the operator accepts). The operator sets MASTER_ADDR and MASTER_PORT.
+
+    Elastic (low < nodes): Workers only, `nodes` of them, and an `elasticPolicy` (c10d,
+    minReplicas low, maxReplicas nodes): the operator gives torchrun its node range and
+    rendezvous through the PET_* variables (PET_NNODES=low:nodes, PET_RDZV_ENDPOINT on the
+    first Worker), and the workers re-plan the batch split for the world they find."""
+    if low < nodes:
+        command = [*script, f"export {ELASTIC_ENV}={low}:{nodes}",
+                   f"exec torchrun --nproc-per-node {nproc} --max-restarts {MAX_RESTARTS} "
+                   '-m tessel train "${TRAIN[@]}"']
+    else:
+        command = [*script, (
+            f"exec torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-id {name} "
+            '--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
+            f'--max-restarts {MAX_RESTARTS} -m tessel train "${{TRAIN[@]}}"')]
 
     def replica(kind: str, count: int) -> list[str]:
         return [
@@ -194,6 +216,15 @@ def _pytorchjob(name: str, meta_ns: list[str], script: list[str],
             *_indented(volumes[1], "            "),
         ]
 
+    if low < nodes:
+        policy = ["  # A lost pod's survivors restart from the latest checkpoint on fewer pods;",
+                  "  # docs/parallelism.md#elastic-world-size says what returning pods do.",
+                  "  elasticPolicy:", "    rdzvBackend: c10d", f"    minReplicas: {low}",
+                  f"    maxReplicas: {nodes}", f"    maxRestarts: {MAX_RESTARTS}"]
+        replicas = replica("Worker", nodes)
+    else:
+        policy = []
+        replicas = [*replica("Master", 1), *(replica("Worker", nodes - 1) if nodes > 1 else [])]
     return [
         "apiVersion: kubeflow.org/v1",
         "kind: PyTorchJob",
@@ -202,9 +233,9 @@ def _pytorchjob(name: str, meta_ns: list[str], script: list[str],
         *meta_ns,
         "spec:",
         f'  nprocPerNode: "{nproc}"',
+        *policy,
         "  pytorchReplicaSpecs:",
-        *replica("Master", 1),
-        *(replica("Worker", nodes - 1) if nodes > 1 else []),
+        *replicas,
     ]
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tessel.errors import TesselError
 from tessel.parallel.node import EXIT_REQUEUE
+from tessel.parallel.rendezvous import ELASTIC_ENV
 
 # torchrun restarts a failed worker group this many times before giving up on the job.
 MAX_RESTARTS = 3
@@ -63,9 +64,14 @@ def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
         else:
             rest.append(arg)
         i += 1
-    if nproc is not None and any(os.environ.get(name) for name in _TORCHRUN_ENV):
+    if nproc is not None and launched_by_torchrun():
         raise TesselError("--nproc starts processes itself; drop it when launching with torchrun")
     return nproc, rest
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is already a launched worker (torchrun sets these in each)."""
+    return any(os.environ.get(name) for name in _TORCHRUN_ENV)
 
 
 def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
@@ -88,6 +94,12 @@ def run_local(nproc: int, train_args: list[str]) -> int:
     torchrun itself exits 1 with a traceback after forwarding a signal, whatever the workers
     did; after a Ctrl-C we return 130 instead, as `tessel train` does in one process.
     """
+    return run_torchrun(torchrun_command(nproc, train_args))
+
+
+def run_torchrun(command: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a torchrun `command` (this machine's part of the run) in its own process group,
+    passing SIGINT and SIGTERM on, as `run_local` describes; torchrun's exit code."""
     child: subprocess.Popen[bytes] | None = None
     forwarded: list[int] = []
 
@@ -100,7 +112,7 @@ def run_local(nproc: int, train_args: list[str]) -> int:
     # Installed before the child exists so that no signal can slip between start and wait.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        child = subprocess.Popen(torchrun_command(nproc, train_args), start_new_session=True)
+        child = subprocess.Popen(command, start_new_session=True, env=env)
         while True:
             # A timed wait, not one blocking waitpid: a signal that the kernel hands to another
             # thread (torch starts some) must still get our handler run promptly.
@@ -182,6 +194,7 @@ def slurm_script(
     overrides: list[str],
     *,
     nodes: int,
+    min_nodes: int | None = None,
     gpus_per_node: int = 8,
     nproc_per_node: int | None = None,
     cpus_per_task: int | None = None,
@@ -203,8 +216,12 @@ def slurm_script(
     there are several nodes and directly with one (so `scancel --full` cannot make srun kill
     the step before it saves). `python` (default: this interpreter) runs it, overridable at
     submission with TESSEL_PYTHON. The rendezvous port comes from the job id unless `port`
-    is given, so jobs sharing a node never share a rendezvous."""
+    is given, so jobs sharing a node never share a rendezvous. `min_nodes` < `nodes` makes
+    the job elastic: SLURM allocates between the two at every start, a requeue included, and
+    the run continues at the world size it gets (docs/parallelism.md#elastic-world-size)."""
     check_count("--nodes", nodes)
+    low = nodes if min_nodes is None else min_nodes
+    check_count("--nodes", low)
     if gpus_per_node < 0:
         raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU job), got {gpus_per_node}")
     cpu = gpus_per_node == 0
@@ -245,7 +262,8 @@ def slurm_script(
     # SLURM expands %x, %j, ... in the log's name: a '%' of the directory's is written '%%'.
     log = sbatch_quote(output_dir.replace("%", "%%") + "/%x-%j.out")
 
-    what = f"{nodes} x {nproc_per_node} CPU processes" if cpu else f"{nodes} x {gpus_per_node} GPUs"
+    span = f"{low}-{nodes}" if low < nodes else str(nodes)
+    what = f"{span} x {nproc_per_node} CPU processes" if cpu else f"{span} x {gpus_per_node} GPUs"
     optional = [f"#SBATCH --{key}={value}" for key, value in
                 (("partition", partition), ("account", account), ("time", time),
                  ("gpus-per-node", None if cpu else gpus_per_node),
@@ -253,6 +271,10 @@ def slurm_script(
     node = (f'NODE=("$PYTHON" -m tessel.parallel.node --nproc-per-node {nproc_per_node} '
             '--master-addr "$HEAD" --master-port "$PORT" -- "${TRAIN[@]}")')
     relay: list[str] = []
+    elastic = ([f"# Elastic: {low} to {nodes} nodes at each start; the workers re-plan the batch "
+                "split for the",
+                "# world they find (the global batch is kept).",
+                f"export {ELASTIC_ENV}={low}:{nodes}"] if low < nodes else [])
     if nodes == 1:
         start = ['"${NODE[@]}" &']
         forward = 'kill -TERM "$STEP" 2>/dev/null'
@@ -279,7 +301,7 @@ def slurm_script(
         "# and continues the run; it ends COMPLETED when the run is done, FAILED otherwise with",
         "# tessel's exit code (docs/exit-codes.md).",
         f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --nodes={nodes if low == nodes else f'{low}-{nodes}'}",
         "# One task per node: it starts that node's training processes.",
         "#SBATCH --ntasks-per-node=1",
         *optional,
@@ -300,6 +322,7 @@ def slurm_script(
         *(["# A rendezvous port of this job's own: jobs sharing a node never share one.",
            "PORT=$((20000 + SLURM_JOB_ID % 40000))"] if port is None else [f"PORT={port}"]),
         *train_args(config_path, overrides),
+        *elastic,
         node,
         "",
         "# The time-limit warning, or `scancel --signal=TERM --full`, reaches this shell: pass",

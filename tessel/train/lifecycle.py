@@ -69,6 +69,29 @@ def start_event(tr: Trainer) -> None:
     if restarts:
         msg += f" (torchrun restart {restarts})"
     tr.events.write(kind, tr.step, msg, world_size=tr.proc.world_size, layout=tr.dims.describe())
+    world_change(tr, tr.world_before)
+
+
+def world_change(tr: Trainer, before: int | None) -> None:
+    """A resume on another number of processes than the checkpoint's (an elastic run that
+    lost or regained nodes, or a resume on another layout): a `world_shrink` or `world_grow`
+    event, and the alert rules on it. (Checkpoints written before the world size was saved
+    say nothing: no event.)"""
+    after = tr.proc.world_size
+    if before is None or before == after:
+        return
+    kind = "world_shrink" if after < before else "world_grow"
+    t = tr.cfg.train
+    msg = (f"world size {before} -> {after} processes at step {tr.step} "
+           f"({tr.dims.describe()}; micro-batch {t.micro_batch_size}, accumulation "
+           f"{tr.train_step.accum}, global batch {t.global_batch_size} kept)")
+    tr.events.write(kind, tr.step, msg, world_size=after, world_size_before=before,
+                    layout=tr.dims.describe(), micro_batch_size=t.micro_batch_size,
+                    accumulation=tr.train_step.accum)
+    tr.display.print(f"tessel: {msg}")
+    if tr.alerts is not None:
+        tr.control.request(tr.alerts.handle(tr.alerts.rules.world_changed(before, after,
+                                                                           tr.step)))
 
 
 def halt(tr: Trainer, code: int, message: str, kind: str, detail: str) -> None:

@@ -36,6 +36,7 @@ from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.check import check_layout
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolved
 from tessel.parallel.dist import init_distributed, process_info, shutdown
+from tessel.parallel.elastic import replan_if_elastic
 from tessel.parallel.fp8 import check_fp8
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
 from tessel.train import lifecycle
@@ -47,13 +48,7 @@ from tessel.train.harness import Harness
 from tessel.train.harness_check import check_lm_eval
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
-from tessel.train.recovery import (
-    Recovery,
-    RecoveryGaveUp,
-    SkipList,
-    TrainingDiverged,
-    check_finite,
-)
+from tessel.train.recovery import Recovery, RecoveryGaveUp, SkipList, TrainingDiverged, check_finite
 from tessel.train.resume import check_tokenizer, resume_point
 from tessel.train.run_dir import RunDir
 from tessel.train.step import TrainStep
@@ -105,6 +100,8 @@ class Trainer:
             say(note)
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.dims = dims = ParallelDims.from_config(cfg.parallel, proc.world_size)
+        self.mbs_as_given = cfg.train.micro_batch_size  # saved: each restart re-plans from it
+        cfg = replan_if_elastic(cfg, dims, say)
         check_layout(cfg, dims, self.device, self.precision.name)
         refuse_if_too_big(cfg, self.device, proc.world_size, force, say)
         check_fp8(cfg, self.device)
@@ -197,6 +194,7 @@ class Trainer:
             distributed=proc.distributed, hf_export=hf_export, phase=self.watchdog.phase,
             barrier_group=self.control.cpu_group)
         self.step = self.batches_drawn = self.tokens_seen = 0  # batches_drawn counts skipped ones
+        self.world_before: int | None = None  # the resumed checkpoint's world size
         self.elapsed_prev = 0.0
         self.last_val_loss: float | None = None
         self._last_loss: float | None = None  # all-reduced by the spike check
@@ -243,6 +241,7 @@ class Trainer:
         self.elapsed_prev = float(state.get("elapsed_s", 0.0))
         self.last_val_loss = state.get("val_loss")
         self.batches_drawn = int(state.get("batches_drawn", self.step))
+        self.world_before = state.get("world_size")
         self.recovery.load_state_dict(state.get("recovery", {}))
         if self.alerts is not None:
             self.alerts.rules.load_state_dict(state.get("alerts", []))
@@ -272,8 +271,9 @@ class Trainer:
                 # another new run took this directory since the start-up check
                 raise TesselError(f"{str(self.run_dir)!r} already holds a run; choose another "
                                   "--run.dir")
-            saved = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
-                update={"zero": self.zero_as_given})})
+            saved = cfg.model_copy(update={
+                "parallel": cfg.parallel.model_copy(update={"zero": self.zero_as_given}),
+                "train": cfg.train.model_copy(update={"micro_batch_size": self.mbs_as_given})})
             template = self.data.chat_template
             self.run.write_start(saved.to_toml(), lifecycle.run_info(self), self.tokenizer.save,
                                  run_tokenizer_config(template) if template is not None else None)
@@ -440,6 +440,7 @@ class Trainer:
             "config": redact_config(self.cfg.to_dict()),  # no secret in a checkpoint
             "layout": self.dims.describe(),
             "batches_drawn": self.batches_drawn,
+            "world_size": self.proc.world_size,  # an elastic resume says when it changed
         }
         if self.lora_base is not None:
             state["lora_base"] = self.lora_base  # tessel.checkpoint.lora.FINGERPRINT_KEY

@@ -648,41 +648,6 @@ def test_async_saves_that_finish_at_different_times_on_each_rank(refs, tmp_path:
     assert_same_run(tmp_path / "lagging", refs["llama"])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
-def test_two_nodes_on_loopback_train_like_one_process(refs, tmp_path: Path):
-    """Two torchrun agents ("nodes") meet through the c10d rendezvous on loopback and train
-    HSDP: parameters sharded within each node, replicated across the two."""
-    run = tmp_path / "two_nodes"
-    overrides = base(run, refs["corpus"], **{"parallel.dp_replicate": 2, "parallel.zero": 3})
-    args = [f"--{k}={json.dumps(v)}" for k, v in overrides.items()]
-    endpoint = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CI": "true"}
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
-             "-m", "tessel", "train", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for _ in range(2)
-    ]
-    results = [node.communicate(timeout=600) for node in nodes]
-    for node, (_, err) in zip(nodes, results):
-        assert node.returncode == 0, err[-3000:]
-    printed = "".join(out for out, _ in results)
-    assert printed.count("tessel: training") == 1  # global rank 0 alone prints
-    assert "dp=4 (replicate 2 x shard 2)" in printed
-    assert_same_run(run, refs["llama"])
-
-
 @pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
 def test_tessel_train_nproc_runs_torchrun_end_to_end(refs, tmp_path: Path):
     run = tmp_path / "cli"

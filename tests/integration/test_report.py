@@ -80,6 +80,8 @@ def make_run(root: Path, n: int = 50, mfu: bool = False) -> Path:
         {"time": T0 + 6, "step": 20, "kind": "rollback", "message": "rolled back to step 10",
          "from_step": 20, "to_step": 10, "skipped_batches": [11, 12]},
         {"time": T0 + 9, "step": 30, "kind": "restart", "message": "resumed after a crash"},
+        {"time": T0 + 9, "step": 30, "kind": "world_shrink", "message": "world size 2 -> 1",
+         "world_size": 1, "world_size_before": 2},
         {"time": T0 + 10, "step": 31, "kind": "mystery_kind", "message": "<script>alert(1)</script>"},
         {"time": T0 + 20, "step": n, "kind": "finish", "message": f"done; notified {SECRET}"},
     ]
@@ -183,7 +185,8 @@ def test_loss_plot_has_both_series_gaps_and_event_markers(report):
     assert {(p["data-series"], p["data-step"]) for p in crosses} == {("loss", "33"), ("val_loss", "20")}
     markers = {(m["data-kind"], m["data-step"]) for m in dom.inside("plot-loss", "line")
                if m.get("class") == "marker"}
-    assert markers == {("alert", "20"), ("rollback", "20"), ("restart", "30")}
+    assert markers == {("alert", "20"), ("rollback", "20"), ("restart", "30"),
+                       ("world_shrink", "30")}
     # Only the last record of a re-logged step is drawn: not the stale loss of 99.
     assert float(loss["data-ymax"]) == pytest.approx(10.0 * math.exp(-1 / 15) + 2.0)
     assert (loss["data-xmin"], loss["data-xmax"]) == ("1", "50")
@@ -218,7 +221,8 @@ def test_summary_events_and_tables(report):
     page = "".join(dom.text)
     rows = [a for a in dom.inside("events", "tr") if "data-kind" in a]
     assert [r["data-kind"] for r in rows] == ["start", "alert", "rollback", "restart",
-                                              "mystery_kind", "finish"]
+                                              "world_shrink", "mystery_kind", "finish"]
+    assert cards["world_changes"].endswith("1 shrink, 0 grow")
     assert "2025-06-15 15:06:45" in page  # event times in UTC
     assert "1 unreadable line(s) skipped" in page  # the truncated last line of events.jsonl
     # Non-finite values are listed, and validation NaNs shown in its table.

@@ -377,8 +377,9 @@ def test_k8s_trainjob_for_a_cpu_pool_on_another_runtime(capsys):
 
 @pytest.mark.parametrize("args, needle", [
     (["slurm", CONFIG], "required: --nodes"),
-    (["slurm", CONFIG, "--nodes", "0"], "--nodes must be >= 1"),
-    (["slurm", CONFIG, "--nodes", "two"], "invalid int value"),
+    (["slurm", CONFIG, "--nodes", "0"], "--nodes needs N or MIN:MAX with 1 <= MIN <= MAX"),
+    (["slurm", CONFIG, "--nodes", "two"], "--nodes needs N or MIN:MAX"),
+    (["k8s", CONFIG, "--nodes", "3:2", "--image", "i", "--pvc", "p"], "--nodes needs N or MIN:MAX"),
     (["slurm", CONFIG, "--nodes", "1", "--gpus-per-node", "-1"], "--gpus-per-node must be >= 0"),
     (["slurm", CONFIG, "--nodes", "1", "--gpus-per-node", "2", "--nproc-per-node", "3"],
      "a GPU job runs one process per GPU"),

@@ -274,8 +274,9 @@ K8S = ["--image", "i", "--pvc", "p"]
 
 @pytest.mark.parametrize("args, needle", [
     *[(["slurm", "--nodes", "1", flag, NASTY], "invalid int value")
-      for flag in ("--nodes", "--gpus-per-node", "--nproc-per-node", "--cpus-per-task", "--port",
+      for flag in ("--gpus-per-node", "--nproc-per-node", "--cpus-per-task", "--port",
                    "--signal-grace")],
+    (["slurm", "--nodes", NASTY], "--nodes needs N or MIN:MAX"),
     *[(["slurm", "--nodes", "1", flag, NASTY], "not a valid SLURM name")
       for flag in ("--job-name", "--partition", "--account")],
     (["slurm", "--nodes", "1", "--time", NASTY], "--time must be HH:MM:SS"),
@@ -293,7 +294,8 @@ K8S = ["--image", "i", "--pvc", "p"]
     *[(["k8s", "--nodes", "1", *K8S, "--kind", "trainjob", flag, NASTY], "not a DNS-1123 label")
       for flag in ("--pvc", "--name", "--namespace", "--runtime")],
     *[(["k8s", *K8S, "--nodes", "1", flag, NASTY], "invalid int value")
-      for flag in ("--nodes", "--gpus-per-node", "--nproc-per-node")],
+      for flag in ("--gpus-per-node", "--nproc-per-node")],
+    (["k8s", *K8S, "--nodes", NASTY], "--nodes needs N or MIN:MAX"),
     (["k8s", "--nodes", "1", *K8S, "--kind", NASTY], "invalid choice"),
     (["k8s", "--nodes", "1", "--pvc", "p", "--image", NASTY], "is not an image reference"),
     (["k8s", "--nodes", "1", "--pvc", "p", "--image", "i\x85"], "is not an image reference"),

@@ -95,6 +95,9 @@ def summary(run: Run) -> list[tuple[str, str, str]]:
     kinds = [str(e.get("kind")) for e in run.events]
     for kind, label in (("alert", "alerts"), ("rollback", "rollbacks"), ("restart", "restarts")):
         out.append((f"{kind}s", label, str(kinds.count(kind))))
+    # an elastic run's lost and returned nodes (events world_shrink, world_grow)
+    out.append(("world_changes", "world size changes",
+                f"{kinds.count('world_shrink')} shrink, {kinds.count('world_grow')} grow"))
     return out
 
 
