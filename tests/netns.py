@@ -70,7 +70,13 @@ def _ip(*args: str) -> None:
 
 
 def unavailable() -> str | None:
-    """Why namespaces cannot be made here, or None."""
+    """Why namespaces cannot be made here, or None. A root machine with apt-get and no `ip`
+    gets iproute2 installed first (as the Slurm tests install slurm-wlm)."""
+    if shutil.which("ip") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update", "-q"],
+                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", "iproute2"]):
+            subprocess.run(cmd, capture_output=True, env=env, timeout=600)
     if shutil.which("ip") is None:
         return "no `ip` command (iproute2)"
     if os.geteuid() != 0:
