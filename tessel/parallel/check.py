@@ -21,6 +21,11 @@ def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
     dims.validate(cfg)
     p = cfg.parallel
     check_offload(p, device)
+    if p.offload != "none" and cfg.optim.name != "adamw":
+        # Muon gathers whole matrices with the device's collectives: not from host memory
+        raise ParallelError(
+            f"parallel.offload = {p.offload!r} runs AdamW only, not optim.name = "
+            f'{cfg.optim.name!r}; set parallel.offload = "none" or optim.name = "adamw"')
     if p.dp_comm_hook == "bf16" and device.type != "cuda":
         raise ParallelError(
             "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"
