@@ -37,8 +37,11 @@ class OptimConfig(Section):
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     """`muon`: momentum of the Muon matrices (Nesterov)."""
     muon_ns_steps: int = Field(5, gt=0, le=20)
-    """`muon`: Newton-Schulz iterations (quintic, coefficients 3.4445, -4.7750, 2.0315; in
-    bfloat16, as the reference implementations)."""
+    """`muon`: Newton-Schulz iterations (quintic, coefficients 3.4445, -4.7750, 2.0315)."""
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """`muon`: precision of the Newton-Schulz iterations; `auto`: bfloat16 on CUDA (as the
+    reference implementations), float32 on CPU (where bfloat16 products are slow, and
+    float32 keeps every parallel layout equal to one process to float32 tolerance)."""
     lr: float = Field(2e-3, gt=0, le=1)
     """Peak learning rate (AdamW's trains at 1e-4 to 1e-2; above 1 is refused as a typo)."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)

@@ -5,13 +5,18 @@ Per Muon matrix W (A x B) with gradient G, momentum mu, learning rate lr, weight
 
     M <- mu * M + (1 - mu) * G             (momentum, kept as an average)
     U <- (1 - mu) * G + mu * M             (Nesterov)
-    O <- NS5(U)                            (5 quintic Newton-Schulz steps in bfloat16)
+    O <- NS5(U)                            (5 quintic Newton-Schulz steps)
     W <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(A, B)) * O
 
 which is `torch.optim.Muon(adjust_lr_fn="match_rms_adamw", nesterov=True)` (the tests check
 it against that step for step): the 0.2 * sqrt(max(A, B)) of Moonlight ("Muon is Scalable
 for LLM Training") gives the update AdamW's RMS, so AdamW's learning rate and weight decay
 carry over. An MoE layer's expert stack (E, A, B) is E matrices, each orthogonalised alone.
+
+Newton-Schulz runs in bfloat16 on GPUs (as the reference implementations) and in float32 on
+CPUs (`optim.muon_ns_dtype = "auto"`): bfloat16 matrix products are slow there, and its
+rounding turns float noise (a gradient summed in another order) into updates that differ
+by a good fraction of themselves, so no two layouts would agree to float32 tolerance.
 
 Distributed: Newton-Schulz needs whole matrices, and under FSDP2/HSDP/TP/EP a parameter is
 a DTensor of which each rank holds a shard. Each such matrix is gathered whole on the ranks of
@@ -43,11 +48,12 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
 
-def newton_schulz(g: torch.Tensor, steps: int, eps: float = NS_EPS) -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16,
+                  eps: float = NS_EPS) -> torch.Tensor:
     """The orthogonalised `g` (2-D): U V^T of its SVD, approximately (singular values land
-    in about [0.7, 1.2]), computed in bfloat16 as the reference implementations do."""
+    in about [0.7, 1.2]), computed in `dtype` (bfloat16: as the reference implementations)."""
     a, b, c = NS_COEFFICIENTS
-    x = g.bfloat16()
+    x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:  # iterate on the wide orientation: the Gram matrix is the smaller one
         x = x.T
@@ -59,15 +65,17 @@ def newton_schulz(g: torch.Tensor, steps: int, eps: float = NS_EPS) -> torch.Ten
     return x.T if tall else x
 
 
-def orthogonalise(u: torch.Tensor, steps: int, owned: Any = None) -> torch.Tensor:
-    """`u` orthogonalised matrix by matrix (a 3-D expert stack: each expert alone), in
-    u's dtype. `owned(i)`: whether this rank computes matrix i (the others stay zero)."""
+def orthogonalise(u: torch.Tensor, steps: int, dtype: torch.dtype,
+                  owned: Any = None) -> torch.Tensor:
+    """`u` orthogonalised matrix by matrix (a 3-D expert stack: each expert alone) in
+    `dtype`, returned in u's. `owned(i)`: whether this rank computes matrix i (the others
+    stay zero)."""
     out = torch.zeros_like(u)
     mats = [u] if u.ndim == 2 else list(u.unbind(0))
     targets = [out] if u.ndim == 2 else list(out.unbind(0))
     for i, (m, t) in enumerate(zip(mats, targets)):
         if owned is None or owned(i):
-            t.copy_(newton_schulz(m, steps))
+            t.copy_(newton_schulz(m, steps, dtype))
     return out
 
 
@@ -126,12 +134,13 @@ class Muon(torch.optim.AdamW):
     others; see the module docstring."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float, ns_steps: int, **impl: Any):
+                 momentum: float, ns_steps: int, ns_dtype: str = "bfloat16", **impl: Any):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, **impl)
         for group in self.param_groups:
             group.setdefault("muon", False)
-            group.setdefault("momentum", momentum)
-            group.setdefault("ns_steps", ns_steps)
+        # Settings, not state: kept out of the param groups, whose values a checkpoint
+        # would restore over the config's (lr and weight decay are set as AdamW's are).
+        self.momentum, self.ns_steps, self.ns_dtype = momentum, ns_steps, getattr(torch, ns_dtype)
         self._owners: dict[int, Owners] = {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -159,7 +168,8 @@ class Muon(torch.optim.AdamW):
         return loss
 
     def _muon_step(self, n: int, group: dict) -> None:
-        lr, wd, mu, steps = group["lr"], group["weight_decay"], group["momentum"], group["ns_steps"]
+        lr, wd, mu = group["lr"], group["weight_decay"], self.momentum
+        steps, dtype = self.ns_steps, self.ns_dtype
         owners = self._owners.setdefault(n, Owners(group["params"]))
         for k, p in enumerate(group["params"]):
             if p.grad is None:
@@ -172,12 +182,12 @@ class Muon(torch.optim.AdamW):
             buf.lerp_(grad, 1 - mu)
             update = grad.lerp(buf, mu)  # Nesterov
             if isinstance(p, DTensor):
-                whole = orthogonalise(update.full_tensor(), steps, owners.owns(k, p))
+                whole = orthogonalise(update.full_tensor(), steps, dtype, owners.owns(k, p))
                 mesh = p.device_mesh
                 ortho = DTensor.from_local(whole, mesh, [Partial()] * mesh.ndim, run_check=False,
                                            shape=p.shape, stride=p.stride())
                 ortho = ortho.redistribute(mesh, p.placements)
             else:
-                ortho = orthogonalise(update, steps)
+                ortho = orthogonalise(update, steps, dtype)
             p.mul_(1 - lr * wd)
             p.add_(ortho, alpha=-lr * update_scale(p.shape))

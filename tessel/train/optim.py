@@ -98,8 +98,12 @@ def build_optimizer(
         assert not offload, "refused by tessel.parallel.check.check_layout"
         # Muon's AdamW part: the same kernels as optim.name = "adamw".
         impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        ns_dtype = cfg.muon_ns_dtype
+        if ns_dtype == "auto":
+            ns_dtype = "bfloat16" if device.type == "cuda" else "float32"
         return Muon(muon_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                    eps=cfg.eps, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, **impl)
+                    eps=cfg.eps, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
+                    ns_dtype=ns_dtype, **impl)
     if offload:
         from tessel.train.offload import HostAdamW
 

@@ -15,7 +15,8 @@ from tessel.models import build_model
 from tessel.train.muon import Muon, newton_schulz
 from tessel.train.optim import build_optimizer, muon_groups
 
-MUON = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1)
+MUON = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1, muon_ns_dtype="bfloat16")
+"""As torch.optim.Muon (on CPU "auto" means float32: see test_newton_schulz_precision)."""
 
 
 def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -84,10 +85,19 @@ def test_an_expert_stack_is_each_expert_orthogonalised_alone():
 
 def test_newton_schulz_orthogonalises():
     g = torch.randn(32, 48, generator=torch.Generator().manual_seed(1))
-    o = newton_schulz(g, 5).float()
-    s = torch.linalg.svdvals(o)
-    assert s.min() > 0.5 and s.max() < 1.3  # the quintic lands near 1, not on it
-    assert newton_schulz(g.T, 5).float().T.sub(o).abs().max() < 1e-2  # transpose-equivariant
+    for dtype in (torch.bfloat16, torch.float32):
+        o = newton_schulz(g, 5, dtype).float()
+        s = torch.linalg.svdvals(o)
+        assert s.min() > 0.5 and s.max() < 1.3, dtype  # the quintic lands near 1, not on it
+        assert newton_schulz(g.T, 5, dtype).float().T.sub(o).abs().max() < 1e-2  # transposes
+
+
+def test_newton_schulz_precision():
+    """"auto": float32 on CPU (layouts agree to float32 tolerance), bfloat16 on CUDA."""
+    model = build_model(ModelConfig(preset="tiny"), seed=0)
+    auto = MUON.model_copy(update={"muon_ns_dtype": "auto"})
+    assert build_optimizer(model, auto, torch.device("cpu")).ns_dtype == torch.float32
+    assert build_optimizer(model, MUON, torch.device("cpu")).ns_dtype == torch.bfloat16
 
 
 def test_muon_trains_hidden_matrices_and_adamw_the_rest():
