@@ -27,6 +27,11 @@ class OptimConfig(Section):
     for everything else (embeddings, output layer, norms, biases, routers: see
     `muon_adamw`). Fixed for a run: a checkpoint resumes only with the optimizer it was
     saved with."""
+    state_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    """Precision of the optimizer's state: `float32`; `bfloat16` (AdamW's moments and Muon's
+    momentum stored with stochastic rounding, the update in float32: half the state memory);
+    `int8` (AdamW only: torchao's AdamW8bit, blockwise-quantised moments, a quarter of it;
+    `pip install 'tessel[lowbit]'`). Fixed for a run."""
     muon_adamw: list[str] = Field(default_factory=lambda: list(MUON_ADAMW_DEFAULT))
     """`muon`: parameter-name patterns (fnmatch, e.g. "output.*", "layers.0.*") of matrices
     AdamW trains instead of Muon. Vectors (norms, biases) are always AdamW's."""
@@ -69,6 +74,9 @@ class OptimConfig(Section):
             if not pattern.strip():
                 raise ValueError("optim.muon_adamw/muon_force hold an empty pattern; name "
                                  'parameters such as "output.*"')
+        if self.state_dtype == "int8" and self.name != "adamw":
+            raise ValueError(f"optim.state_dtype = 'int8' is torchao's 8-bit AdamW, not "
+                             f"{self.name!r}; use optim.state_dtype = 'bfloat16' for Muon")
         if self.name != "muon" and self.muon_force:
             raise ValueError(f"optim.muon_force is set but optim.name={self.name!r}; set "
                              'optim.name = "muon" or leave muon_force empty')

@@ -28,6 +28,9 @@ ranks and every rank ends with exactly the owner's result for its shard. Plain t
 (one process, DDP replicas, pipeline stages' own parameters) are orthogonalised where they
 are.
 
+With `optim.state_dtype = "bfloat16"` the momentum buffers and AdamW's moments are stored in
+bfloat16 by stochastic rounding (`tessel.train.lowbit`).
+
 The class extends torch.optim.AdamW so that checkpoints (DCP's optimizer state dict, its
 resharding), GradScaler and the planner see one optimizer with one state: AdamW's moments
 for its parameters, a `momentum_buffer` for each Muon matrix.
@@ -41,6 +44,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
+from tessel.train.lowbit import (
+    STATE_DTYPES,
+    Rounder,
+    adamw_step,
+    keep_state_dtype,
+    local,
+    shard_index,
+)
 from tessel.train.offload import placed_like
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -134,8 +145,12 @@ class Muon(torch.optim.AdamW):
     others; see the module docstring."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float, ns_steps: int, ns_dtype: str = "bfloat16", **impl: Any):
+                 momentum: float, ns_steps: int, ns_dtype: str = "bfloat16",
+                 state_dtype: str = "float32", **impl: Any):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, **impl)
+        self.state_dtype = STATE_DTYPES[state_dtype]
+        self.rounder = Rounder()
+        keep_state_dtype(self, self.state_dtype)
         for group in self.param_groups:
             group.setdefault("muon", False)
         # Settings, not state: kept out of the param groups, whose values a checkpoint
@@ -156,15 +171,18 @@ class Muon(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
-        # AdamW's own step over its groups alone (its kernels, its state keys).
-        self.param_groups = [g for g in groups if not g["muon"]]
-        try:
-            super().step()
-        finally:
-            self.param_groups = groups
+        if self.state_dtype == torch.float32:
+            # AdamW's own step over its groups alone (its kernels, its state keys).
+            self.param_groups = [g for g in groups if not g["muon"]]
+            try:
+                super().step()
+            finally:
+                self.param_groups = groups
         for n, group in enumerate(groups):
             if group["muon"]:
                 self._muon_step(n, group)
+            elif self.state_dtype != torch.float32:
+                adamw_step(self, group, self.rounder, self.state_dtype, n)
         return loss
 
     def _muon_step(self, n: int, group: dict) -> None:
@@ -174,14 +192,21 @@ class Muon(torch.optim.AdamW):
         for k, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            grad = placed_like(p.grad, p)
+            grad = local(placed_like(p.grad, p))
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - mu)
-            update = grad.lerp(buf, mu)  # Nesterov
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype)
+                if self.state_dtype != torch.float32:  # the rounding's seed counts steps
+                    state["step"] = torch.tensor(0.0)
+            buf = local(state["momentum_buffer"])
+            buf32 = (buf if buf.dtype == torch.float32 else buf.float()).lerp_(grad, 1 - mu)
+            update = grad.lerp(buf32, mu)  # Nesterov
+            if "step" in state:
+                state["step"] += 1
+                self.rounder.store(buf, buf32, int(state["step"].item()), (n, k, shard_index(p)))
             if isinstance(p, DTensor):
+                update = DTensor.from_local(update, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
                 whole = orthogonalise(update.full_tensor(), steps, dtype, owners.owns(k, p))
                 mesh = p.device_mesh
                 ortho = DTensor.from_local(whole, mesh, [Partial()] * mesh.ndim, run_check=False,

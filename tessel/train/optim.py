@@ -103,7 +103,16 @@ def build_optimizer(
             ns_dtype = "bfloat16" if device.type == "cuda" else "float32"
         return Muon(muon_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                     eps=cfg.eps, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
-                    ns_dtype=ns_dtype, **impl)
+                    ns_dtype=ns_dtype, state_dtype=cfg.state_dtype, **impl)
+    if cfg.state_dtype != "float32":
+        from tessel.train.lowbit import StateAdamW, adamw_8bit
+
+        assert not offload, "refused by tessel.parallel.check.check_layout"
+        hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+        groups = param_groups(model, cfg.weight_decay)
+        if cfg.state_dtype == "int8":
+            return adamw_8bit(groups, **hyper)
+        return StateAdamW(groups, state_dtype=cfg.state_dtype, **hyper)
     if offload:
         from tessel.train.offload import HostAdamW
 

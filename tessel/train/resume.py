@@ -22,7 +22,7 @@ from tessel.train.run_dir import RunDir
 FROZEN_ON_RESUME = (
     "model", "data.source", "data.tokenizer", "data.split", "data.json_key", "train.seq_len",
     "train.seed", "data.chat_template", "data.sft_overlong", "data.sft_pack", "lora.enabled",
-    "optim.name",
+    "optim.name", "optim.state_dtype",
 )
 # A LoRA run's checkpoints hold its adapters: which projections have them, their shape and
 # the scale (alpha / rank) their term is multiplied by. Other targets would drop adapters (or

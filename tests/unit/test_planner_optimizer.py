@@ -81,3 +81,17 @@ def test_muon_step_time_counts_newton_schulz_spread_over_the_ranks():
     t8 = estimate_step(cfg, dp8, H100, 4096, 8, "bf16", optimizer=muon).optimizer_s
     t8_adamw = estimate_step(cfg, dp8, H100, 4096, 8, "bf16", optimizer=adamw).optimizer_s
     assert t8 < t_muon / 2 and t8 - t8_adamw > ns / 8 / (H100.bf16_flops * H100.matmul_efficiency)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_bfloat16_state_bytes_are_what_the_optimizer_holds(name):
+    cfg = Config.load(None, {"model.preset": "tiny-moe", "optim.name": name,
+                             "optim.state_dtype": "bfloat16"})
+    model = build_model(cfg.model, seed=0)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    model(torch.randint(0, 512, (1, 8))).float().mean().backward()
+    opt.step()
+    layout = Layout(1, 1, 1, 1, 1, 0, 1)
+    spec = OptimizerSpec.from_config(cfg.optim)
+    assert estimate_memory(cfg.model, layout, 8, 1, "fp32", optimizer=spec).optimizer == (
+        _state_bytes(opt))
