@@ -13,7 +13,7 @@ from tessel.config import Config, ConfigError, ModelConfig, OptimConfig
 from tessel.errors import TesselError
 from tessel.models import build_model
 from tessel.train.lowbit import StateAdamW, stochastic_round
-from tessel.train.optim import build_optimizer, param_groups
+from tessel.train.optim import build_optimizer, lr_at, param_groups
 
 BF16 = OptimConfig(lr=1e-2, weight_decay=0.1, state_dtype="bfloat16")
 CPU = torch.device("cpu")
@@ -141,3 +141,21 @@ def test_low_precision_state_refusals():
         cfg = Config.load(None, overrides)
         with pytest.raises(ParallelError, match=message):
             check_layout(cfg, ParallelDims.from_config(cfg.parallel, world), "cpu", "fp32")
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("muon", "bfloat16"), ("adamw", "int8")])
+def test_low_precision_state_trains_through_the_trainer(tiny_config, name, dtype):
+    """The trainer sets each step's learning rate on them (torchao keeps it a tensor)."""
+    if dtype == "int8":
+        pytest.importorskip("torchao.optim")
+    from tessel.observe.metrics import read_metrics
+    from tessel.train import Trainer
+
+    cfg = tiny_config(**{"optim.name": name, "optim.state_dtype": dtype, "train.steps": 4})
+    trainer = Trainer(cfg, console=False)
+    trainer.train()
+    losses = [r["loss"] for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    want = lr_at(3, 4, cfg.optim)  # the last step's
+    assert all(float(g["lr"]) == pytest.approx(want) for o in trainer.optimizers
+               for g in o.param_groups)
