@@ -188,7 +188,9 @@ class Muon(torch.optim.AdamW):
     def _muon_step(self, n: int, group: dict) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], self.momentum
         steps, dtype = self.ns_steps, self.ns_dtype
-        owners = self._owners.setdefault(n, Owners(group["params"]))
+        owners = self._owners.get(n)
+        if owners is None:  # decided once: the shapes never change
+            owners = self._owners[n] = Owners(group["params"])
         for k, p in enumerate(group["params"]):
             if p.grad is None:
                 continue

@@ -250,6 +250,7 @@ LORA_2 = {
 # (float32 Newton-Schulz on CPU: bfloat16's rounding would turn float noise into differences).
 MUON = {"optim.name": "muon"}
 LAYOUTS_2.update({
+    "muon_ddp": {**MUON, "parallel.zero": 0},
     "muon_zero3": {**MUON, "parallel.zero": 3},
     "muon_tp2": {**MUON, "parallel.tp": 2},
     "muon_pp2": {**MUON, "parallel.pp": 2},
