@@ -47,29 +47,45 @@ def train(root: Path, name: str, lr: float, steps: int, eval_interval: int) -> d
             if "val_loss" in r}
 
 
+def per_step(curve: dict[int, float], a: argparse.Namespace) -> int:
+    """Tokens per optimizer step (the first evaluation is at step eval_interval)."""
+    return min(curve) // a.eval_interval
+
+
 def sweep(root: Path, a: argparse.Namespace) -> None:
+    """Runs that end early (the spike/NaN recovery can stop one) are shown, not ranked."""
     curves: dict[tuple[str, float], dict[int, float]] = {}
+    stopped: dict[tuple[str, float], dict[int, float]] = {}
     for name, lrs in (("adamw", a.adamw_lrs), ("muon", a.muon_lrs)):
         for lr in lrs:
             start = time.perf_counter()
-            curves[(name, lr)] = train(root, name, lr, a.steps, a.eval_interval)
-            final = curves[(name, lr)][max(curves[(name, lr)])]
-            print(f"{name:5} lr {lr:<7g} final val loss {final:.4f} "
+            curve = train(root, name, lr, a.steps, a.eval_interval)
+            if not curve:
+                print(f"{name:5} lr {lr:<7g} ended before its first evaluation: not counted")
+                continue
+            last = max(curve) // per_step(curve, a)
+            ended = "" if last == a.steps else f" (the run ended at step {last}: not counted)"
+            print(f"{name:5} lr {lr:<7g} val loss {curve[max(curve)]:.4f} at step {last}{ended} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
+            if last == a.steps:
+                curves[(name, lr)] = curve
+            else:
+                stopped[(name, lr)] = curve
+    shown = {**curves, **stopped}
     tokens = sorted(next(iter(curves.values())))
     print("\nvalidation loss by tokens seen")
-    print("tokens    " + "".join(f"{n}@{lr:<9g}"[:15].ljust(15) for n, lr in curves))
+    print("tokens    " + "".join(f"{n}@{lr:<9g}"[:15].ljust(15) for n, lr in shown))
     for t in tokens:
-        print(f"{t:<10}" + "".join(f"{c.get(t, float('nan')):<15.4f}" for c in curves.values()))
+        print(f"{t:<10}" + "".join(f"{c.get(t, float('nan')):<15.4f}" for c in shown.values()))
     best = {n: min(((lr, c) for (m, lr), c in curves.items() if m == n),
                    key=lambda x: x[1][max(x[1])]) for n in ("adamw", "muon")}
     target = best["adamw"][1][max(best["adamw"][1])]
     reached = [t for t in tokens if best["muon"][1][t] <= target]
-    per_step = tokens[0] // a.eval_interval
+    step_tokens = tokens[0] // a.eval_interval
     print(f"\nbest AdamW: lr {best['adamw'][0]:g}, final val loss {target:.4f}; best Muon: lr "
           f"{best['muon'][0]:g}, final {best['muon'][1][tokens[-1]]:.4f}")
     if reached:
-        print(f"Muon reaches AdamW's final val loss at step {reached[0] // per_step} of "
+        print(f"Muon reaches AdamW's final val loss at step {reached[0] // step_tokens} of "
               f"{a.steps} ({reached[0]:,} tokens; evaluated every {a.eval_interval} steps)")
     else:
         print(f"Muon does not reach AdamW's final val loss within {a.steps} steps")
