@@ -41,4 +41,6 @@ def _type_name(annotation: Any) -> str:
 def _toml_value(value: Any) -> str:
     import tomli_w
 
+    if isinstance(value, list):  # on one line (a table cell), however long
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return tomli_w.dumps({"v": value})[4:].strip()

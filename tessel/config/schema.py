@@ -26,6 +26,7 @@ from tessel.config.monitoring import (
     RecoveryConfig,
     WatchdogConfig,
 )
+from tessel.config.optim import OptimConfig
 
 __all__ = [
     "SHAPE_FIELDS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
@@ -162,29 +163,6 @@ class TrainConfig(Section):
     (compute capability 8.9+: Ada, Hopper, Blackwell); refused elsewhere."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; `auto` picks CUDA when present."""
-
-
-class OptimConfig(Section):
-    lr: float = Field(2e-3, gt=0, le=1)
-    """Peak learning rate (AdamW's trains at 1e-4 to 1e-2; above 1 is refused as a typo)."""
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    """Final learning rate as a fraction of `lr` (cosine, linear and wsd schedules)."""
-    warmup_steps: int = Field(50, ge=0)
-    """Linear warm-up over this many steps: step k (1-based) uses lr * k / warmup_steps, so
-    the first step already trains at lr / warmup_steps and step warmup_steps at `lr`."""
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    """Decay after warm-up; `wsd` holds `lr` and decays linearly over the last
-    `decay_fraction` of the steps."""
-    decay_fraction: float = Field(0.2, gt=0, le=1)
-    """Fraction of the steps spent decaying under the `wsd` schedule."""
-    weight_decay: float = Field(0.1, ge=0)
-    """AdamW weight decay; never applied to norms, biases or embeddings."""
-    beta1: float = Field(0.9, ge=0, lt=1)
-    """AdamW beta1."""
-    beta2: float = Field(0.95, ge=0, lt=1)
-    """AdamW beta2."""
-    eps: float = Field(1e-8, gt=0)
-    """AdamW epsilon."""
 
 
 class ParallelConfig(Section):
@@ -416,6 +394,9 @@ class Config(BaseModel):
             # and their hooks would be dropped
             raise ValueError("lora.enabled does not combine with train.fp8 yet; set one of "
                              "them to false")
+        if self.lora.enabled and self.optim.name != "adamw":
+            raise ValueError(f"lora.enabled trains its adapters with AdamW only; set "
+                             f"optim.name = \"adamw\" (not {self.optim.name!r})")
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(

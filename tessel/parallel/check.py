@@ -21,6 +21,21 @@ def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
     dims.validate(cfg)
     p = cfg.parallel
     check_offload(p, device)
+    if p.offload != "none" and cfg.optim.state_dtype != "float32":
+        raise ParallelError(
+            f"parallel.offload = {p.offload!r} keeps float32 optimizer state; set "
+            f'optim.state_dtype = "float32" or parallel.offload = "none"')
+    if cfg.optim.state_dtype == "int8" and (dims.tp > 1 or dims.ep > 1):
+        # torchao's quantised state is tested here only on plain and FSDP2-sharded tensors
+        raise ParallelError(
+            "optim.state_dtype = 'int8' (torchao's AdamW8bit) runs in one process, DDP, "
+            "ZeRO/FSDP2 and pipeline layouts, not with tensor or expert parallelism; use "
+            "optim.state_dtype = 'bfloat16' there")
+    if p.offload != "none" and cfg.optim.name != "adamw":
+        # Muon gathers whole matrices with the device's collectives: not from host memory
+        raise ParallelError(
+            f"parallel.offload = {p.offload!r} runs AdamW only, not optim.name = "
+            f'{cfg.optim.name!r}; set parallel.offload = "none" or optim.name = "adamw"')
     if p.dp_comm_hook == "bf16" and device.type != "cuda":
         raise ParallelError(
             "dp_comm_hook='bf16' needs NCCL (CUDA); on CPU use 'fp16' or 'powersgd'"

@@ -20,6 +20,7 @@ from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
 from tessel.planner.layout import Layout
 from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes, cast_elements
+from tessel.planner.optimizer import ADAMW, OptimizerSpec, muon_transient_bytes
 from tessel.planner.probe import activation_profile, context_profile
 from tessel.planner.saved import ActivationProfile, layer_bytes, rank_profile
 from tessel.planner.schedule import in_flight, peak_in_flight, pipeline_order
@@ -36,7 +37,7 @@ GRAD_BYTES = 4  # gradients are fp32 (FSDP reduces in fp32)
 HEAD_TRANSIENT_FP32_COPIES = 2
 
 ASSUMPTIONS = (
-    "parameters and gradients fp32, AdamW state 8 bytes per parameter, all sharded over "
+    "parameters and gradients fp32, optimizer state as the optimizer's line says, all sharded over "
     "dp_shard x cp under ZeRO >= 1 (routed experts: moe_experts / ep per rank, sharded over "
     "the experts' own group of dp_shard x tp / ep ranks); compute copies: FSDP gathers bf16 "
     "parameters (ZeRO-1/2: all, kept from forward to backward; ZeRO-3: the root module and "
@@ -222,12 +223,15 @@ def rank_parameters(m: ModelConfig, layout: Layout, rank: int) -> StageParams:
                             sum(moe_layer_count(m, ranges[s]) for s in ids), layout.ep)
 
 
-def parameter_elements(m: ModelConfig, layout: Layout, lora: LoraConfig | None = None) -> int:
+def parameter_elements(m: ModelConfig, layout: Layout, lora: LoraConfig | None = None,
+                       muon: bool = False) -> int:
     """Parameter elements held by all ranks together (= AdamW exp_avg elements), as the
     real run's local shards add up (FSDP's padding left out): each pipeline rank's dense
     weights once per tensor-parallel rank and data-parallel replica, its routed experts once
     per expert-parallel rank and replica (sharded, not copied, over their own group). With
-    `lora`: the adapters' elements alone (what AdamW holds state for in a LoRA run)."""
+    `lora`: the adapters' elements alone (what AdamW holds state for in a LoRA run). With
+    `muon`: those of Muon's matrices alone, the blocks' matmul weights (its momentum
+    buffers' elements)."""
     copies = layout.dp_replicate if fsdp_active(layout) else layout.dp * layout.cp
     total = 0
     for rank in range(layout.pp):
@@ -239,7 +243,8 @@ def parameter_elements(m: ModelConfig, layout: Layout, lora: LoraConfig | None =
         # With ep = 1 the routed experts are whole on every tp rank; ep > 1 splits them over
         # ep ranks borrowed from dp_shard x tp, and shards, not copies, them over the rest.
         expert_copies = layout.ep if layout.ep > 1 else layout.tp
-        total += ((p.total - p.experts) * layout.tp + p.experts * expert_copies) * copies
+        dense = p.matmul - p.head_matmul if muon else p.total
+        total += ((dense - p.experts) * layout.tp + p.experts * expert_copies) * copies
     return total
 
 
@@ -258,22 +263,25 @@ def fsdp_active(layout: Layout) -> bool:
 def estimate_memory(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
     document_mask: bool = False, lora: LoraConfig | None = None, flex_attention: bool = False,
+    optimizer: OptimizerSpec = ADAMW,
 ) -> Memory:
     """Memory of the busiest pipeline rank (`lora`: a LoRA run's, see rank_memory;
-    `flex_attention`: see memory_by_rank)."""
+    `flex_attention`, `optimizer`: see memory_by_rank)."""
     ranks = memory_by_rank(m, layout, seq_len, global_batch, precision, document_mask, lora,
-                           flex_attention)
+                           flex_attention, optimizer)
     return max(ranks, key=lambda mem: mem.total)
 
 
 def memory_by_rank(
     m: ModelConfig, layout: Layout, seq_len: int, global_batch: int, precision: str,
     document_mask: bool = False, lora: LoraConfig | None = None, flex_attention: bool = False,
+    optimizer: OptimizerSpec = ADAMW,
 ) -> list[Memory]:
     """Memory of each pipeline rank (every data-, context- and tensor-parallel rank of it
     alike). `flex_attention`: masks are FlexAttention block masks (what tessel uses on CUDA
     without attention dropout), so no dense (T_q, T_kv) mask is built or saved; False: SDPA
-    with a dense boolean mask (CPU), as the probe measures."""
+    with a dense boolean mask (CPU), as the probe measures. `optimizer`: its state's size
+    (planner/optimizer.py)."""
     ranges = stage_layers(m, layout)
     micro_batches = global_batch // (layout.micro_batch * layout.dp)
     regime = precision_regime(precision, layout)
@@ -288,7 +296,7 @@ def memory_by_rank(
         stages = {s: (len(ranges[s]), moe_layer_count(m, ranges[s]))
                   for s in rank_stages(layout, rank)}
         mem = rank_memory(m, layout, seq_len, precision, params, stages, rank, acts,
-                          micro_batches, document_mask, lora, dense)
+                          micro_batches, document_mask, lora, dense, optimizer)
         mem.stage = rank
         out.append(mem)
     return out
@@ -326,6 +334,7 @@ def rank_memory(
     m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
     stages: dict[int, tuple[int, int]], rank: int, acts: ActivationProfile, micro_batches: int,
     document_mask: bool = False, lora: LoraConfig | None = None, dense_mask: bool = True,
+    optimizer_spec: OptimizerSpec = ADAMW,
 ) -> Memory:
     """Memory of pipeline rank `rank`, which holds `stages` (stage index -> (its layers, of
     which MoE layers)); `acts` as `rank_profile` gives it, `dense_mask` as it was given
@@ -389,7 +398,11 @@ def rank_memory(
         gradients = 0.0 if offload_params else GRAD_BYTES * local
         if (layout.zero == 1 or replicate) and micro_batches > 1:
             gradients += GRAD_BYTES * p.total  # accumulated unsharded until the last micro-batch
-    optimizer = 0.0 if (offload_params or offload_optimizer) else ADAM_BYTES * local
+    # Muon's matrices: the blocks' matmul weights (routed experts sharded over their group)
+    muon_local = (-(-(p.matmul - p.head_matmul - p.experts) // shard)
+                  + -(-p.experts // expert_shard)) if optimizer_spec.muon else 0
+    optimizer = (0.0 if (offload_params or offload_optimizer)
+                 else optimizer_spec.state_bytes(local, muon_local))
     if offload_params:
         host = (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) * local
     elif offload_optimizer:
@@ -455,6 +468,8 @@ def rank_memory(
     communication += _context_buffers(m, layout, tokens, compute)
     if layout.ep > 1 and p.moe_layers:  # one MoE layer's dispatch (or combine) send + receive
         communication += 2 * tokens * m.moe_top_k * m.d_model * compute
+    if optimizer_spec.muon and p.layers:  # a whole matrix and its result, in the step
+        communication += muon_transient_bytes(m, p.moe_layers > 0)
 
     allocated = parameters + gradients + optimizer + activations + communication
     margin = CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world > 1 else 0.0)

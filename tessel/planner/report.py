@@ -8,10 +8,11 @@ from tessel.config import Config
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.memory import ASSUMPTIONS as MEMORY_ASSUMPTIONS
 from tessel.planner.memory import GIB
+from tessel.planner.optimizer import ASSUMPTIONS as OPTIMIZER_ASSUMPTIONS
 from tessel.planner.search import Plan, SearchResult, precision_for
 from tessel.planner.speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 
-ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *SPEED_ASSUMPTIONS]
+ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS]
 TOP_REJECTED = 3
 
 

@@ -20,6 +20,7 @@ from tessel.parallel.dims import ParallelDims
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
 from tessel.planner.memory import GIB, Memory, estimate_memory
+from tessel.planner.optimizer import OptimizerSpec
 from tessel.planner.speed import MIN_CP_POSITIONS, StepTime, estimate_step
 
 MAX_MICRO_BATCH = 64
@@ -83,10 +84,12 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cu
              dp_overlap: float | None = None) -> Plan:
     t, m = cfg.train, cfg.model
     precision = precision_for(cfg, device_type)
+    opt = OptimizerSpec.from_config(cfg.optim)
     mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
                           cfg.data.document_mask, cfg.lora if cfg.lora.enabled else None,
-                          flex_attention=device_type == "cuda")
-    step = estimate_step(m, layout, hw, t.seq_len, t.global_batch_size, precision, dp_overlap)
+                          flex_attention=device_type == "cuda", optimizer=opt)
+    step = estimate_step(m, layout, hw, t.seq_len, t.global_batch_size, precision, dp_overlap,
+                         opt)
     tokens = t.global_batch_size * t.seq_len
     tps = tokens / step.total
     # MoE: FLOPs of the active parameters (the top_k experts a token is sent to).
@@ -128,7 +131,8 @@ def _light_config(cfg: Config, layout: Layout) -> Any:
         "cp_mode": layout.cp_mode, "cp_load_balance": layout.cp_load_balance,
     })
     train = cfg.train.model_copy(update={"micro_batch_size": layout.micro_batch})
-    return SimpleNamespace(model=cfg.model, data=cfg.data, train=train, parallel=parallel)
+    return SimpleNamespace(model=cfg.model, data=cfg.data, train=train, parallel=parallel,
+                           optim=cfg.optim)
 
 
 def check_layout(cfg: Config, layout: Layout, full: bool = False, device_type: str = "cuda"

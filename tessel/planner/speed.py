@@ -18,12 +18,14 @@ from tessel.config import ModelConfig
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (
+    StageParams,
     fsdp_active,
     moe_layer_count,
     rank_parameters,
     rank_stages,
     stage_layers,
 )
+from tessel.planner.optimizer import ADAMW, OptimizerSpec, muon_step
 
 MATMUL_HALF_SIZE = 128  # a matmul whose smallest dimension is k runs at k/(k+128) of the rate
 DDP_OVERLAP = 0.8  # fraction of the backward pass DDP's all-reduce hides behind
@@ -31,7 +33,6 @@ FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide b
 # Recomputed FLOPs: full checkpointing runs each block's forward again; selective recomputes
 # only element-wise work (its time, not its FLOPs, shows).
 RECOMPUTE = {"none": 0.0, "selective": 0.03, "full": 1.0 / 3.0}
-OPTIMIZER_BYTES_PER_PARAM = 36  # AdamW reads and writes param, grad, two moments (fp32)
 HOST_LINK_BYTES_PER_S = 25e9  # device <-> host, PCIe 5 x16 achievable per GPU
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # AdamW on the host, parameters per second per rank
 ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
@@ -235,11 +236,13 @@ def cp_exchange(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
 
 def estimate_step(
     m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int, global_batch: int,
-    precision: str, dp_overlap: float | None = None,
+    precision: str, dp_overlap: float | None = None, optimizer: OptimizerSpec = ADAMW,
 ) -> StepTime:
     """`dp_overlap` replaces the fraction of compute data-parallel communication hides
     behind (DDP_OVERLAP / FSDP_OVERLAP): 0 models an implementation that reduces gradients
-    after the backward pass (used to replay published runs of such systems)."""
+    after the backward pass (used to replay published runs of such systems). `optimizer`:
+    its update's memory traffic and, for Muon, its Newton-Schulz work and whole-matrix
+    collectives (planner/optimizer.py), all in `optimizer_s`."""
     pp, v, tp, cp = layout.pp, layout.pp_virtual_stages, layout.tp, layout.cp
     micro_batches = global_batch // (layout.micro_batch * layout.dp)
     peak = hw.fp8_flops if precision == "fp8" and hw.fp8_flops else hw.bf16_flops
@@ -361,11 +364,12 @@ def estimate_step(
 
     local_params = (dense / shard_group + experts / expert_group if fsdp_active(layout)
                     else params)
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * local_params / (hw.hbm_gbps * 1e9)
+    optimizer_s = optimizer_step_time(m, layout, hw, stage, local_params, optimizer,
+                                      shard_bw if fsdp_active(layout) else tp_bw)
     offload = 0.0
     if layout.offload != "none":
         # Gradients to the host, parameters both ways, AdamW on the host CPU.
-        optimizer = 0.0
+        optimizer_s = 0.0
         offload = 12.0 * local_params / HOST_LINK_BYTES_PER_S + local_params / HOST_ADAM_PARAMS_PER_S
     if layout.offload == "params" and fsdp_active(layout):
         # FSDP2's CPU offload copies each shard to the device before every all-gather and
@@ -374,5 +378,23 @@ def estimate_step(
         scatters = 1 if layout.zero == 1 else micro_batches
         offload += 4.0 * local_params * (gathers + scatters) / HOST_LINK_BYTES_PER_S
     raw_comm = tp_comm + raw + pp_comm + cp_comm + ep_comm
-    return StepTime(compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer, offload,
+    return StepTime(compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer_s, offload,
                     raw_comm, ep_comm)
+
+
+def optimizer_step_time(m: ModelConfig, layout: Layout, hw: GpuProfile, stage: StageParams,
+                        local_params: float, optimizer: OptimizerSpec, bandwidth: float) -> float:
+    """Seconds of one optimizer step on a rank holding `local_params` elements of `stage`:
+    the element-wise update at device memory bandwidth; Muon adds its share of Newton-Schulz
+    at the matmul rate and the gather and return of whole matrices over `bandwidth`."""
+    fsdp = fsdp_active(layout)
+    muon_local = 0.0
+    if optimizer.muon:
+        muon_total = stage.matmul - stage.head_matmul
+        muon_local = muon_total * local_params / max(stage.total, 1)
+    seconds = optimizer.step_bytes(local_params, muon_local) / (hw.hbm_gbps * 1e9)
+    if optimizer.muon and stage.layers:
+        work = muon_step(m, layout, stage.layers, stage.moe_layers, optimizer.ns_steps, fsdp)
+        seconds += work.flops / (hw.bf16_flops * hw.matmul_efficiency)
+        seconds += work.comm_bytes / bandwidth
+    return seconds

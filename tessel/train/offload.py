@@ -28,7 +28,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _placed_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def placed_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The gradient with its parameter's placements: tensor parallelism can leave a
     gradient replicated where its parameter is sharded (AdamW over DTensors redistributes
     implicitly; the local shards used here must match)."""
@@ -94,7 +94,7 @@ class HostAdamW(torch.optim.AdamW):
                 state = self._init_state(p)
                 params.append(p)
                 host_params.append(self._to_host(_local(p), (id(p), "param")))
-                grads.append(self._to_host(_local(_placed_like(p.grad, p)), (id(p), "grad")))
+                grads.append(self._to_host(_local(placed_like(p.grad, p)), (id(p), "grad")))
                 exp_avgs.append(_local(state["exp_avg"]))
                 exp_avg_sqs.append(_local(state["exp_avg_sq"]))
                 steps.append(state["step"])

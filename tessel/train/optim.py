@@ -1,13 +1,47 @@
-"""AdamW with conventional parameter groups, and the learning-rate schedule."""
+"""The optimizer (AdamW, or Muon with AdamW beside it) with conventional parameter groups,
+and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
 from tessel.config import OptimConfig
+from tessel.errors import TesselError
+
+WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+"""Name parts that activation checkpointing and compile insert: patterns see the model's
+own names."""
+
+
+def plain_name(name: str) -> str:
+    """`name` as the model itself spells it (wrappers' name parts removed)."""
+    for part in WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def is_expert_stack(name: str, p: torch.Tensor) -> bool:
+    """An MoE layer's routed experts: (E, A, B), E matrices."""
+    return p.ndim == 3 and ".experts." in name
+
+
+def muon_trains(name: str, p: torch.Tensor, cfg: OptimConfig) -> bool:
+    """Whether Muon trains parameter `name` (see optim.muon_adamw / muon_force); a forced
+    parameter that is not a matrix is refused."""
+    name = plain_name(name)
+    matrix = p.ndim == 2 or is_expert_stack(name, p)
+    if any(fnmatchcase(name, pat) for pat in cfg.muon_force):
+        if not matrix:
+            raise TesselError(
+                f"optim.muon_force names {name} of shape {tuple(p.shape)}: Muon trains "
+                "matrices only (2-D, or an MoE expert stack); narrow the pattern")
+        return True
+    return matrix and not any(fnmatchcase(name, pat) for pat in cfg.muon_adamw)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -16,8 +50,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     Parameters are also grouped by the device mesh they are sharded over (plain tensors
     apart): the multi-tensor kernels run per group and cannot mix plain tensors with
     DTensors, or DTensors of different meshes."""
+    return adamw_groups(model.named_parameters(), weight_decay)
+
+
+def adamw_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """`param_groups` over the (name, parameter) pairs `named`."""
     groups: dict[tuple, list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
+    for name, p in named:
         if not p.requires_grad:
             continue
         is_embedding = name.startswith(("tok_embeddings.", "pos_embeddings."))
@@ -31,11 +70,49 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def muon_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """AdamW's groups (as `param_groups`) over the parameters Muon does not train, then
+    Muon's (marked `muon: True`, decayed), by mesh."""
+    muon: dict[int | None, list[nn.Parameter]] = {}
+    rest: list[tuple[str, nn.Parameter]] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if muon_trains(name, p, cfg):
+            mesh = getattr(p, "device_mesh", None)
+            muon.setdefault(id(mesh) if mesh is not None else None, []).append(p)
+        else:
+            rest.append((name, p))
+    return adamw_groups(rest, cfg.weight_decay) + [
+        {"params": ps, "weight_decay": cfg.weight_decay, "muon": True} for ps in muon.values()]
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device, offload: bool = False,
 ) -> torch.optim.Optimizer:
-    """AdamW over `model`'s parameters; with `offload`, its state and update in host memory
-    (`tessel.train.offload.HostAdamW`)."""
+    """The optimizer of `model`'s parameters: AdamW (with `offload`, its state and update in
+    host memory: `tessel.train.offload.HostAdamW`) or Muon (`tessel.train.muon`)."""
+    if cfg.name == "muon":
+        from tessel.train.muon import Muon
+
+        assert not offload, "refused by tessel.parallel.check.check_layout"
+        # Muon's AdamW part: the same kernels as optim.name = "adamw".
+        impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        ns_dtype = cfg.muon_ns_dtype
+        if ns_dtype == "auto":
+            ns_dtype = "bfloat16" if device.type == "cuda" else "float32"
+        return Muon(muon_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                    eps=cfg.eps, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
+                    ns_dtype=ns_dtype, state_dtype=cfg.state_dtype, **impl)
+    if cfg.state_dtype != "float32":
+        from tessel.train.lowbit import StateAdamW, adamw_8bit
+
+        assert not offload, "refused by tessel.parallel.check.check_layout"
+        hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+        groups = param_groups(model, cfg.weight_decay)
+        if cfg.state_dtype == "int8":
+            return adamw_8bit(groups, **hyper)
+        return StateAdamW(groups, state_dtype=cfg.state_dtype, **hyper)
     if offload:
         from tessel.train.offload import HostAdamW
 

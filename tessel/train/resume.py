@@ -22,12 +22,16 @@ from tessel.train.run_dir import RunDir
 FROZEN_ON_RESUME = (
     "model", "data.source", "data.tokenizer", "data.split", "data.json_key", "train.seq_len",
     "train.seed", "data.chat_template", "data.sft_overlong", "data.sft_pack", "lora.enabled",
+    "optim.name", "optim.state_dtype",
 )
 # A LoRA run's checkpoints hold its adapters: which projections have them, their shape and
 # the scale (alpha / rank) their term is multiplied by. Other targets would drop adapters (or
 # leave new ones untrained beside them), another alpha would rescale them; lora.dropout,
 # lora.base_dtype and lora.export may change like any training setting.
 FROZEN_WITH_LORA = ("lora.rank", "lora.alpha", "lora.targets")
+# A Muon run's checkpoints hold a momentum buffer for each Muon matrix and AdamW's moments
+# for the rest: moving a parameter between the two would leave it without its state.
+FROZEN_WITH_MUON = ("optim.muon_adamw", "optim.muon_force")
 
 
 class RunHalted(TesselError):
@@ -67,12 +71,17 @@ def resume_point(run: RunDir, cfg: Config, resume: bool, auto_resume: bool,
         then = Config.from_dict(with_saved_defaults(state["config"]))
     except KeyError:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks its config; it is damaged") from None
-    for key in FROZEN_ON_RESUME + (FROZEN_WITH_LORA if then.lora.enabled else ()):
+    frozen = (FROZEN_ON_RESUME + (FROZEN_WITH_LORA if then.lora.enabled else ())
+              + (FROZEN_WITH_MUON if then.optim.name == "muon" else ()))
+    for key in frozen:
         old, new = _get(then, key), _get(cfg, key)
         if not _same(key, old, new):
+            # another optimizer has no state to resume: it starts from the weights
+            fresh = (" (from its weights: model.init_from = a checkpoint of it)"
+                     if key.startswith("optim.") else "")
             raise CheckpointError(
                 f"cannot resume {str(run.path)!r}: {_first_difference(key, old, new)}; resume "
-                "without changing it or start a new run"
+                f"without changing it or start a new run{fresh}"
             )
     return ckpt, state
 

@@ -74,7 +74,10 @@ class TrainStep:
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:
             for group in opt.param_groups:
-                group["lr"] = lr
+                if isinstance(group["lr"], torch.Tensor):  # torchao's keep it a tensor
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
 
     def __call__(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `batches` (the step's micro-batches); returns the loss
@@ -229,7 +232,7 @@ class TrainStep:
         return all_reduce_sum(mine.to(self.device)).item() / (self.dims.dp * self.dims.cp)
 
     def first_lr(self) -> float:
-        return self.optimizers[0].param_groups[0]["lr"]
+        return float(self.optimizers[0].param_groups[0]["lr"])  # torchao's: a tensor
 
 
 def reports_loss(dims: ParallelDims, mesh: Any, virtual_stages: int) -> bool:

@@ -78,7 +78,7 @@ def _install_meter(spec: dict) -> None:
 
 
 def _record_memory(trainer: Trainer) -> None:
-    """What this rank holds (local shards): parameter and AdamW-state elements, and the
+    """What this rank holds (local shards): parameter, AdamW-state and Muon-momentum elements, and the
     saved-activation peak of the second step, next to its pipeline rank."""
     from torch.distributed.tensor import DTensor
 
@@ -88,7 +88,10 @@ def _record_memory(trainer: Trainer) -> None:
     mesh = trainer.train_step.mesh
     record = {
         "params": sum(local(p) for p in trainer.model.parameters()),
-        "exp_avg": sum(local(s["exp_avg"]) for o in trainer.optimizers for s in o.state.values()),
+        "exp_avg": sum(local(s["exp_avg"]) for o in trainer.optimizers for s in o.state.values()
+                       if "exp_avg" in s),
+        "momentum": sum(local(s["momentum_buffer"]) for o in trainer.optimizers
+                        for s in o.state.values() if "momentum_buffer" in s),  # Muon's
         "saved_peak": getattr(trainer, "measured_saved_peak", None),
         "pp_rank": mesh["pp"].get_local_rank() if mesh is not None and trainer.dims.pp > 1 else 0,
     }
