@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -46,6 +47,7 @@ _BATCH_CHARS = {"in_process": 2 << 20, "pool": 1 << 20}
 batch's transient memory tens of times its text, so this, not the corpus, sets the peak.
 Workers get smaller batches: each is one task, and the pool needs many tasks in flight to
 keep every worker busy; in-process batches are shared out by the tokenizer's own threads."""
+_STOP_GRACE_S = 10.0  # a failed run's pool: how long its workers get to finish what was sent
 
 
 @dataclass
@@ -151,8 +153,21 @@ def _pool(workers: int, tokenizer: Tokenizer, append_eod: bool) -> Iterator[Pool
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
-    with pool:  # terminates the workers however we leave
+    try:
         yield pool
+    except BaseException:
+        # Pool.terminate() right away can hang for good: its task thread may be writing a
+        # batch into the pipe to the workers it has just killed, and CPython's
+        # _terminate_pool joins that thread (seen in the test suite after a refused input).
+        # So the workers first take and finish what was sent (at most 2 x workers batches:
+        # _encoded's window), for up to _STOP_GRACE_S, and are then stopped.
+        pool.close()
+        joiner = threading.Thread(target=pool.join, daemon=True)
+        joiner.start()
+        joiner.join(_STOP_GRACE_S)
+        raise
+    finally:
+        pool.terminate()
 
 
 def _encoded(batches: Iterator[list[str]], tokenizer: Tokenizer, append_eod: bool,
