@@ -15,8 +15,9 @@ from test_report import _browser, _chromium
 
 from tessel.planner.scaling_page import BLUE, PART_COLOURS
 
-# A GPU too small for GPT-2 124M on one device (nothing fits at 1), not on 4 or 8.
-SMALL_GPU = ("[gpu.small]\nbf16_tflops = 100\nmemory_gib = 2.5\nintra_node_gbps = 100\n"
+# A GPU too small for GPT-2 124M on one device (nothing fits at 1), not on 4 or 8, where the
+# search takes tensor parallelism (the page must show its part of the step).
+SMALL_GPU = ("[gpu.small]\nbf16_tflops = 100\nmemory_gib = 2.2\nintra_node_gbps = 100\n"
              "inter_node_gbps = 25\ngpus_per_node = 4\n")
 
 

@@ -70,7 +70,8 @@ def test_train_help_lists_its_options_and_ends_with_the_config_keys(capsys):
     for text in ("[CONFIG.toml] [--section.key=value ...]", "--resume RUN_DIR", "--auto-resume",
                  "--force", "--quiet", "--nproc N", "exit codes:", "[[alerts]] name"):
         assert text in out
-    assert out.endswith(config_keys()) and "[optim] lr" in config_keys()
+    assert out.endswith(config_keys()) and "[optim] name, state_dtype," in config_keys()
+    assert " lr, " in next(line for line in out.splitlines() if "[optim]" in line)
 
 
 @pytest.mark.parametrize("name", sorted(VALID_ARGV))
