@@ -97,8 +97,7 @@ def cmd_plan(argv: list[str]) -> int:
     searching = cfg.parallel.auto or not (cfg.parallel.model_fields_set & _DEGREES)
     if searching:
         start = time.perf_counter()
-        result = search.search(cfg, args.gpus, hw, keep=max(args.top, 10),
-                               device_type=hw.device_type)
+        result = search.search(cfg, args.gpus, hw, keep=max(args.top, 10))
         took = time.perf_counter() - start
         if args.json:
             out = report.as_json(cfg, args.gpus, hw, result.plans[: args.top],
@@ -115,7 +114,7 @@ def cmd_plan(argv: list[str]) -> int:
     reason = search.check_layout(cfg, layout, full=True, device_type=hw.device_type)
     if reason is not None:
         raise TesselError(reason)
-    plan = search.evaluate(cfg, layout, hw, hw.device_type)
+    plan = search.evaluate(cfg, layout, hw)
     nearest = [] if plan.fits else search.nearest_fitting(cfg, layout, hw)
     if args.json:
         out = report.as_json(cfg, args.gpus, hw, [plan], [])
@@ -144,8 +143,7 @@ def calibrated(hw: GpuProfile, path: Path) -> GpuProfile:
         return tuned
     run = read_measured(path)
     layout = Layout.from_config(run.config, run.world_size)
-    predict = lambda profile: search.evaluate(  # noqa: E731
-        run.config, layout, profile, profile.device_type).tokens_per_s
+    predict = lambda profile: search.evaluate(run.config, layout, profile).tokens_per_s  # noqa: E731
     predicted = predict(hw)
     tuned = hardware.calibrate(hw, predict, run.tokens_per_s)
     print(f"calibrated {hw.name}: matmul efficiency {hw.matmul_efficiency:.3f} -> "

@@ -112,7 +112,7 @@ def check_splits(points: list[tuple[int, Config]], hw: GpuProfile) -> None:
     (tp within a node and dividing the key/value heads, pp up to the layers, cp only for
     long sequences). Cheap (no layout is evaluated), so a sweep fails before it starts."""
     for gpus, cfg in points:
-        if not candidates(cfg, gpus, hw, hw.device_type):
+        if not candidates(cfg, gpus, hw):
             batch = cfg.train.global_batch_size
             raise TesselError(
                 f"no layout of {gpus:,} GPUs splits a global batch of {batch:,} sequences of "
@@ -131,7 +131,7 @@ def run_sweep(points: list[tuple[int, Config]], hw: GpuProfile, mode: str,
     for gpus, cfg in points:
         if progress is not None:
             progress(gpus)
-        result = search(cfg, gpus, hw, keep=1, device_type=hw.device_type)
+        result = search(cfg, gpus, hw, keep=1)
         if result.plans:
             out.append(Point(gpus, cfg, result.plans[0]))
         else:

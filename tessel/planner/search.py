@@ -80,8 +80,10 @@ def precision_for(cfg: Config, device_type: str = "cuda") -> str:
     return cfg.train.precision
 
 
-def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str = "cuda",
+def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str | None = None,
              dp_overlap: float | None = None) -> Plan:
+    """`device_type` None: the profile's (`hw.device_type`)."""
+    device_type = device_type or hw.device_type
     t, m = cfg.train, cfg.model
     precision = precision_for(cfg, device_type)
     opt = OptimizerSpec.from_config(cfg.optim)
@@ -185,9 +187,11 @@ def _pipeline_splits(n_layers: int, stages: int) -> list[tuple[int, int]]:
     return []
 
 
-def candidates(cfg: Config, gpus: int, hw: GpuProfile, device_type: str = "cuda") -> list[Layout]:
+def candidates(cfg: Config, gpus: int, hw: GpuProfile,
+               device_type: str | None = None) -> list[Layout]:
     """Every layout worth evaluating on `gpus` GPUs (validity is checked separately). On a
     CPU nothing is offloaded: host memory is the device's."""
+    device_type = device_type or hw.device_type  # None: the profile's
     m, t = cfg.model, cfg.train
     out: list[Layout] = []
     for tp, cp, cp_mode in _sequence_splits(cfg, gpus, hw):
@@ -268,9 +272,11 @@ def _reason_kind(reason: str) -> str:
     return "".join("N" if c.isdigit() else c for c in head)
 
 
-def search(cfg: Config, gpus: int, hw: GpuProfile, keep: int = 10, device_type: str = "cuda"
-           ) -> SearchResult:
-    """Evaluate every valid candidate; the fastest that fit and the closest that do not."""
+def search(cfg: Config, gpus: int, hw: GpuProfile, keep: int = 10,
+           device_type: str | None = None) -> SearchResult:
+    """Evaluate every valid candidate; the fastest that fit and the closest that do not
+    (`device_type` None: the profile's)."""
+    device_type = device_type or hw.device_type
     fits: list[Plan] = []
     big: list[Plan] = []
     invalid: dict[str, tuple[int, str]] = {}
@@ -314,7 +320,7 @@ def _changes(a: Layout, b: Layout) -> int:
 def nearest_fitting(cfg: Config, current: Layout, hw: GpuProfile, limit: int = 3) -> list[Plan]:
     """Layouts on the same number of GPUs that fit: fewest changes from `current` first,
     then the fastest."""
-    result = search(cfg, current.world, hw, keep=10**9, device_type=hw.device_type)
+    result = search(cfg, current.world, hw, keep=10**9)
     return sorted(result.plans, key=lambda p: (_changes(p.layout, current), -p.tokens_per_s))[:limit]
 
 

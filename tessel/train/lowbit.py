@@ -57,6 +57,15 @@ def shard_index(p: torch.Tensor) -> int:
     return index
 
 
+def closure_loss(closure: Any) -> Any:
+    """What an optimizer's `step(closure)` returns: the closure's loss, computed with
+    gradients enabled (step itself runs under no_grad), or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Rounder:
     """Stores float32 values into state tensors of their own dtype: bfloat16 by stochastic
     rounding from a generator seeded by (step, parameter, shard), float32 as they are."""
@@ -134,10 +143,7 @@ class StateAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for n, group in enumerate(self.param_groups):
             adamw_step(self, group, self.rounder, self.state_dtype, n)
         return loss

@@ -48,6 +48,7 @@ from tessel.train.lowbit import (
     STATE_DTYPES,
     Rounder,
     adamw_step,
+    closure_loss,
     keep_state_dtype,
     local,
     shard_index,
@@ -166,10 +167,7 @@ class Muon(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         groups = self.param_groups
         if self.state_dtype == torch.float32:
             # AdamW's own step over its groups alone (its kernels, its state keys).
