@@ -136,7 +136,7 @@ def calibrated(hw: GpuProfile, path: Path) -> GpuProfile:
         sweep = sweep_fit.read_sweep(data, repr(str(path)))
         base = sweep.profile or hw
         tuned, said = sweep_fit.fit(
-            base, sweep, lambda c, lay, h, d: search.evaluate(c, lay, h, d).tokens_per_s)
+            base, sweep, lambda c, lay, h, d: search.evaluate(c, lay, h, d))
         whose = (" (the profile the sweep measured on CPU processes)"
                  if sweep.profile is not None else "")
         print(f"calibrated {base.name}{whose} on the sweep {path}: {said}", file=sys.stderr)

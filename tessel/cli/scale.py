@@ -41,8 +41,10 @@ not used: each count is searched.
                       split, exposed communication) beside the planner's
                       prediction of that run. On CPU the planner's device is this machine,
                       measured first (matmul and memory rate of one process, gloo's
-                      all-reduce); its matmul efficiency is calibrated on the first point,
-                      so the others' errors are the planner's errors in scaling.""")
+                      all-reduce; with --over tp the host time a tensor-parallel block
+                      adds); its matmul efficiency and its optimizer's memory rate are
+                      calibrated on the first point, so the others' errors are the
+                      planner's errors in scaling.""")
     add_config_arguments(p)
     p.add_argument("--gpus", metavar="N,N,...",
                    help="GPU counts, comma-separated, e.g. 8,64,512,4096 (required)")
@@ -201,7 +203,11 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         if hw is None:
             return 0
     else:
-        hw, machine = compare.machine_profile(max(nprocs))
+        # The host time of a tensor-parallel block is measured only for a sweep that has
+        # tensor-parallel points (it takes a few seconds).
+        tp_model = base.model if args.over == "tp" and max(nprocs) > 1 else None
+        hw, machine = compare.machine_profile(
+            max(nprocs), model=tp_model, sequence_parallel=base.parallel.sequence_parallel)
     mode = scaling.WEAK if args.weak else scaling.STRONG
 
     def said(point) -> None:  # noqa: ANN001

@@ -17,6 +17,7 @@ and link bandwidths (sources in SOURCES). Users add or override profiles in a TO
     matmul_efficiency = 0.625  # optional: fraction of peak that large matmuls reach
     comm_efficiency = 0.75     # optional: fraction of link bandwidth collectives reach
     collective_latency_us = 20 # optional: fixed cost of one collective call, microseconds
+    tp_block_overhead_us = 0   # optional: host time a tensor-parallel block adds, microseconds
 
 A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
 set to the value at which the planner's prediction for that run equals what it measured.
@@ -73,6 +74,13 @@ class GpuProfile:
     """Fraction of the link bandwidth that collectives reach (bus bandwidth / link)."""
     collective_latency_s: float = COLLECTIVE_LATENCY_S
     """Seconds every collective call costs beyond its bytes' time (TOML: collective_latency_us)."""
+    tp_block_overhead_s: float = 0.0
+    """Host seconds one tensor-parallel block's forward + backward of one micro-batch adds
+    beyond its matmuls and its collectives' bytes and latency: DTensor's sharding
+    propagation, redistribution and wrapping (TOML: tp_block_overhead_us). Measured on CPU
+    processes by `tessel scale --measure`, where it adds to the step; 0 in the built-in GPU
+    profiles, where the host issues kernels ahead of the GPU and the time hides behind them
+    (torch.compile removes most of it)."""
     device_names: tuple[str, ...] = ()
     """Substrings of torch.cuda.get_device_name() that identify this GPU."""
     device_type: str = "cuda"
@@ -128,7 +136,10 @@ SOURCES = {
 
 _FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
            "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
-           "collective_latency_us", "device_names", "device_type"}
+           "collective_latency_us", "tp_block_overhead_us", "device_names", "device_type"}
+_MICROSECONDS = {"collective_latency_us": "collective_latency_s",
+                 "tp_block_overhead_us": "tp_block_overhead_s"}
+"""TOML keys in microseconds -> the profile's fields in seconds."""
 
 
 def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuProfile:
@@ -156,12 +167,12 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
             values["fp8_flops"] = float(value) * 1e12 if value else None
         elif key == "device_names":
             values["device_names"] = tuple(value)
-        elif key == "collective_latency_us":
+        elif key in _MICROSECONDS:
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0):
-                raise TesselError(f"hardware profile {name!r}: collective_latency_us must be a "
-                                  "number >= 0 (microseconds)")
-            values["collective_latency_s"] = float(value) / 1e6
+                raise TesselError(f"hardware profile {name!r}: {key} must be a number >= 0 "
+                                  "(microseconds)")
+            values[_MICROSECONDS[key]] = float(value) / 1e6
         else:
             values[key] = value
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
@@ -241,21 +252,45 @@ def calibrate(profile: GpuProfile, predict: Callable[[GpuProfile], float],
     GPU kernel's, and a CPU's small matmuls run nearer its large-matmul rate)."""
     if measured_tokens_per_s <= 0:
         raise TesselError("calibration needs a positive measured tokens/s")
-    lo, hi = floor, ceiling
     at = lambda eff: predict(dataclasses.replace(profile, matmul_efficiency=eff))  # noqa: E731
-    if at(hi) <= measured_tokens_per_s:
+    return dataclasses.replace(
+        profile, matmul_efficiency=_solve(at, measured_tokens_per_s, floor, ceiling, rising=True))
+
+
+def _solve(at: Callable[[float], float], target: float, lo: float, hi: float,
+           rising: bool) -> float:
+    """The x in [lo, hi] where the monotonic `at(x)` (rising or falling with x) equals
+    `target`, clamped to the ends; geometric bisection (the same relative precision at 0.5
+    and at 0.001), rounded to 4 significant digits."""
+    below = (lambda v: v < target) if rising else (lambda v: v > target)  # noqa: E731
+    if below(at(hi)) or at(hi) == target:
         lo = hi
-    elif at(lo) >= measured_tokens_per_s:
+    elif not below(at(lo)):
         hi = lo
-    for _ in range(60):  # geometric: the same relative precision at 0.5 and at 0.001
+    for _ in range(60):
         if hi / lo < 1.0001:
             break
         mid = (lo * hi) ** 0.5
-        if at(mid) < measured_tokens_per_s:
+        if below(at(mid)):
             lo = mid
         else:
             hi = mid
-    return dataclasses.replace(profile, matmul_efficiency=float(f"{(lo * hi) ** 0.5:.4g}"))
+    return float(f"{(lo * hi) ** 0.5:.4g}")
+
+
+def calibrate_optimizer(profile: GpuProfile, predict_s: Callable[[GpuProfile], float],
+                        measured_s: float) -> GpuProfile:
+    """The profile with the memory bandwidth (`hbm_gbps`, which only the optimizer step's
+    time reads) at which `predict_s` (the optimizer step's seconds under a profile) equals
+    the measured optimizer phase: bisection over 1/1000 to 1000 times the profile's, as the
+    prediction falls as the bandwidth rises. A CPU's optimizer runs its element-wise
+    operators one after another on one thread, well below the copy bandwidth measured for
+    the profile (about a third of it for AdamW on this project's machine)."""
+    if measured_s <= 0:
+        raise TesselError("calibration needs a positive measured optimizer time")
+    at = lambda gbps: predict_s(dataclasses.replace(profile, hbm_gbps=gbps))  # noqa: E731
+    return dataclasses.replace(profile, hbm_gbps=_solve(
+        at, measured_s, profile.hbm_gbps / 1000, profile.hbm_gbps * 1000, rising=False))
 
 
 def profile_table(profile: GpuProfile) -> dict[str, object]:
@@ -270,6 +305,8 @@ def profile_table(profile: GpuProfile) -> dict[str, object]:
         hbm_gbps=profile.hbm_gbps, host_memory_gib=profile.host_memory_gib,
         matmul_efficiency=profile.matmul_efficiency, comm_efficiency=profile.comm_efficiency,
         collective_latency_us=profile.collective_latency_s * 1e6)
+    if profile.tp_block_overhead_s:
+        table["tp_block_overhead_us"] = profile.tp_block_overhead_s * 1e6
     if profile.device_names:
         table["device_names"] = list(profile.device_names)
     if profile.device_type != "cuda":

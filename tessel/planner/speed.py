@@ -30,6 +30,13 @@ from tessel.planner.optimizer import ADAMW, OptimizerSpec, muon_step
 MATMUL_HALF_SIZE = 128  # a matmul whose smallest dimension is k runs at k/(k+128) of the rate
 DDP_OVERLAP = 0.8  # fraction of the backward pass DDP's all-reduce hides behind
 FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide behind
+# On CPU processes (a profile with device_type "cpu") data-parallel collectives hide behind
+# nothing: gloo moves the bytes on threads of the same process, which share its core with
+# the computing thread, so a collective "in flight behind the backward" takes its time from
+# the backward. Measured on 2 processes of this project's 2-core machine (demo model, 8.9 MB
+# of gradients): DDP's backward with its all-reduce took 12-31 ms longer than without
+# (no_sync), the all-reduce alone 8-17 ms.
+CPU_OVERLAP = 0.0
 # Recomputed FLOPs: full checkpointing runs each block's forward again; selective recomputes
 # only element-wise work (its time, not its FLOPs, shows).
 RECOMPUTE = {"none": 0.0, "selective": 0.03, "full": 1.0 / 3.0}
@@ -62,7 +69,8 @@ ASSUMPTIONS = (
     "reduce-scatter) at comm_efficiency x the per-GPU intra-node bandwidth when the group "
     f"fits in a node, else the inter-node bandwidth; DDP hides behind {DDP_OVERLAP:.0%} of "
     f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute (ZeRO-1, which gathers and "
-    "reduce-scatters once per step, of one micro-batch's); tensor-parallel collectives and "
+    "reduce-scatters once per step, of one micro-batch's; on CPU processes behind nothing); "
+    "tensor-parallel collectives and "
     "pipeline sends are exposed; every call also costs the profile's collective latency "
     f"(calls: a DDP bucket of {DDP_BUCKET_MB} MiB, an FSDP unit's gather or reduce-scatter, "
     "a tensor-parallel block's 4 (10 with sequence parallelism), a pipeline send, a "
@@ -78,6 +86,9 @@ ASSUMPTIONS = (
     "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange); "
     "the masked kernel's lower efficiency on short pieces is not modelled, so the search "
     f"splits a sequence only where each rank keeps {MIN_CP_POSITIONS:,} positions or more",
+    "tensor parallelism's host work (DTensor) per block and micro-batch: the profile's "
+    "tp_block_overhead_s, added to compute (measured on CPU processes; 0 for GPUs, where "
+    "the host runs ahead of the kernels)",
     f"MoE layers: routed experts' FLOPs for each token's top_k experts (active parameters) at "
     f"{GROUPED_GEMM_EFFICIENCY} x a dense matmul's rate (grouped GEMM), each expert's rows "
     "tokens x top_k x ep / experts (balanced routing); the fp32 router at half the BF16 rate; "
@@ -259,6 +270,8 @@ def estimate_step(
         moe = sum(moe_layer_count(m, ranges[s]) for s in ids)
         t, _ = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak,
                                    moe)
+        if tp > 1:  # DTensor's host work per block (0 in GPU profiles: hidden, see GpuProfile)
+            t += layers * hw.tp_block_overhead_s
         if t > t_mb:
             t_mb, busiest = t, rank
     recompute = RECOMPUTE[layout.activation_checkpointing]
@@ -322,6 +335,8 @@ def estimate_step(
         buckets = max(1, math.ceil(grad_bytes / (DDP_BUCKET_MB * 2**20)))
         raw = _ring(grad_bytes, layout.dp * cp, dp_bw, all_reduce=True) + buckets * lat
         hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
+        if dp_overlap is None and hw.device_type == "cpu":
+            hide = CPU_OVERLAP
         dp_comm = max(0.0, raw - hide * t_mb * 2 / 3)  # the last micro-batch's backward
     else:
         gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
@@ -338,6 +353,8 @@ def estimate_step(
             raw += _ring(4.0 * (dense / shard_group + experts / expert_group),
                          layout.dp_replicate, inter, all_reduce=True) + units * lat
         hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
+        if dp_overlap is None and hw.device_type == "cpu":
+            hide = CPU_OVERLAP
         # ZeRO-1 gathers parameters once (behind the first micro-batch's forward) and
         # reduce-scatters gradients once (behind the last one's backward): one micro-batch
         # of compute to hide behind, however many there are. ZeRO-2/3 collectives run in

@@ -22,8 +22,14 @@ from typing import Any
 
 from tessel.config import Config, with_saved_defaults
 from tessel.errors import TesselError
-from tessel.planner.hardware import GpuProfile, calibrate, profile_from_table
+from tessel.planner.hardware import (
+    GpuProfile,
+    calibrate,
+    calibrate_optimizer,
+    profile_from_table,
+)
 from tessel.planner.layout import Layout
+from tessel.planner.search import Plan
 
 COMM_FACTORS = (0.05, 20.0)
 """The range searched for the communication factor (slower or faster than the profile says)."""
@@ -38,6 +44,8 @@ class SweepRun:
     config: Config
     world: int
     tokens_per_s: float
+    optimizer_s: float | None = None
+    """The measured optimizer phase per step (None: not recorded)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,11 @@ def read_sweep(data: dict[str, Any], where: str) -> Sweep:
             cfg = Config.from_dict(with_saved_defaults(point["config"]))
         except TesselError as exc:
             raise TesselError(f"{where}: points[{i}].config: {exc}") from None
-        runs.append(SweepRun(cfg, world, float(tps)))
+        split = measured.get("split")
+        opt = split.get("optimizer") if isinstance(split, dict) else None
+        usable = (isinstance(opt, (int, float)) and not isinstance(opt, bool)
+                  and math.isfinite(opt) and opt > 0)
+        runs.append(SweepRun(cfg, world, float(tps), float(opt) if usable else None))
     if not runs:
         raise TesselError(f"{where}: no point of the sweep measured a throughput; nothing "
                           "to calibrate on")
@@ -97,17 +109,28 @@ def _stretched(hw: GpuProfile, factor: float) -> GpuProfile:
 
 
 def fit(hw: GpuProfile, sweep: Sweep,
-        predict: Callable[[Config, Layout, GpuProfile, str], float]) -> tuple[GpuProfile, str]:
+        plan: Callable[[Config, Layout, GpuProfile, str], Plan]) -> tuple[GpuProfile, str]:
     """The profile calibrated on the sweep, and one line saying what was fitted.
-    `predict(config, layout, profile, device_type)` is the planner's tokens/s."""
+    `plan(config, layout, profile, device_type)` is the planner's evaluation of a layout."""
+    def predict(cfg: Config, layout: Layout, h: GpuProfile, device_type: str) -> float:
+        return plan(cfg, layout, h, device_type).tokens_per_s
+
     runs = sorted(sweep.runs, key=lambda r: r.world)
     first = runs[0]
     first_layout = Layout.from_config(first.config, first.world)
     cpu = sweep.device_type == "cpu"
+    optimizer_said = ""
+    if cpu and first.optimizer_s:
+        # On CPU processes the optimizer's rate is fitted on its measured phase first (see
+        # calibrate_optimizer); a GPU's update is bound by the memory bandwidth it has.
+        hw = calibrate_optimizer(
+            hw, lambda h: plan(first.config, first_layout, h, sweep.device_type)
+            .step.optimizer_s, first.optimizer_s)
+        optimizer_said = f", optimizer memory rate {hw.hbm_gbps:.4g} GB/s"
     hw = calibrate(hw, lambda h: predict(first.config, first_layout, h, sweep.device_type),
                    first.tokens_per_s, **({"floor": 1e-4, "ceiling": 100.0} if cpu else {}))
     said = (f"matmul efficiency {hw.matmul_efficiency:.4g} (from {first.world} process(es): "
-            f"{first.tokens_per_s:,.0f} tokens/s)")
+            f"{first.tokens_per_s:,.0f} tokens/s{optimizer_said})")
     others = [(r, Layout.from_config(r.config, r.world)) for r in runs[1:] if r.world > 1]
     if not others:
         return hw, said + "; no multi-process point: communication not fitted"

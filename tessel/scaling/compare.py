@@ -3,19 +3,22 @@ layouts.
 
 The planner predicts for a device profile. On CPU processes there is none built in, so
 `machine_profile` measures this machine as the sweep's runs use it: one process's matmul
-rate and memory bandwidth with one thread (each run's process has one), and gloo's
-all-reduce between the sweep's largest number of local processes (latency and bus
-bandwidth, `gloo.measure_gloo`). On a GPU the profile is the GPU's (`--gpu`, or the one
-matching the device's name). Then the matmul efficiency is calibrated so that the planner's
-prediction of the first measured point equals its measurement (`hardware.calibrate`; on a
-CPU a fitted factor that may exceed 1: the planner's penalty for small matmuls is a GPU
-kernel's, and a CPU runs small matmuls nearer its large-matmul rate); every
-other point is a prediction of the planner, and its error against the measurement is the
-planner's error in scaling, not in the machine's speed.
+rate and memory bandwidth with one thread (each run's process has one), gloo's all-reduce
+between the sweep's largest number of local processes (latency and bus bandwidth,
+`gloo.measure_gloo`) and, for a tensor-parallel sweep, the host time a DTensor block adds
+(`tp_cost`). On a GPU the profile is the GPU's (`--gpu`, or the one matching the device's
+name). Then the first measured point calibrates two rates: the optimizer's (the memory rate
+at which the predicted optimizer step takes the measured optimizer phase) and the matmul
+efficiency (the planner's prediction of the point's tokens/s equals its measurement;
+`hardware.calibrate`; on a CPU a fitted factor that may exceed 1: the planner's penalty for
+small matmuls is a GPU kernel's, and a CPU runs small matmuls nearer its large-matmul rate);
+every other point is a prediction of the planner, and its error against the measurement is
+the planner's error in scaling, not in the machine's speed.
 
-What the planner leaves out shows up as error here: it has no per-operator overhead (a
-tensor-parallel DTensor operator's dispatch, Python's time per module), which weighs on
-small models; each collective call's latency it has (gloo's measured, about 0.5 ms).
+What the planner leaves out shows up as error here: Python's time per module (in the
+calibrated matmul rate, so it shrinks with the matmuls when the work is split), the
+processes' competition for memory bandwidth and caches, and ranks that reach a collective
+at different times (each waits for the slowest, which a noisy machine makes longer).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from typing import Any
 
 import torch
 
-from tessel.config import Config
-from tessel.planner.hardware import GpuProfile, calibrate
+from tessel.config import Config, ModelConfig
+from tessel.planner.hardware import GpuProfile, calibrate, calibrate_optimizer
 from tessel.planner.layout import Layout
 from tessel.planner.prelaunch import device_profile
 from tessel.planner.scaling import Point, Sweep
@@ -53,9 +56,12 @@ def _memory_bandwidth(seconds: float = 0.3) -> float:
     return 2 * src.nbytes * reps / (time.perf_counter() - t0)
 
 
-def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, dict[str, Any]]:
+def machine_profile(nproc: int, threads: int | None = 1, model: ModelConfig | None = None,
+                    sequence_parallel: bool = True) -> tuple[GpuProfile, dict[str, Any]]:
     """This CPU as the planner's device, for `nproc` local processes of `threads` threads
-    each (None: torch's default); also what was measured, for the output."""
+    each (None: torch's default); also what was measured, for the output. With `model`, the
+    host time a tensor-parallel block of its architecture adds over `nproc` processes is
+    measured too (`tessel.scaling.tp_cost`; 0 without)."""
     from tessel.bench import measure_matmul_peak
     from tessel.scaling.gloo import measure_gloo
 
@@ -67,7 +73,10 @@ def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, di
         memory_bps = _memory_bandwidth()
     finally:
         torch.set_num_threads(before)
-    gloo = measure_gloo(nproc) if nproc > 1 else None
+    gloo = None
+    if nproc > 1:
+        gloo = measure_gloo(nproc, tp_model=None if model is None else model.model_dump(),
+                            sequence_parallel=sequence_parallel)
     # Collectives between local processes: the fitted bus bandwidth is what they reach, so
     # the link is that and comm_efficiency 1.
     link_gbps = gloo["bandwidth_Bps"] / 1e9 if gloo else 1.0
@@ -80,11 +89,13 @@ def machine_profile(nproc: int, threads: int | None = 1) -> tuple[GpuProfile, di
         device_profile(torch.device("cpu"), nproc), name=CPU_PROFILE,
         bf16_flops=2 * matmul["flops"], intra_node_gbps=link_gbps, inter_node_gbps=link_gbps,
         hbm_gbps=memory_bps / 1e9, comm_efficiency=1.0, collective_latency_s=latency,
+        tp_block_overhead_s=float((gloo or {}).get("tp_block_overhead_s", 0.0)),
         device_type="cpu")
     measured = {"matmul_flops": matmul["flops"], "matmul": f"{matmul['dtype']} {matmul['n']}^3",
                 "memory_bandwidth_Bps": memory_bps, "threads": threads,
-                "gloo": None if gloo is None else {k: gloo[k] for k in
-                                                   ("nproc", "latency_s", "bandwidth_Bps")}}
+                "gloo": None if gloo is None else {
+                    k: gloo[k] for k in ("nproc", "latency_s", "bandwidth_Bps",
+                                         "tp_block_overhead_s") if k in gloo}}
     return profile, measured
 
 
@@ -112,6 +123,11 @@ def predict(points: Sequence[MeasuredPoint], hw: GpuProfile, device_type: str, m
     if first is not None:
         cfg = configs[first.nproc]
         assert cfg is not None and first.tokens_per_s is not None
+        measured_opt = first.split.get("optimizer")
+        if measured_opt and device_type == "cpu":  # a GPU's update: its memory bandwidth
+            hw = calibrate_optimizer(
+                hw, lambda h: _plan(cfg, first.nproc, h, device_type).step.optimizer_s,
+                measured_opt)
         hw = calibrate(hw, lambda h: _plan(cfg, first.nproc, h, device_type).tokens_per_s,
                        first.tokens_per_s, floor=1e-4, ceiling=100.0)
         fitted = hw.matmul_efficiency

@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from tessel.errors import TesselError
 
@@ -64,10 +65,14 @@ def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
 
 
 def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
-                 timeout_s: float = 120.0) -> dict[str, object]:
+                 timeout_s: float = 120.0, tp_model: dict[str, Any] | None = None,
+                 sequence_parallel: bool = True) -> dict[str, object]:
     """Latency (s) and bus bandwidth (bytes/s) of a gloo all-reduce between `nproc` local
     processes, with the per-size medians they were fitted to:
-    {"nproc", "latency_s", "bandwidth_Bps", "samples": [{"bytes", "seconds"}, ...]}."""
+    {"nproc", "latency_s", "bandwidth_Bps", "samples": [{"bytes", "seconds"}, ...]}; with
+    `tp_model` (a ModelConfig's fields) also "tp_block_overhead_s", the host time a
+    tensor-parallel block of that architecture adds over the `nproc` processes
+    (`tessel.scaling.tp_cost`)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise TesselError(f"an all-reduce needs at least 2 processes (got {nproc!r})")
     if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 4
@@ -75,7 +80,8 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         raise TesselError(f"give at least two message sizes of >= 4 bytes (got {list(sizes)})")
     with tempfile.TemporaryDirectory(prefix="tessel-gloo-") as tmp:
         spec = json.dumps({"world": nproc, "store": str(Path(tmp) / "store"),
-                           "sizes": list(sizes)})
+                           "sizes": list(sizes), "tp_model": tp_model,
+                           "sequence_parallel": sequence_parallel})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), spec], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -96,10 +102,11 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         code, err = failed[0]
         last = (err.strip().splitlines() or ["no output"])[-1]
         raise TesselError(f"the gloo measurement failed (exit code {code}): {last}")
-    seconds = json.loads(outs[0][0])
-    samples = list(zip(map(float, sizes), seconds))
+    found = json.loads(outs[0][0])
+    samples = list(zip(map(float, sizes), found["seconds"]))
+    extra = {} if tp_model is None else {"tp_block_overhead_s": found["tp_block_overhead_s"]}
     return {"nproc": nproc, **fit(samples, nproc),
-            "samples": [{"bytes": int(b), "seconds": t} for b, t in samples]}
+            "samples": [{"bytes": int(b), "seconds": t} for b, t in samples], **extra}
 
 
 def worker_main() -> None:
@@ -124,7 +131,15 @@ def worker_main() -> None:
                 dist.all_reduce(x)
                 if i >= WARMUP:
                     kept.append(time.perf_counter() - start)
+        found: dict[str, Any] = {"seconds": [statistics.median(t) for t in times]}
+        if spec.get("tp_model") is not None:
+            from tessel.scaling.tp_cost import block_overhead
+
+            latency = fit(list(zip(map(float, spec["sizes"]), found["seconds"])),
+                          spec["world"])["latency_s"]
+            found["tp_block_overhead_s"] = block_overhead(
+                spec["tp_model"], bool(spec["sequence_parallel"]), latency)
         if rank == 0:
-            print(json.dumps([statistics.median(t) for t in times]))
+            print(json.dumps(found))
     finally:
         dist.destroy_process_group()

@@ -104,3 +104,19 @@ def test_a_pipeline_point_is_measured_with_its_bubble(tmp_path: Path):
     assert point["layout"].startswith("dp=1 tp=1 pp=2")
     assert m["comm_exposed_s"] > 0
     assert point["predicted"]["split_s"]["pp_bubble_s"] > 0
+
+
+@pytest.mark.budget(30)
+def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes():
+    """`tessel scale --over tp` measures what a DTensor block costs the host beyond its
+    collectives' latency (tessel.scaling.tp_cost) in the gloo measurement's workers: real
+    tensor parallelism (tessel's plan, sequence parallel) of the config's architecture on 2
+    processes, against the same blocks on one. DTensor's dispatch makes it positive."""
+    from tessel.checkpoint.init_from import load_config
+    from tessel.scaling.gloo import measure_gloo
+
+    model = load_config(ROOT / "configs/tiny.toml", ["--model.preset=tiny-llama"]).model
+    found = measure_gloo(2, tp_model=model.model_dump(), sequence_parallel=True)
+    assert found["latency_s"] > 0
+    overhead = found["tp_block_overhead_s"]
+    assert 0 < overhead < 1.0, overhead  # seconds per block and micro-batch

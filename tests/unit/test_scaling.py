@@ -198,3 +198,24 @@ def test_gloo_refuses_what_it_cannot_measure():
         measure_gloo(1)
     with pytest.raises(TesselError, match="two message sizes"):
         measure_gloo(2, sizes=[4096])
+
+
+@pytest.mark.parametrize("preset", ["demo", "tiny-llama", "tiny-moe"])
+def test_the_tensor_parallel_probe_keeps_the_architecture_at_a_tiny_width(preset):
+    """tessel.scaling.tp_cost measures blocks of the config's own architecture (their
+    operators are what cost host time), shrunk so that compute and bytes cost nothing, and
+    shardable over the processes."""
+    from tessel.config import ModelConfig
+    from tessel.models.transformer import Transformer
+    from tessel.scaling.tp_cost import tiny_model
+
+    model = ModelConfig(preset=preset)
+    for tp in (2, 4):
+        small = tiny_model(model, tp, layers=3)
+        assert small.n_layers == 3 and small.moe_experts == 0 and small.d_model <= 64 * tp
+        assert small.n_heads % tp == 0 and small.n_kv_heads % tp == 0
+        assert small.padded_vocab_size % tp == 0 and small.ffn_hidden % tp == 0
+        assert (small.n_kv_heads < small.n_heads) == (model.n_kv_heads < model.n_heads)
+        for field in ("norm", "mlp", "position", "bias", "qk_norm", "tie_embeddings"):
+            assert getattr(small, field) == getattr(model, field)
+        Transformer(small)  # a valid model

@@ -19,7 +19,13 @@ from tessel.parallel.fsdp import DDP_BUCKET_MB as TRAINER_BUCKET_MB
 from tessel.planner import search, sweep_fit
 from tessel.planner.hardware import get_profile, profile_from_table, profile_table
 from tessel.planner.layout import Layout
-from tessel.planner.speed import DDP_BUCKET_MB, estimate_step, tp_calls
+from tessel.planner.speed import (
+    DDP_BUCKET_MB,
+    DDP_OVERLAP,
+    FSDP_OVERLAP,
+    estimate_step,
+    tp_calls,
+)
 from tessel.scaling.measure import default_layout, layout_over
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,18 +80,67 @@ def test_every_collective_call_costs_the_profiles_latency():
                                                                          "bf16")
 
 
+def test_cpu_processes_hide_no_data_parallel_communication():
+    """On a CPU profile gloo's threads share the computing thread's core: DDP's all-reduce
+    and FSDP's collectives are all exposed; a GPU's hide behind the backward / compute."""
+    m = ModelConfig(preset="gpt2-124m")
+    slow_link = dataclasses.replace(H100, intra_node_gbps=5.0)
+    cpu = dataclasses.replace(slow_link, device_type="cpu")
+    for layout, overlap in ((lay(2), DDP_OVERLAP), (lay(2, zero=3), FSDP_OVERLAP)):
+        gpu_step = estimate_step(m, layout, slow_link, 1024, 8, "bf16")
+        cpu_step = estimate_step(m, layout, cpu, 1024, 8, "bf16")
+        assert cpu_step.dp_comm_s == pytest.approx(cpu_step.raw_comm_s)
+        assert 0 <= gpu_step.dp_comm_s < gpu_step.raw_comm_s == pytest.approx(cpu_step.raw_comm_s)
+        # an explicit overlap (replaying a published run) still wins
+        assert estimate_step(m, layout, cpu, 1024, 8, "bf16", dp_overlap=overlap).dp_comm_s == \
+            pytest.approx(gpu_step.dp_comm_s)
+
+
+def test_a_tensor_parallel_block_adds_the_profiles_host_time():
+    m = ModelConfig(preset="gpt2-124m")  # 12 blocks
+    host = dataclasses.replace(H100, tp_block_overhead_s=1e-3)
+    for layout, blocks in ((lay(2, dp_shard=1, tp=2), 12),
+                           (lay(4, dp_shard=1, tp=2, pp=2, pp_schedule="1f1b"), 6)):
+        micro_batches = 8
+        added = (estimate_step(m, layout, host, 1024, 8, "bf16").compute_s
+                 - estimate_step(m, layout, H100, 1024, 8, "bf16").compute_s)
+        assert added == pytest.approx(micro_batches * blocks * 1e-3)  # the busiest stage's
+    one = lay(2)  # no tensor parallelism: no DTensor block
+    assert estimate_step(m, one, host, 1024, 8, "bf16") == estimate_step(m, one, H100, 1024, 8,
+                                                                         "bf16")
+
+
+def test_the_optimizers_rate_is_fitted_on_its_measured_phase():
+    from tessel.planner.hardware import calibrate_optimizer
+
+    cfg = tiny(1)
+    layout = Layout.from_config(cfg, 1)
+    cpu = dataclasses.replace(H100, device_type="cpu", hbm_gbps=15.0)
+    predicted = plan(cfg, layout, cpu, "cpu").step.optimizer_s
+    tuned = calibrate_optimizer(cpu, lambda h: plan(cfg, layout, h, "cpu").step.optimizer_s,
+                                3 * predicted)
+    assert tuned.hbm_gbps == pytest.approx(5.0, rel=1e-3)
+    assert plan(cfg, layout, tuned, "cpu").step.optimizer_s == pytest.approx(3 * predicted,
+                                                                             rel=1e-3)
+    with pytest.raises(TesselError, match="positive measured optimizer time"):
+        calibrate_optimizer(cpu, lambda h: 1.0, 0.0)
+
+
 def test_the_planners_ddp_buckets_are_the_trainers():
     assert DDP_BUCKET_MB == TRAINER_BUCKET_MB
 
 
 def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
     cpu = dataclasses.replace(H100, name="cpu-x", collective_latency_s=5.5e-4, device_type="cpu",
-                              matmul_efficiency=0.001234567)
+                              matmul_efficiency=0.001234567, tp_block_overhead_s=0.0123)
     table = json.loads(json.dumps(profile_table(cpu)))  # as a sweep's JSON carries it
     assert table["collective_latency_us"] == pytest.approx(550.0)
+    assert table["tp_block_overhead_us"] == pytest.approx(12300.0)
     assert profile_from_table("cpu-x", table) == cpu  # full precision, device type kept
     for key, value, needle in [("collective_latency_us", -1, "collective_latency_us must be"),
                                ("collective_latency_us", float("nan"), "collective_latency_us"),
+                               ("tp_block_overhead_us", -3, "tp_block_overhead_us must be"),
+                               ("tp_block_overhead_us", "1 ms", "tp_block_overhead_us must be"),
                                ("device_type", "tpu", "device_type must be"),
                                ("bf16_tflops", "fast", "bf16_tflops must be a number"),
                                ("hbm_gbps", float("inf"), "hbm_gbps must be a positive"),
@@ -117,16 +172,21 @@ def tiny(world: int, **parallel) -> Config:
                                                     {"dp_shard": world, **parallel}.items()])
 
 
+def plan(cfg: Config, layout: Layout, hw, device_type: str):  # noqa: ANN201
+    return search.evaluate(cfg, layout, hw, device_type)
+
+
 def predict(cfg: Config, layout: Layout, hw, device_type: str) -> float:
-    return search.evaluate(cfg, layout, hw, device_type).tokens_per_s
+    return plan(cfg, layout, hw, device_type).tokens_per_s
 
 
 def sweep_record(truth, points: list[tuple[int, Config]], profile=None) -> dict:
     """A `tessel scale --measure --json` record whose measurements are what `truth` predicts."""
     out = []
     for world, cfg in points:
-        tps = predict(cfg, Layout.from_config(cfg, world), truth, "cpu")
-        out.append({"gpus": world, "measured": {"tokens_per_s": tps}, "config": cfg.to_dict()})
+        step = plan(cfg, Layout.from_config(cfg, world), truth, "cpu")
+        out.append({"gpus": world, "config": cfg.to_dict(), "measured": {
+            "tokens_per_s": step.tokens_per_s, "split": {"optimizer": step.step.optimizer_s}}})
     out.append({"gpus": 3, "measured": {"tokens_per_s": None, "error": "refused"}})
     return {"schema": 1, "points": out,
             "measurement": {"device_type": "cpu", "machine": {},
@@ -145,15 +205,18 @@ def cpu_truth():
 
 def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path: Path):
     """Measurements made by a machine whose communication is 3x slower than its profile
-    says: the fit finds the 3 and then predicts every measured point."""
+    says, and whose optimizer reaches a third of the memory rate: the fit finds both and
+    then predicts every measured point."""
     slower = dataclasses.replace(cpu_truth, comm_efficiency=1.0 / 3,
-                                 collective_latency_s=3 * 5e-4, matmul_efficiency=0.7)
+                                 collective_latency_s=3 * 5e-4, matmul_efficiency=0.7,
+                                 hbm_gbps=cpu_truth.hbm_gbps / 3)
     points = [(1, tiny(1)), (2, tiny(2, dp_shard=1, tp=2)), (2, tiny(2, dp_shard=1, pp=2))]
     record = sweep_record(slower, points, profile=cpu_truth)
     sweep = sweep_fit.read_sweep(record, "sweep.json")
     assert [r.world for r in sweep.runs] == [1, 2, 2]  # the failed point is left out
     assert sweep.profile == cpu_truth and sweep.device_type == "cpu"
-    tuned, said = sweep_fit.fit(sweep.profile, sweep, predict)
+    tuned, said = sweep_fit.fit(sweep.profile, sweep, plan)
+    assert tuned.hbm_gbps == pytest.approx(8.0 / 3, rel=1e-3)
     assert tuned.matmul_efficiency == pytest.approx(0.7, rel=1e-3)
     assert tuned.collective_latency_s == pytest.approx(1.5e-3, rel=1e-3)
     assert tuned.comm_efficiency == pytest.approx(1 / 3, rel=1e-3)
@@ -178,7 +241,7 @@ def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path
 
 def test_a_single_point_sweep_fits_the_matmul_rate_only(cpu_truth):
     record = sweep_record(cpu_truth, [(1, tiny(1))], profile=cpu_truth)
-    tuned, said = sweep_fit.fit(cpu_truth, sweep_fit.read_sweep(record, "s"), predict)
+    tuned, said = sweep_fit.fit(cpu_truth, sweep_fit.read_sweep(record, "s"), plan)
     assert tuned.comm_efficiency == cpu_truth.comm_efficiency
     assert said.endswith("no multi-process point: communication not fitted")
 

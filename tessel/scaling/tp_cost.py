@@ -1,0 +1,104 @@
+"""What tensor parallelism costs the host per block, measured on this machine's processes.
+
+A DTensor operator does host work a plain one does not: sharding propagation, the
+redistributions its placements ask for, wrapping and unwrapping local tensors. On a GPU the
+host issues kernels ahead of the device and that time hides behind them; on CPU processes
+it adds to the step, and for a small model it is a large part of a tensor-parallel step.
+The planner takes it as one figure per block and micro-batch
+(`GpuProfile.tp_block_overhead_s`), measured here inside the workers of the gloo
+measurement (`tessel.scaling.gloo`), on their process group:
+
+    overhead = (block time under tensor parallelism - the same block on one process)
+               - the block's collective calls x the measured latency
+
+where a block's time is the difference between models of 3 and 1 blocks (the embedding,
+head and loss cancel), each the fastest of timed forward + backward passes at a tiny width
+(the matmuls' and messages' bytes cost next to nothing, so what is left is the host work
+and the calls' latency). The blocks are the config's own architecture (norm, MLP, biases,
+attention heads' grouping, sequence parallelism) shrunk to that width, since each of those
+changes the number of operators a block runs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessel.config import ModelConfig
+
+LAYERS = (1, 3)
+"""The two depths whose difference is two blocks."""
+WARMUP = 3
+"""Untimed passes of each model (DTensor caches its sharding decisions on the first)."""
+REPEATS = 8
+"""Timed passes of each model; the fastest is kept (another job on the machine only ever
+adds time, and the planner predicts a machine of the run's own)."""
+TOKENS = (2, 16)
+"""(sequences, positions) of the timed micro-batch."""
+
+
+def tiny_model(model: ModelConfig, tp: int, layers: int) -> ModelConfig:
+    """`model`'s architecture at a width where compute and bytes cost next to nothing (its
+    heads divisible by `tp`), dense (MoE layers are not split by tensor parallelism), with
+    `layers` blocks."""
+    heads = 2 * tp
+    kv = heads if model.n_kv_heads == model.n_heads else tp
+    return model.model_copy(update=dict(
+        n_layers=layers, d_model=8 * heads, n_heads=heads, n_kv_heads=kv, head_dim=8,
+        ffn_hidden=16 * heads, vocab_size=64 * tp, vocab_pad_to=8 * tp,
+        max_seq_len=TOKENS[1], moe_experts=0, init_from=None, dropout=0.0))
+
+
+def _pass_seconds(model: torch.nn.Module, tokens: torch.Tensor, parallel: bool) -> float:
+    """Fastest seconds of one forward + backward (loss and all), every rank starting together."""
+    from tessel.models.loss import token_loss_sum
+    from tessel.parallel.tensor import loss_context
+
+    times = []
+    for i in range(WARMUP + REPEATS):
+        dist.barrier()
+        start = time.perf_counter()
+        logits = model(tokens)
+        with loss_context(parallel):
+            token_loss_sum(logits, tokens).backward()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
+                   latency_s: float) -> float:
+    """Seconds of host work one tensor-parallel block adds per micro-batch (forward +
+    backward) beyond its collectives' latency, on the default process group as one
+    tensor-parallel group; >= 0 (a noisy machine can make the difference negative)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tessel.models.transformer import Transformer
+    from tessel.parallel.apply import materialise
+    from tessel.parallel.tensor import apply_tensor_parallel
+    from tessel.planner.layout import Layout
+    from tessel.planner.speed import tp_calls
+
+    tp = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    base = ModelConfig.model_validate(model_fields)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64 * tp, TOKENS)
+    per_depth: dict[bool, list[float]] = {False: [], True: []}
+    for parallel in (False, True):
+        for layers in LAYERS:
+            with torch.device("meta"):
+                model = Transformer(tiny_model(base, tp, layers))
+            if parallel:
+                apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
+            materialise(model, torch.device("cpu"), seed=0)
+            per_depth[parallel].append(_pass_seconds(model, tokens, parallel))
+    blocks = LAYERS[1] - LAYERS[0]
+    plain = (per_depth[False][1] - per_depth[False][0]) / blocks
+    sharded = (per_depth[True][1] - per_depth[True][0]) / blocks
+    one_block = Layout(1, 1, tp, 1, 1, 0, TOKENS[0], sequence_parallel=sequence_parallel)
+    calls = tp_calls(one_block, 1, 0, first=False, last=False)
+    return max(0.0, sharded - plain - calls * latency_s)
