@@ -18,8 +18,10 @@ data.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -83,6 +85,20 @@ def check_replicas(cfg: Config, dims: ParallelDims, precision: str) -> None:
                             "--min_replicas N`)")
 
 
+def quiet_torchft() -> None:
+    """Keep torchft's routine chatter out of the run's output (before torchft is imported):
+    its Rust side logs every quorum and commit at INFO, about six lines a step (RUST_LOG=info
+    brings them back); with a CPU-only torch 2.13 its Manager warns at every new quorum that it
+    cannot reset NCCL's flight recorder (CPU builds have none), and receiving a peer's state
+    warns that torch.frombuffer was given a read-only buffer (the tensors are copied into
+    the model and optimizer at once). Its errors and other warnings still show."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft.manager").addFilter(
+        lambda record: "flight recorder" not in record.getMessage())
+    warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                            category=UserWarning)
+
+
 class ReplicaGroup:
     """This process's membership of the replica groups: torchft's Manager, a reconfigurable
     gloo (CPU) or NCCL (CUDA) process group across the groups, and the store it rendezvous
@@ -92,6 +108,7 @@ class ReplicaGroup:
     def __init__(self, cfg: FaultToleranceConfig, device: torch.device, step: int,
                  state_dict: Callable[[], dict[str, Any]],
                  load_state_dict: Callable[[dict[str, Any]], None]):
+        quiet_torchft()
         from torch.distributed import TCPStore
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL

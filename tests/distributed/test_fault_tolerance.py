@@ -69,7 +69,7 @@ def _start(args: list[str], fault: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.budget(60)
+@pytest.mark.budget(50)  # seconds on the reference machine: 26-36 s measured here, +~40%
 def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepping(
         tmp_path: Path):
     from torchft._torchft import LighthouseServer
