@@ -34,7 +34,8 @@ class FaultToleranceConfig(Section):
     http://host:29510); empty: the TORCHFT_LIGHTHOUSE environment variable."""
     timeout_s: int = Field(60, gt=0)
     """Seconds a quorum, a cross-group collective or a peer's state transfer may take before
-    the step is given up (a stuck peer is then left out of the next quorum)."""
+    the step is given up (a stuck peer is then left out of the next quorum); a group that
+    finds no quorum for this long stops (exit code 3). Keep it below watchdog.timeout_s."""
 
     @model_validator(mode="after")
     def _check(self) -> FaultToleranceConfig:

@@ -110,7 +110,6 @@ class ReplicaGroup:
                  load_state_dict: Callable[[dict[str, Any]], None]):
         quiet_torchft()
         from torch.distributed import TCPStore
-        from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -123,7 +122,18 @@ class ReplicaGroup:
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         pg = (ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
               else ProcessGroupGloo(timeout=timeout))
-        self.manager = Manager(
+        try:
+            self.manager = self._manager(cfg, pg, host, timeout, state_dict, load_state_dict)
+        except Exception as exc:  # noqa: BLE001 (torchft's RPC client raises plain errors)
+            raise self._failed("cannot reach the Lighthouse", exc) from None
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def _manager(self, cfg: FaultToleranceConfig, pg: Any, host: str, timeout: timedelta,
+                 state_dict: Callable[[], dict[str, Any]],
+                 load_state_dict: Callable[[dict[str, Any]], None]) -> Any:
+        from torchft import Manager
+
+        return Manager(
             pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
             min_replica_size=cfg.min_replica_size,
             use_async_quorum=False,  # a recovering group applies its peer's state before
@@ -133,7 +143,6 @@ class ReplicaGroup:
             lighthouse_addr=cfg.lighthouse or None, replica_id=f"tessel_{cfg.replica_id}",
             hostname=host,
             init_sync=False)  # every group starts from the same seed or weights
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def quorum(self) -> int:
         """Join this step's quorum (recovering from a peer first when behind); the number
@@ -141,7 +150,7 @@ class ReplicaGroup:
         try:
             self.manager.start_quorum()
         except Exception as exc:  # noqa: BLE001 (torchft's RPC client raises plain errors)
-            raise self._failed("no quorum", exc) from None
+            raise self._failed("no quorum of replica groups", exc) from None
         return self.manager.num_participants()
 
     def average(self, tensors: list[torch.Tensor]) -> None:
@@ -169,7 +178,7 @@ class ReplicaGroup:
     def _failed(self, what: str, exc: Exception) -> CollectiveTimeout:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         return CollectiveTimeout(
-            f"fault_tolerance: {what} from the Lighthouse at {self._lighthouse} within "
-            f"fault_tolerance.timeout_s={self._timeout_s}s ({first}): fewer than "
-            f"min_replica_size={self._min} replica groups are left, or the Lighthouse is "
-            "gone; start the missing groups (they recover from a peer) or resume this run")
+            f"fault_tolerance: {what} within fault_tolerance.timeout_s={self._timeout_s}s "
+            f"({first}); check that the Lighthouse at {self._lighthouse} runs and that at "
+            f"least min_replica_size={self._min} replica groups are up: start the missing "
+            "groups (they recover from a peer) or resume this run")

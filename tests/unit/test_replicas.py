@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+from tessel.checkpoint import latest_checkpoint, read_state
 from tessel.cli import main
 from tessel.config import AlertConfig, ConfigError
 from tessel.errors import CollectiveTimeout
@@ -158,5 +163,46 @@ def test_a_quorum_that_never_forms_ends_in_one_line(tiny_config, lighthouse):
         Trainer(cfg, console=False).train()
     msg = str(info.value)
     assert "\n" not in msg and info.value.exit_code == 3
-    assert msg.startswith("fault_tolerance: no quorum from the Lighthouse at http://")
-    assert "within fault_tolerance.timeout_s=1s" in msg and "min_replica_size=1" in msg
+    assert msg.startswith("fault_tolerance: no quorum of replica groups within "
+                          "fault_tolerance.timeout_s=1s (")
+    assert "check that the Lighthouse at http://" in msg and "min_replica_size=1" in msg
+
+
+def test_an_unreachable_lighthouse_is_one_line(tiny_config):
+    pytest.importorskip("torchft")
+    cfg = tiny_config(**{**FT, "fault_tolerance.lighthouse": "http://127.0.0.1:1",
+                         "fault_tolerance.timeout_s": 1})
+    with pytest.raises(CollectiveTimeout) as info:
+        Trainer(cfg, console=False)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("fault_tolerance: cannot reach the Lighthouse "
+                                              "within fault_tolerance.timeout_s=1s (")
+    assert "failed to connect to http://127.0.0.1:1" in msg
+    assert "the Lighthouse at http://127.0.0.1:1 runs" in msg
+
+
+def test_a_step_that_cannot_commit_is_discarded_and_its_data_taken_again(tiny_config, lighthouse,
+                                                                         capsys):
+    # One of two groups runs, and every step needs both (min_replica_size=2) while the
+    # Lighthouse forms a quorum of one: torchft's commit says no at every step. Nothing may be
+    # applied and the data position must not move; SIGTERM then stops the run with a
+    # checkpoint of what it holds.
+    cfg = tiny_config(**{"train.steps": 3, **FT, "fault_tolerance.lighthouse": lighthouse(1),
+                         "fault_tolerance.min_replica_size": 2, "fault_tolerance.timeout_s": 1})
+    trainer = Trainer(cfg, console=True)
+    fresh = trainer.data.train.state_dict()
+    before = {k: v.clone() for k, v in trainer.model.inner[0].state_dict().items()}
+    stop = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    stop.start()
+    try:
+        result = trainer.train()
+    finally:
+        stop.cancel()
+    assert result.stopped_by == "SIGTERM" and result.step == 0
+    out = capsys.readouterr().out
+    assert out.count("tessel: fault tolerance: step 1 discarded (a replica group failed during "
+                     "it); retrying it on the same data") >= 2
+    state = read_state(latest_checkpoint(Path(cfg.run.dir) / "checkpoints"))
+    assert state["loader"] == fresh and state["batches_drawn"] == 0 and state["step"] == 0
+    after = trainer.model.inner[0].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
