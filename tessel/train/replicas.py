@@ -16,10 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessel.errors import CollectiveTimeout
 from tessel.parallel.replicas import ReplicaGroup
 
 if TYPE_CHECKING:
     from tessel.train.trainer import Trainer
+
+MAX_DISCARDS = 10
+"""Steps discarded in a row before a group gives up: one discard is a peer that failed during
+the step; ten mean that no step can commit here (too few groups for min_replica_size while
+the Lighthouse forms smaller quorums, or a fault that repeats)."""
 
 
 class TrainerReplicas:
@@ -30,6 +36,7 @@ class TrainerReplicas:
         self.participants: int | None = None  # replica groups in the last quorum
         self._healed_at: int | None = None  # this group's step when it took a peer's state
         self._position: tuple[dict[str, Any], int] | None = None
+        self._discards = 0  # steps discarded in a row
         self.group = ReplicaGroup(ft, tr.device, tr.step, self.state_dict, self.load_state_dict)
         tr.display.print(f"tessel: fault tolerance: replica group {ft.replica_id} of "
                          f"{ft.group_size} (torchft; a step commits with at least "
@@ -75,7 +82,7 @@ class TrainerReplicas:
         if self._healed_at is not None:
             self._event("replica_healed", n, f"replica group recovered step {tr.step}'s "
                         f"weights, optimizer state and data position from a peer (it was at "
-                        f"step {self._healed_at}; no checkpoint read)",
+                        f"step {self._healed_at}; nothing read from disk for it)",
                         from_step=self._healed_at)
             self._healed_at = None
         before = self.participants
@@ -98,13 +105,23 @@ class TrainerReplicas:
 
     def commit(self) -> bool:
         """Whether the step may be applied; if not (a group failed during it), the data
-        position goes back so that the step is retried on the same global batch."""
+        position goes back so that the step is retried on the same global batch. After
+        MAX_DISCARDS in a row the run stops in one line (exit code 3)."""
         if self.group.commit():
+            self._discards = 0
             return True
         tr = self.tr
         assert self._position is not None
         loader_state, tr.batches_drawn = self._position
         tr.data.train.load_state_dict(loader_state)
+        self._discards += 1
+        if self._discards >= MAX_DISCARDS:
+            m = tr.cfg.fault_tolerance.min_replica_size
+            raise CollectiveTimeout(
+                f"fault_tolerance: step {tr.step + 1} was discarded {self._discards} times in a "
+                f"row ({self.participants} replica group(s) took part, min_replica_size={m}): "
+                "start the missing groups, and the Lighthouse with --min_replicas of at least "
+                f"{m} so that too few groups wait for more instead")
         tr.display.print(f"tessel: fault tolerance: step {tr.step + 1} discarded (a replica "
                          "group failed during it); retrying it on the same data")
         return False

@@ -130,7 +130,7 @@ def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepp
     assert not [e for e in events if e["kind"] in ("resume", "restart")]
     healed = [e for e in events if e["kind"] == "replica_healed"]
     assert [(e["step"], e["from_step"], e["replicas"]) for e in healed] == [(end - 1, 0, 3)]
-    assert "no checkpoint read" in healed[0]["message"]
+    assert "nothing read from disk" in healed[0]["message"]
     assert events[-1]["kind"] == "stop" and events[-1]["step"] == end
     logged = [r["step"] for r in read_metrics(runs[-1] / "metrics.jsonl") if "loss" in r]
     assert logged == [*range(1, K + 1), end]
