@@ -81,14 +81,15 @@ def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepp
                                   join_timeout_ms=60000)
     runs = [tmp_path / f"group{i}" for i in range(GROUPS)]
     args = [_args(runs[i], corpus, i, lighthouse.address()) for i in range(GROUPS)]
-    procs = [_start(args[i], fault=f"slow:seconds={SLOW}") for i in range(GROUPS - 1)]
-    procs.append(_start(args[-1], fault=f"kill:step={K}"))
+    procs = [_start([*args[i], "--auto-resume"], fault=f"slow:seconds={SLOW}")
+             for i in range(GROUPS - 1)]
+    procs.append(_start([*args[-1], "--auto-resume"], fault=f"kill:step={K}"))
     try:
         procs[-1].wait(timeout=120)
         assert procs[-1].returncode == -9, procs[-1].communicate()[1][-3000:]
         # No checkpoint exists anywhere when the killed group starts again.
         assert not any((r / "checkpoints").exists() for r in runs)
-        procs[-1] = _start(["--resume", str(runs[-1])], fault="")  # its config.toml
+        procs[-1] = _start([*args[-1], "--auto-resume"], fault="")  # the same command
         outputs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
