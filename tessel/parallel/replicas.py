@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tessel.config import Config, FaultToleranceConfig
-from tessel.errors import CollectiveTimeout
+from tessel.errors import CollectiveTimeout, TesselError
 from tessel.parallel.dims import ParallelDims, ParallelError
 
 FT_INSTALL = "pip install 'tessel[ft]'"
@@ -149,6 +149,8 @@ class ReplicaGroup:
         of replica groups taking part."""
         try:
             self.manager.start_quorum()
+        except TesselError:  # from applying a peer's state: says what is wrong already
+            raise
         except Exception as exc:  # noqa: BLE001 (torchft's RPC client raises plain errors)
             raise self._failed("no quorum of replica groups", exc) from None
         return self.manager.num_participants()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tessel.errors import CollectiveTimeout
+from tessel.errors import CollectiveTimeout, TesselError
 from tessel.parallel.replicas import ReplicaGroup
 
 if TYPE_CHECKING:
@@ -55,14 +55,20 @@ class TrainerReplicas:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         tr = self.tr
         self._healed_at = tr.step
-        for module, weights in zip(tr.model.inner, state["model"], strict=True):
-            module.load_state_dict(weights)
-        for opt, opt_state in zip(tr.optimizers, state["optim"], strict=True):
-            opt.load_state_dict(opt_state)
-        t = state["trainer"]
-        tr.data.train.load_state_dict(t["loader"])  # refuses other datasets, in one line
-        tr.step, tr.batches_drawn = int(t["step"]), int(t["batches_drawn"])
-        tr.tokens_seen = int(t["tokens_seen"])
+        try:
+            for module, weights in zip(tr.model.inner, state["model"], strict=True):
+                module.load_state_dict(weights)
+            for opt, opt_state in zip(tr.optimizers, state["optim"], strict=True):
+                opt.load_state_dict(opt_state)
+            t = state["trainer"]
+            tr.data.train.load_state_dict(t["loader"])  # refuses other datasets, in one line
+            tr.step, tr.batches_drawn = int(t["step"]), int(t["batches_drawn"])
+            tr.tokens_seen = int(t["tokens_seen"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise TesselError(f"fault_tolerance: a peer's state does not fit this replica "
+                              f"group ({first}); every group must run the same model, "
+                              "optimizer and data") from None
 
     # ---- every step ---------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ state from a healthy peer, rejoins, and ends with weights bitwise equal to its p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,7 +24,9 @@ from tessel.observe.metrics import read_metrics
 from tessel.train.control import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
-torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install 'tessel[ft]')")
+if importlib.util.find_spec("torchft") is None and os.environ.get("CI") != "true":
+    # (under CI=true, where the [dev] extra installs it, a missing torchft fails the test)
+    pytest.skip("torchft is not installed (pip install 'tessel[ft]')", allow_module_level=True)
 
 GROUPS, K, STEPS = 3, 3, 1000
 """Replica groups; the step at whose start the third is killed; train.steps, more than the

@@ -15,7 +15,7 @@ import torch
 
 from tessel.cli import main
 from tessel.config import AlertConfig, ConfigError
-from tessel.errors import CollectiveTimeout
+from tessel.errors import CollectiveTimeout, TesselError
 from tessel.observe.alerts import AlertRules
 from tessel.observe.metrics import read_metrics
 from tessel.observe.report.run import read_run
@@ -201,3 +201,21 @@ def test_a_step_that_cannot_commit_is_discarded_and_its_data_taken_again(tiny_co
     assert trainer.data.train.state_dict() == fresh
     after = trainer.model.inner[0].state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_peer_state_that_does_not_fit_is_one_line(tiny_config, lighthouse):
+    cfg = tiny_config(**{**FT, "fault_tolerance.group_size": 1,
+                         "fault_tolerance.lighthouse": lighthouse(1)})
+    trainer = Trainer(cfg, console=False)
+    try:
+        state = trainer.replicas.state_dict()
+        state["model"][0] = {k: v[:1] for k, v in state["model"][0].items()}  # another shape
+        with pytest.raises(TesselError) as info:
+            trainer.replicas.load_state_dict(state)
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith("fault_tolerance: a peer's state does not "
+                                                  "fit this replica group (")
+        assert msg.endswith("; every group must run the same model, optimizer and data")
+        trainer.replicas.load_state_dict(trainer.replicas.state_dict())  # its own: fits
+    finally:
+        trainer.replicas.close()
