@@ -13,6 +13,7 @@ did not write means that tessel's behaviour, not today's default.
 """
 
 from tessel.config.base import ConfigError, table_model
+from tessel.config.fault_tolerance import FaultToleranceConfig
 from tessel.config.load import parse_override_value, read_saved, read_toml, with_saved_defaults
 from tessel.config.monitoring import (
     AlertCondition,
@@ -38,8 +39,8 @@ from tessel.config.schema import (
 
 __all__ = [
     "SHAPE_FIELDS", "AlertCondition", "AlertConfig", "CheckpointConfig", "Config", "ConfigError",
-    "DataConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "NotifyConfig", "OptimConfig",
-    "ParallelConfig",
+    "DataConfig", "FaultToleranceConfig", "LoraConfig", "MetricsConfig", "ModelConfig",
+    "NotifyConfig", "OptimConfig", "ParallelConfig",
     "RecoveryConfig", "RunConfig", "TrainConfig", "WatchdogConfig", "parse_override_value",
     "read_saved", "read_toml", "reference_markdown", "table_model", "with_saved_defaults",
 ]

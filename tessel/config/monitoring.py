@@ -37,7 +37,7 @@ AlertCondition = Literal[
     "val_loss.no_improvement", "loss.no_improvement", "loss.above", "val_loss.above",
     "grad_norm.above", "nan", "tokens_per_s.drop", "step_time.stall",
     "comm_exposed_share.above", "time_comm_exposed_s.above", "world_size.shrink",
-    "world_size.grow",
+    "world_size.grow", "replicas.lost", "replicas.joined", "replicas.healed",
 ]
 
 
@@ -54,7 +54,10 @@ class AlertConfig(Section):
     `time_comm_exposed_s.above` (those seconds), judged at log steps that carry them
     (metrics.comm_sample_interval); `world_size.shrink` / `world_size.grow` (the run resumed on
     fewer / more processes than its checkpoint was written by: an elastic run that lost or
-    regained nodes, or a resume on another layout; judged once, at the start)."""
+    regained nodes, or a resume on another layout; judged once, at the start);
+    `replicas.lost` / `replicas.joined` (fault_tolerance: fewer / more replica groups took
+    part in a step than in the one before) and `replicas.healed` (this replica group took its
+    state from a peer)."""
     patience: int = Field(3, gt=0)
     """Evaluations (or log steps) without improvement before a no_improvement rule fires."""
     min_delta: float = Field(0.0, ge=0)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tessel.config.base import ConfigError, Section
 from tessel.config.blend import weighted_paths
 from tessel.config.evaluation import LMEvalConfig
+from tessel.config.fault_tolerance import FaultToleranceConfig
 from tessel.config.load import merge, read_toml, validate
 from tessel.config.model import SHAPE_FIELDS, ModelConfig
 from tessel.config.monitoring import (
@@ -353,6 +354,7 @@ class Config(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     lm_eval: LMEvalConfig = Field(default_factory=LMEvalConfig)
     """Benchmark scores through lm-evaluation-harness during training."""

@@ -89,6 +89,20 @@ class AlertRules:
                        f"world size {verb} from {before} to {after} processes")
                 for st in self.states if st.rule.when == when]
 
+    def replicas_changed(self, kind: str, before: int, after: int, step: int) -> list[Firing]:
+        """Fault tolerance: the replica groups of a step went from `before` to `after`
+        (`kind` replicas_lost / replicas_joined), or this group recovered from a peer
+        (replica_healed)."""
+        when, message = {
+            "replicas_lost": ("replicas.lost", f"replica groups fell from {before} to {after}"),
+            "replicas_joined": ("replicas.joined",
+                                f"replica groups rose from {before} to {after}"),
+            "replica_healed": ("replicas.healed", f"this replica group recovered from a peer "
+                               f"at step {step}"),
+        }[kind]
+        return [Firing(st.rule, step, {"replicas": after, "before": before}, message)
+                for st in self.states if st.rule.when == when]
+
     def progressed(self) -> None:
         for st in self.states:
             if st.rule.when == "step_time.stall":

@@ -11,6 +11,7 @@ import torch
 from tessel.config import Config
 from tessel.parallel.dims import ParallelDims, ParallelError, resolve_zero
 from tessel.parallel.fsdp import check_offload
+from tessel.parallel.replicas import check_replicas
 
 
 def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
@@ -19,6 +20,7 @@ def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
     (a real device or just its type) in `precision` (resolved: fp32, bf16 or fp16)."""
     device = torch.device(device)
     dims.validate(cfg)
+    check_replicas(cfg, dims, precision)
     p = cfg.parallel
     check_offload(p, device)
     if p.offload != "none" and cfg.optim.state_dtype != "float32":

@@ -54,6 +54,12 @@ class TrainStep:
         self.context = model.context
         """Context parallelism: shards each micro-batch's sequences for this rank."""
         self.loss_factor = 1.0  # fault injection only (TESSEL_FAULT)
+        self.replicas: Any = None
+        """Fault tolerance ([fault_tolerance]): averages the loss and gradients over the
+        replica groups (`average(loss, grads) -> loss`) and says whether the step may be
+        applied (`commit()`); tessel.train.replicas.TrainerReplicas."""
+        self.committed = True
+        """Whether the last step was applied (False: a replica group failed during it)."""
         self._loss_tokens = 1  # the divisor of the pipeline's loss function
         self.schedule = None
         self.embedding_sync = EmbeddingSync(list(zip(model.stage_ids, model.inner)), mesh,
@@ -114,6 +120,10 @@ class TrainStep:
                         loss = loss * self.loss_factor
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 total += local_value(loss.detach())
+        if self.replicas is not None:  # fault tolerance: the mean over the replica groups
+            self.phase("collective: gradients averaged over the replica groups (torchft)")
+            total = self.replicas.average(total, [p.grad for p in self.model.parameters()
+                                                  if p.grad is not None])
         self.phase("optimizer (grad-norm all-reduce inside)")
         self.timer.start("optimizer")
         if scaler is not None:
@@ -127,8 +137,11 @@ class TrainStep:
         params = [p for p in self.model.parameters() if p is not copy]
         grad_norm = clip_grad_norm(params, clip, pp_group,
                                    also_clip=[copy] if copy is not None else [])
+        self.committed = self.replicas is None or self.replicas.commit()
         for opt in self.optimizers:
-            if scaler is not None:
+            if not self.committed:
+                pass  # a replica group failed during the step: none of it is applied
+            elif scaler is not None:
                 scaler.step(opt)
             else:
                 opt.step()
@@ -140,7 +153,8 @@ class TrainStep:
             # then lowers the scale: such a step changed no weight, so the router's bias
             # (trained state like them) must not move either.
             skipped = scaler is not None and scaler.get_scale() < scale
-            self.moe.after_step(len(batches), self.device, move_bias=not skipped)
+            self.moe.after_step(len(batches), self.device,
+                                move_bias=self.committed and not skipped)
         self.timer.end()
         return total, grad_norm
 

@@ -11,7 +11,6 @@ runs it; rank 0 alone prints and writes metrics.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,10 @@ from tessel.parallel.dims import ParallelDims, flat_mesh, resolved
 from tessel.parallel.dist import init_distributed, process_info, shutdown
 from tessel.parallel.elastic import replan_if_elastic
 from tessel.parallel.fp8 import check_fp8
+from tessel.parallel.replicas import data_share, replica_groups
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
 from tessel.train import lifecycle
-from tessel.train.control import EXIT_SCORING_FAILED, StopControl, exit_code_for, stop_at_once
+from tessel.train.control import StopControl, stop_at_once
 from tessel.train.device import pick_device
 from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
@@ -49,35 +49,12 @@ from tessel.train.harness_check import check_lm_eval
 from tessel.train.optim import build_optimizer, lr_at
 from tessel.train.precision import resolve_precision
 from tessel.train.recovery import Recovery, RecoveryGaveUp, SkipList, TrainingDiverged, check_finite
+from tessel.train.replicas import replicas_for
+from tessel.train.result import TrainResult
 from tessel.train.resume import check_tokenizer, resume_point
 from tessel.train.run_dir import RunDir
 from tessel.train.step import TrainStep
 from tessel.train.step_log import StepLogger, open_metrics
-
-
-@dataclass
-class TrainResult:
-    step: int
-    """Optimizer steps completed."""
-    loss: float | None
-    """Training loss of the last step."""
-    val_loss: float | None
-    """Validation loss of the last evaluation."""
-    unigram_baseline: float
-    """Validation loss of a context-free unigram model, for comparison."""
-    stopped_by: str | None
-    """Why training stopped early: a signal name (SIGTERM, SIGUSR1, SIGINT), "pause" or
-    "stop" (an alert's action), else None."""
-    run_dir: Path
-    scoring_failure: str | None = None
-    """Why lm_eval benchmark scoring failed during the run (there were no scores from then
-    on), else None. A run that finished anyway exits with code 7."""
-
-    @property
-    def exit_code(self) -> int:
-        if self.stopped_by is None and self.scoring_failure is not None:
-            return EXIT_SCORING_FAILED
-        return exit_code_for(self.stopped_by)
 
 
 class Trainer:
@@ -136,8 +113,8 @@ class Trainer:
         if proc.distributed:
             self.device = init_distributed(proc, self.device, cfg.parallel.timeout_s)
             mesh = dims.build_mesh(self.device.type)
-        self.data = self._build_data(flat_mesh(mesh, "dp").get_local_rank()
-                                     if mesh is not None else 0)
+        self.data = self._build_data(*data_share(cfg, flat_mesh(mesh, "dp").get_local_rank()
+                                                 if mesh is not None else 0, dims.dp))
         self.tokenizer = self.data.tokenizer
         if resume_from is not None:
             check_tokenizer(self.run, self.tokenizer)
@@ -164,7 +141,8 @@ class Trainer:
                                  on_fire=lambda msg, step: self.events.write("watchdog", step, msg))
         self.train_step = TrainStep(
             self.model, self.optimizers, dims, mesh, self.device, self.precision,
-            accum=cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp),
+            accum=cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp
+                                                  * replica_groups(cfg)),
             grad_clip=cfg.train.grad_clip, parallel_cfg=cfg.parallel,
             distributed=proc.distributed, timer=self.timer, phase=self.watchdog.phase,
             masked=cfg.data.source == "sft")
@@ -200,6 +178,7 @@ class Trainer:
         self._last_loss: float | None = None  # all-reduced by the spike check
         if resume_from is not None:
             self._restore(*resume_from)
+        self.replicas = self.train_step.replicas = replicas_for(self)  # [fault_tolerance]
 
     def _init_source(self):  # noqa: ANN202
         """The weights of model.init_from for a new run, and their tokenizer when the data's
@@ -217,10 +196,10 @@ class Trainer:
             self.display.print(f"tessel: tokenizer from {source.tokenizer}")
         return source
 
-    def _build_data(self, dp_rank: int):  # noqa: ANN202
-        """Rank 0 builds any corpus cache first; the others then read it. SIGTERM stops it
-        at once (nothing to checkpoint yet)."""
-        build = lambda: build_data(self.cfg, dp_rank, self.dims.dp, console=self.display.print)
+    def _build_data(self, dp_rank: int, dp: int):  # noqa: ANN202
+        """This process's share (`dp_rank` of `dp`) of every global batch. Rank 0 builds any
+        corpus cache first; the others then read it. SIGTERM stops it at once."""
+        build = lambda: build_data(self.cfg, dp_rank, dp, console=self.display.print)
         with stop_at_once("preparing the data"):
             if not self.proc.distributed:
                 return build()
@@ -299,6 +278,8 @@ class Trainer:
                 if self.control.should_stop(self.checkpoints.written_here()):
                     break
                 loss, grad_norm = self.run_step()
+                if not self.train_step.committed:  # a replica group failed: retried
+                    continue
                 if self.recovery.enabled:
                     self.watchdog.phase("collective: all-reduce of the step's loss (spike check)")
                     self._last_loss = self.train_step.global_loss(loss)
@@ -349,6 +330,8 @@ class Trainer:
             raise lifecycle.collective_failure(self, exc) from None
         finally:
             self.watchdog.stop()
+            if self.replicas is not None:
+                self.replicas.close()
             self.faults.close()
             self.display.stop()
             self.control.restore()
@@ -364,6 +347,8 @@ class Trainer:
         """One optimizer step of the run: its learning rate, its global batch (skipping the
         batches recovery skips for good), then the TrainStep. Returns device tensors (loss,
         grad norm); no host sync."""
+        if self.replicas is not None:  # the quorum; a group behind takes a peer's state
+            self.replicas.begin_step()
         with self.comm.sampled():  # one step in metrics.comm_sample_interval is profiled
             self.train_step.set_lr(lr_at(self.step, self.cfg.train.steps, self.cfg.optim))
             self.timer.start("data")
@@ -393,7 +378,8 @@ class Trainer:
             time_split=self.timer.window(),
             loss_scale=float(scaler.get_scale()) if scaler is not None else None,
             extra={**self.train_step.moe.metrics(self.cfg.model.moe_capacity_factor is not None),
-                   **self.data.figures, **self.comm.window(window / window_steps)})
+                   **self.data.figures, **self.comm.window(window / window_steps),
+                   **(self.replicas.figures() if self.replicas is not None else {})})
 
     def _evaluate(self, log: StepLogger, start: float) -> None:
         if self.evaluator is None:

@@ -55,7 +55,8 @@ table.narrow { width: auto; min-width: 420px; }
 .kind-restart { background: #ede9fe; color: #5b21b6; }
 .kind-start, .kind-finish { background: #dcfce7; color: #166534; }
 .kind-resume { background: #e0f2fe; color: #075985; }
-.kind-world_shrink, .kind-world_grow { background: #ffedd5; color: #9a3412; }
+.kind-world_shrink, .kind-world_grow, .kind-replicas_lost, .kind-replicas_joined,
+.kind-replica_healed { background: #ffedd5; color: #9a3412; }
 pre { background: #fff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 12px;
   overflow-x: auto; font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace; margin: 0; }
 .nan { color: #b91c1c; font-weight: 600; }

@@ -23,7 +23,8 @@ _X0, _X1, _Y0, _Y1 = 64, _W - 16, 40, _H - 42  # the plot area inside; legend ab
 _PALETTE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#be185d")
 # Events drawn as vertical markers on the loss plot.
 _MARKERS = {"rollback": "#dc2626", "alert": "#ca8a04", "restart": "#7c3aed", "resume": "#64748b",
-            "world_shrink": "#ea580c", "world_grow": "#0d9488"}
+            "world_shrink": "#ea580c", "world_grow": "#0d9488", "replicas_lost": "#ea580c",
+            "replicas_joined": "#0d9488", "replica_healed": "#0891b2"}
 _NONFINITE = "#b91c1c"
 # Memory series by key (any other mem_*_gib key is plotted too, under its own name).
 _MEMORY_LABELS = {"mem_allocated_gib": "allocated", "mem_reserved_gib": "reserved",

@@ -98,6 +98,11 @@ def summary(run: Run) -> list[tuple[str, str, str]]:
     # an elastic run's lost and returned nodes (events world_shrink, world_grow)
     out.append(("world_changes", "world size changes",
                 f"{kinds.count('world_shrink')} shrink, {kinds.count('world_grow')} grow"))
+    # fault tolerance: replica groups lost and back, and this group's recoveries from a peer
+    if any(k.startswith("replica") for k in kinds):
+        out.append(("replica_changes", "replica groups",
+                    f"{kinds.count('replicas_lost')} lost, {kinds.count('replicas_joined')} "
+                    f"joined, {kinds.count('replica_healed')} recovered from a peer"))
     return out
 
 

@@ -1,0 +1,154 @@
+"""The trainer's side of fault-tolerant replica groups ([fault_tolerance], torchft through
+tessel.parallel.replicas): what a recovering peer receives, the quorum at every step, the
+timeline events of lost, returned and recovered groups, and a discarded step's data.
+
+A group's state for a peer is everything a resume from a checkpoint would restore: the
+weights, the optimizer state, the step (and with it the learning-rate schedule, a function of
+the step), the data position (the loader's place in the one global order), the batches drawn
+and the tokens seen. It travels over torchft's checkpoint transport; no checkpoint file is
+read or written for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tessel.errors import CollectiveTimeout, TesselError
+from tessel.parallel.replicas import ReplicaGroup
+
+if TYPE_CHECKING:
+    from tessel.train.trainer import Trainer
+
+MAX_DISCARDS = 10
+"""Steps discarded in a row before a group gives up: one discard is a peer that failed during
+the step; ten mean that no step can commit here (too few groups for min_replica_size while
+the Lighthouse forms smaller quorums, or a fault that repeats)."""
+
+
+class TrainerReplicas:
+    def __init__(self, tr: Trainer):
+        self.tr = tr
+        ft = tr.cfg.fault_tolerance
+        self.group_size, self.timeout_s = ft.group_size, ft.timeout_s
+        self.participants: int | None = None  # replica groups in the last quorum
+        self._healed_at: int | None = None  # this group's step when it took a peer's state
+        self._position: tuple[dict[str, Any], int] | None = None
+        self._discards = 0  # steps discarded in a row
+        self.group = ReplicaGroup(ft, tr.device, tr.step, self.state_dict, self.load_state_dict)
+        tr.display.print(f"tessel: fault tolerance: replica group {ft.replica_id} of "
+                         f"{ft.group_size} (torchft; a step commits with at least "
+                         f"{ft.min_replica_size})")
+
+    # ---- what a recovering peer receives ------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        tr = self.tr
+        return {"model": [m.state_dict() for m in tr.model.inner],
+                "optim": [o.state_dict() for o in tr.optimizers],
+                "trainer": {"step": tr.step, "batches_drawn": tr.batches_drawn,
+                            "tokens_seen": tr.tokens_seen,
+                            "loader": tr.data.train.state_dict()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        tr = self.tr
+        self._healed_at = tr.step
+        try:
+            for module, weights in zip(tr.model.inner, state["model"], strict=True):
+                module.load_state_dict(weights)
+            for opt, opt_state in zip(tr.optimizers, state["optim"], strict=True):
+                opt.load_state_dict(opt_state)
+            t = state["trainer"]
+            tr.data.train.load_state_dict(t["loader"])  # refuses other datasets, in one line
+            tr.step, tr.batches_drawn = int(t["step"]), int(t["batches_drawn"])
+            tr.tokens_seen = int(t["tokens_seen"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise TesselError(f"fault_tolerance: a peer's state does not fit this replica "
+                              f"group ({first}); every group must run the same model, "
+                              "optimizer and data") from None
+
+    # ---- every step ---------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Before the step draws its data: join the quorum (taking a peer's state when this
+        group is behind), record what changed, and remember the data position in case the
+        step is discarded."""
+        tr = self.tr
+        n = self.group.quorum()
+        if self.participants is None and tr.step == 0:
+            # A new run waits (up to fault_tolerance.timeout_s) for every group, so that its
+            # first steps train on whole global batches rather than on the first groups up.
+            deadline = time.monotonic() + self.timeout_s
+            while n < self.group_size and time.monotonic() < deadline and tr.step == 0:
+                time.sleep(0.1)  # (the Lighthouse answers at once while no group is missing)
+                n = self.group.quorum()
+        if self._healed_at is not None:
+            self._event("replica_healed", n, f"replica group recovered step {tr.step}'s "
+                        f"weights, optimizer state and data position from a peer (it was at "
+                        f"step {self._healed_at}; nothing read from disk for it)",
+                        from_step=self._healed_at)
+            self._healed_at = None
+        before = self.participants
+        if before is not None and n != before:
+            kind = "replicas_lost" if n < before else "replicas_joined"
+            batch = tr.cfg.train.global_batch_size
+            share = batch * n // self.group_size
+            self._event(kind, n, f"replica groups {before} -> {n} at step {tr.step} (a step "
+                        f"trains on {share} of the global batch's {batch} sequences)",
+                        replicas_before=before)
+        self.participants = n
+        self._position = (tr.data.train.state_dict(), tr.batches_drawn)
+
+    def average(self, loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The step's loss and gradients averaged over the groups of the quorum (one
+        collective): the loss logged is the mean over the groups that took part."""
+        mean = loss.detach().float().reshape(1).clone()
+        self.group.average([mean, *grads])
+        return mean.reshape(())
+
+    def commit(self) -> bool:
+        """Whether the step may be applied; if not (a group failed during it), the data
+        position goes back so that the step is retried on the same global batch. After
+        MAX_DISCARDS in a row the run stops in one line (exit code 3)."""
+        if self.group.commit():
+            self._discards = 0
+            return True
+        tr = self.tr
+        assert self._position is not None
+        loader_state, tr.batches_drawn = self._position
+        tr.data.train.load_state_dict(loader_state)
+        self._discards += 1
+        if self._discards >= MAX_DISCARDS:
+            m = tr.cfg.fault_tolerance.min_replica_size
+            raise CollectiveTimeout(
+                f"fault_tolerance: step {tr.step + 1} was discarded {self._discards} times in a "
+                f"row ({self.participants} replica group(s) took part, min_replica_size={m}): "
+                "start the missing groups, and the Lighthouse with --min_replicas of at least "
+                f"{m} so that too few groups wait for more instead")
+        tr.display.print(f"tessel: fault tolerance: step {tr.step + 1} discarded (a replica "
+                         "group failed during it); retrying it on the same data")
+        return False
+
+    def figures(self) -> dict[str, int]:
+        """For the metrics: the replica groups of the last quorum."""
+        return {"replicas": self.participants} if self.participants is not None else {}
+
+    def close(self) -> None:
+        self.group.close()
+
+    def _event(self, kind: str, n: int, message: str, **fields: Any) -> None:
+        tr = self.tr
+        before = fields.get("replicas_before", n)
+        tr.events.write(kind, tr.step, message, replicas=n, **fields)
+        tr.display.print(f"tessel: {message}")
+        if tr.alerts is not None:
+            firings = tr.alerts.rules.replicas_changed(kind, before, n, tr.step)
+            tr.control.request(tr.alerts.handle(firings))
+
+
+def replicas_for(tr: Trainer) -> TrainerReplicas | None:
+    """The trainer's replica-group membership when [fault_tolerance] is on, else None."""
+    return TrainerReplicas(tr) if tr.cfg.fault_tolerance.enable else None

@@ -1,0 +1,221 @@
+"""[fault_tolerance]: the section's checks, the layouts the mode refuses (one line, exit 2),
+the replicas.* alert rules and report line, and one replica group against torchft's real
+Lighthouse in this process (the whole path, no mocks): it trains exactly as the mode off does,
+and a quorum that never forms ends in one line (exit 3). Three groups, one killed and
+recovering from a peer: tests/distributed/test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessel.cli import main
+from tessel.config import AlertConfig, ConfigError
+from tessel.errors import CollectiveTimeout, TesselError
+from tessel.observe.alerts import AlertRules
+from tessel.observe.metrics import read_metrics
+from tessel.observe.report.run import read_run
+from tessel.observe.report.summary import summary
+from tessel.parallel.check import check_layout
+from tessel.parallel.dims import ParallelDims, ParallelError
+from tessel.parallel.replicas import data_share
+from tessel.train import Trainer
+from tessel.train.replicas import MAX_DISCARDS
+
+FT = {"fault_tolerance.enable": True, "fault_tolerance.group_size": 2,
+      "fault_tolerance.lighthouse": "http://localhost:29510"}
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"fault_tolerance.group_size": 0}, "fault_tolerance.enable needs fault_tolerance.group_size"),
+    ({"fault_tolerance.replica_id": 2}, "fault_tolerance.replica_id=2 is not below "
+                                        "fault_tolerance.group_size=2; number the groups 0 to 1"),
+    ({"fault_tolerance.min_replica_size": 3}, "fault_tolerance.min_replica_size=3 exceeds "
+                                              "fault_tolerance.group_size=2"),
+])
+def test_the_section_refuses_settings_that_cannot_work(tiny_config, fields, says):
+    with pytest.raises(ConfigError, match=says):
+        tiny_config(**{**FT, **fields})
+    tiny_config(**{**fields, "fault_tolerance.enable": False})  # off: nothing is checked
+
+
+@pytest.mark.parametrize(("world", "fields", "says"), [
+    (2, {}, "runs each replica group as one process holding the whole model"),
+    (1, {"recovery.spike_sigma": 3.0}, "does not combine with recovery.spike_sigma"),
+    (1, {"fault_tolerance.group_size": 3},  # 16 sequences
+     "train.global_batch_size=16 does not split over fault_tolerance.group_size=3 replica "
+     "groups of micro-batches of 4; use a multiple of 12"),
+    (1, {"fault_tolerance.lighthouse": ""}, "needs the torchft Lighthouse's address"),
+])
+def test_layouts_the_mode_cannot_run_are_refused_in_one_line(tiny_config, monkeypatch, world,
+                                                             fields, says):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    cfg = tiny_config(**{**FT, "train.global_batch_size": 16, **fields})
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    with pytest.raises(ParallelError, match=says) as info:
+        check_layout(cfg, dims, "cpu", "fp32")
+    assert "\n" not in str(info.value)
+    cfg_off = cfg.with_overrides({"fault_tolerance.enable": False})
+    if world == 1 and "recovery" not in str(fields) and "lighthouse" not in str(fields):
+        check_layout(cfg_off, dims, "cpu", "fp32")  # the same layout without the mode runs
+
+
+def test_fp16_loss_scaling_is_refused(tiny_config):
+    cfg = tiny_config(**FT)
+    with pytest.raises(ParallelError, match="does not combine with fp16 loss scaling"):
+        check_layout(cfg, ParallelDims.from_config(cfg.parallel, 1), "cpu", "fp16")
+
+
+def test_without_torchft_the_mode_says_how_to_install_it(tmp_path, corpus, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchft" else real(name, *a))
+    run = tmp_path / "run"
+    code = main(["train", "--quiet", "--model.preset=tiny", "--data.source=files",
+                 f"--data.paths=['{corpus}']", "--data.tokenizer=bytes", f"--run.dir={run}",
+                 "--fault_tolerance.enable=true", "--fault_tolerance.group_size=2",
+                 "--fault_tolerance.lighthouse='http://localhost:29510'",
+                 "--train.micro_batch_size=4", "--train.global_batch_size=8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "fault_tolerance.enable needs torchft, which is not installed: pip install " \
+           "'tessel[ft]'" in err[0]
+    assert not run.exists()  # nothing written
+
+
+def test_each_group_takes_its_slice_of_every_global_batch(tiny_config):
+    cfg = tiny_config(**{**FT, "fault_tolerance.replica_id": 1})
+    assert data_share(cfg, 0, 1) == (1, 2)
+    assert data_share(cfg.with_overrides({"fault_tolerance.enable": False}), 0, 1) == (0, 1)
+
+
+def test_replica_rules_fire_on_their_events_only():
+    rules = AlertRules([AlertConfig(name="lost", when="replicas.lost"),
+                        AlertConfig(name="back", when="replicas.joined"),
+                        AlertConfig(name="healed", when="replicas.healed")])
+    lost = rules.replicas_changed("replicas_lost", 3, 2, step=7)
+    assert [(f.rule.name, f.step, f.values) for f in lost] == [
+        ("lost", 7, {"replicas": 2, "before": 3})]
+    assert lost[0].message == "replica groups fell from 3 to 2"
+    assert [f.rule.name for f in rules.replicas_changed("replicas_joined", 2, 3, 9)] == ["back"]
+    healed = rules.replicas_changed("replica_healed", 3, 3, 9)
+    assert [(f.rule.name, f.message) for f in healed] == [
+        ("healed", "this replica group recovered from a peer at step 9")]
+    assert AlertRules([AlertConfig(name="x", when="world_size.shrink")]).replicas_changed(
+        "replicas_lost", 3, 2, 1) == []
+
+
+def test_the_report_counts_lost_joined_and_healed_groups(tmp_path: Path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    events = [("start", 0), ("replicas_lost", 3), ("replicas_joined", 9), ("replicas_lost", 12),
+              ("replica_healed", 12)]
+    (tmp_path / "events.jsonl").write_text("".join(
+        json.dumps({"time": 0, "step": s, "kind": k, "message": k}) + "\n" for k, s in events))
+    rows = {key: value for key, _, value in summary(read_run(tmp_path))}
+    assert rows["replica_changes"] == "2 lost, 1 joined, 1 recovered from a peer"
+    (tmp_path / "events.jsonl").write_text("")
+    assert "replica_changes" not in {key for key, _, _ in summary(read_run(tmp_path))}
+
+
+# ---- one replica group against torchft's real Lighthouse, in this process --------------------
+
+
+@pytest.fixture
+def lighthouse():
+    torchft = pytest.importorskip("torchft._torchft", reason="torchft is not installed")
+    made = []
+
+    def start(min_replicas: int) -> str:
+        made.append(torchft.LighthouseServer(bind="[::]:0", min_replicas=min_replicas))
+        return made[-1].address()
+
+    yield start
+    for server in made:
+        server.shutdown()
+
+
+def test_one_replica_group_trains_exactly_as_the_mode_off(tiny_config, lighthouse):
+    plain = tiny_config("plain", **{"train.steps": 4})
+    Trainer(plain, console=False).train()
+    ft = {"fault_tolerance.enable": True, "fault_tolerance.group_size": 1,
+          "fault_tolerance.lighthouse": lighthouse(1), "fault_tolerance.timeout_s": 20}
+    cfg = tiny_config("ft", **{"train.steps": 4, **ft})
+    trainer = Trainer(cfg, console=False)
+    trainer.train()
+    got = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
+    want = [r for r in read_metrics(Path(plain.run.dir) / "metrics.jsonl") if "loss" in r]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in want]  # the mean over one group: bitwise
+    assert {r["replicas"] for r in got} == {1} and all("replicas" not in r for r in want)
+
+
+def test_a_quorum_that_never_forms_ends_in_one_line(tiny_config, lighthouse):
+    cfg = tiny_config(**{"train.steps": 2, **FT, "fault_tolerance.lighthouse": lighthouse(2),
+                         "fault_tolerance.timeout_s": 1})
+    with pytest.raises(CollectiveTimeout) as info:
+        Trainer(cfg, console=False).train()
+    msg = str(info.value)
+    assert "\n" not in msg and info.value.exit_code == 3
+    assert msg.startswith("fault_tolerance: no quorum of replica groups within "
+                          "fault_tolerance.timeout_s=1s (")
+    assert "check that the Lighthouse at http://" in msg and "min_replica_size=1" in msg
+
+
+def test_an_unreachable_lighthouse_is_one_line(tiny_config):
+    pytest.importorskip("torchft")
+    cfg = tiny_config(**{**FT, "fault_tolerance.lighthouse": "http://127.0.0.1:1",
+                         "fault_tolerance.timeout_s": 1})
+    with pytest.raises(CollectiveTimeout) as info:
+        Trainer(cfg, console=False)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("fault_tolerance: cannot reach the Lighthouse "
+                                              "within fault_tolerance.timeout_s=1s (")
+    assert "failed to connect to http://127.0.0.1:1" in msg
+    assert "the Lighthouse at http://127.0.0.1:1 runs" in msg
+
+
+def test_a_step_that_cannot_commit_is_discarded_and_its_data_taken_again(tiny_config, lighthouse,
+                                                                         capsys):
+    # One of two groups runs, and every step needs both (min_replica_size=2) while the
+    # Lighthouse forms a quorum of one: torchft's commit says no at every step. Nothing may be
+    # applied and the data position must not move; after MAX_DISCARDS the group stops.
+    cfg = tiny_config(**{"train.steps": 3, **FT, "fault_tolerance.lighthouse": lighthouse(1),
+                         "fault_tolerance.min_replica_size": 2, "fault_tolerance.timeout_s": 1})
+    trainer = Trainer(cfg, console=True)
+    fresh = trainer.data.train.state_dict()
+    before = {k: v.clone() for k, v in trainer.model.inner[0].state_dict().items()}
+    with pytest.raises(CollectiveTimeout) as info:
+        trainer.train()
+    assert str(info.value) == (
+        f"fault_tolerance: step 1 was discarded {MAX_DISCARDS} times in a row (1 replica "
+        "group(s) took part, min_replica_size=2): start the missing groups, and the Lighthouse "
+        "with --min_replicas of at least 2 so that too few groups wait for more instead")
+    out = capsys.readouterr().out
+    assert out.count("tessel: fault tolerance: step 1 discarded (a replica group failed during "
+                     "it); retrying it on the same data") == MAX_DISCARDS - 1
+    assert trainer.step == 0 and trainer.batches_drawn == 0
+    assert trainer.data.train.state_dict() == fresh
+    after = trainer.model.inner[0].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_peer_state_that_does_not_fit_is_one_line(tiny_config, lighthouse):
+    cfg = tiny_config(**{**FT, "fault_tolerance.group_size": 1,
+                         "fault_tolerance.lighthouse": lighthouse(1)})
+    trainer = Trainer(cfg, console=False)
+    try:
+        state = trainer.replicas.state_dict()
+        state["model"][0] = {k: v[:1] for k, v in state["model"][0].items()}  # another shape
+        with pytest.raises(TesselError) as info:
+            trainer.replicas.load_state_dict(state)
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith("fault_tolerance: a peer's state does not "
+                                                  "fit this replica group (")
+        assert msg.endswith("; every group must run the same model, optimizer and data")
+        trainer.replicas.load_state_dict(trainer.replicas.state_dict())  # its own: fits
+    finally:
+        trainer.replicas.close()
