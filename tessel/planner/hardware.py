@@ -18,6 +18,7 @@ and link bandwidths (sources in SOURCES). Users add or override profiles in a TO
     comm_efficiency = 0.75     # optional: fraction of link bandwidth collectives reach
     collective_latency_us = 20 # optional: fixed cost of one collective call, microseconds
     tp_block_overhead_us = 0   # optional: host time a tensor-parallel block adds, microseconds
+    tp_block_optimizer_us = 0  # optional: the same per optimizer step, microseconds
 
 A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
 set to the value at which the planner's prediction for that run equals what it measured.
@@ -81,6 +82,10 @@ class GpuProfile:
     processes by `tessel scale --measure`, where it adds to the step; 0 in the built-in GPU
     profiles, where the host issues kernels ahead of the GPU and the time hides behind them
     (torch.compile removes most of it)."""
+    tp_block_optimizer_s: float = 0.0
+    """Host seconds one tensor-parallel block's parameters add to each optimizer phase
+    (gradient clipping and the multi-tensor update dispatched through DTensor; TOML:
+    tp_block_optimizer_us); measured and 0 as tp_block_overhead_s."""
     device_names: tuple[str, ...] = ()
     """Substrings of torch.cuda.get_device_name() that identify this GPU."""
     device_type: str = "cuda"
@@ -136,9 +141,11 @@ SOURCES = {
 
 _FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
            "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
-           "collective_latency_us", "tp_block_overhead_us", "device_names", "device_type"}
+           "collective_latency_us", "tp_block_overhead_us", "tp_block_optimizer_us",
+           "device_names", "device_type"}
 _MICROSECONDS = {"collective_latency_us": "collective_latency_s",
-                 "tp_block_overhead_us": "tp_block_overhead_s"}
+                 "tp_block_overhead_us": "tp_block_overhead_s",
+                 "tp_block_optimizer_us": "tp_block_optimizer_s"}
 """TOML keys in microseconds -> the profile's fields in seconds."""
 
 
@@ -305,8 +312,9 @@ def profile_table(profile: GpuProfile) -> dict[str, object]:
         hbm_gbps=profile.hbm_gbps, host_memory_gib=profile.host_memory_gib,
         matmul_efficiency=profile.matmul_efficiency, comm_efficiency=profile.comm_efficiency,
         collective_latency_us=profile.collective_latency_s * 1e6)
-    if profile.tp_block_overhead_s:
-        table["tp_block_overhead_us"] = profile.tp_block_overhead_s * 1e6
+    for key, field in _MICROSECONDS.items():
+        if key != "collective_latency_us" and getattr(profile, field):
+            table[key] = getattr(profile, field) * 1e6
     if profile.device_names:
         table["device_names"] = list(profile.device_names)
     if profile.device_type != "cuda":

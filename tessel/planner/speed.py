@@ -87,8 +87,9 @@ ASSUMPTIONS = (
     "the masked kernel's lower efficiency on short pieces is not modelled, so the search "
     f"splits a sequence only where each rank keeps {MIN_CP_POSITIONS:,} positions or more",
     "tensor parallelism's host work (DTensor) per block and micro-batch: the profile's "
-    "tp_block_overhead_s, added to compute (measured on CPU processes; 0 for GPUs, where "
-    "the host runs ahead of the kernels)",
+    "tp_block_overhead_s, added to compute, and per block and optimizer step "
+    "tp_block_optimizer_s (measured on CPU processes; 0 for GPUs, where the host runs ahead "
+    "of the kernels)",
     f"MoE layers: routed experts' FLOPs for each token's top_k experts (active parameters) at "
     f"{GROUPED_GEMM_EFFICIENCY} x a dense matmul's rate (grouped GEMM), each expert's rows "
     "tokens x top_k x ep / experts (balanced routing); the fp32 router at half the BF16 rate; "
@@ -383,6 +384,8 @@ def estimate_step(
                     else params)
     optimizer_s = optimizer_step_time(m, layout, hw, stage, local_params, optimizer,
                                       shard_bw if fsdp_active(layout) else tp_bw)
+    if tp > 1:  # DTensor's host work in clipping and the update (0 in GPU profiles)
+        optimizer_s += layers * hw.tp_block_optimizer_s
     offload = 0.0
     if layout.offload != "none":
         # Gradients to the host, parameters both ways, AdamW on the host CPU.

@@ -70,8 +70,9 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     """Latency (s) and bus bandwidth (bytes/s) of a gloo all-reduce between `nproc` local
     processes, with the per-size medians they were fitted to:
     {"nproc", "latency_s", "bandwidth_Bps", "samples": [{"bytes", "seconds"}, ...]}; with
-    `tp_model` (a ModelConfig's fields) also "tp_block_overhead_s", the host time a
-    tensor-parallel block of that architecture adds over the `nproc` processes
+    `tp_model` (a ModelConfig's fields) also "tp_block_overhead_s" and
+    "tp_block_optimizer_s", the host time a tensor-parallel block of that architecture adds
+    over the `nproc` processes per micro-batch and per optimizer phase
     (`tessel.scaling.tp_cost`)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise TesselError(f"an all-reduce needs at least 2 processes (got {nproc!r})")
@@ -104,7 +105,8 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         raise TesselError(f"the gloo measurement failed (exit code {code}): {last}")
     found = json.loads(outs[0][0])
     samples = list(zip(map(float, sizes), found["seconds"]))
-    extra = {} if tp_model is None else {"tp_block_overhead_s": found["tp_block_overhead_s"]}
+    extra = {} if tp_model is None else {k: found[k] for k in ("tp_block_overhead_s",
+                                                                "tp_block_optimizer_s")}
     return {"nproc": nproc, **fit(samples, nproc),
             "samples": [{"bytes": int(b), "seconds": t} for b, t in samples], **extra}
 
@@ -137,8 +139,9 @@ def worker_main() -> None:
 
             latency = fit(list(zip(map(float, spec["sizes"]), found["seconds"])),
                           spec["world"])["latency_s"]
-            found["tp_block_overhead_s"] = block_overhead(
-                spec["tp_model"], bool(spec["sequence_parallel"]), latency)
+            tp = block_overhead(spec["tp_model"], bool(spec["sequence_parallel"]), latency)
+            found["tp_block_overhead_s"] = tp["pass_s"]
+            found["tp_block_optimizer_s"] = tp["optimizer_s"]
         if rank == 0:
             print(json.dumps(found))
     finally:

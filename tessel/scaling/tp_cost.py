@@ -4,12 +4,15 @@ A DTensor operator does host work a plain one does not: sharding propagation, th
 redistributions its placements ask for, wrapping and unwrapping local tensors. On a GPU the
 host issues kernels ahead of the device and that time hides behind them; on CPU processes
 it adds to the step, and for a small model it is a large part of a tensor-parallel step.
-The planner takes it as one figure per block and micro-batch
-(`GpuProfile.tp_block_overhead_s`), measured here inside the workers of the gloo
+The optimizer's multi-tensor operators and the gradient clipping run through DTensor too.
+The planner takes two figures per block, one per micro-batch's forward + backward
+(`GpuProfile.tp_block_overhead_s`) and one per optimizer phase
+(`GpuProfile.tp_block_optimizer_s`), measured here inside the workers of the gloo
 measurement (`tessel.scaling.gloo`), on their process group:
 
-    overhead = (block time under tensor parallelism - the same block on one process)
-               - the block's collective calls x the measured latency
+    pass overhead = (block time under tensor parallelism - the same block on one process)
+                    - the block's collective calls x the measured latency
+    optimizer overhead = the same difference for the optimizer phase (clipping, AdamW)
 
 where a block's time is the difference between models of 3 and 1 blocks (the embedding,
 head and loss cancel), each the fastest of timed forward + backward passes at a tiny width
@@ -52,28 +55,49 @@ def tiny_model(model: ModelConfig, tp: int, layers: int) -> ModelConfig:
         max_seq_len=TOKENS[1], moe_experts=0, init_from=None, dropout=0.0))
 
 
-def _pass_seconds(model: torch.nn.Module, tokens: torch.Tensor, parallel: bool) -> float:
-    """Fastest seconds of one forward + backward (loss and all), every rank starting together."""
+def _seconds(model: torch.nn.Module, tokens: torch.Tensor, parallel: bool
+             ) -> tuple[float, float]:
+    """Fastest seconds of (one forward + backward, loss and all; one optimizer phase as the
+    trainer runs it: gradient clipping, multi-tensor AdamW, zeroing), every rank starting
+    each together."""
+    from torch.distributed.tensor import DTensor
+
     from tessel.models.loss import token_loss_sum
+    from tessel.parallel.grad_norm import clip_grad_norm
     from tessel.parallel.tensor import loss_context
 
-    times = []
+    params = list(model.parameters())
+    # Sharded and plain (replicated, e.g. learned positions) parameters in separate groups:
+    # one multi-tensor operator cannot take both.
+    groups = [{"params": [p for p in params if isinstance(p, DTensor) == sharded]}
+              for sharded in (True, False)]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4, foreach=True)
+    passes, steps = [], []
     for i in range(WARMUP + REPEATS):
         dist.barrier()
         start = time.perf_counter()
         logits = model(tokens)
         with loss_context(parallel):
             token_loss_sum(logits, tokens).backward()
+        middle = time.perf_counter()
+        dist.barrier()
+        resumed = time.perf_counter()
+        clip_grad_norm(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end = time.perf_counter()
         if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return min(times)
+            passes.append(middle - start)
+            steps.append(end - resumed)
+    return min(passes), min(steps)
 
 
 def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
-                   latency_s: float) -> float:
-    """Seconds of host work one tensor-parallel block adds per micro-batch (forward +
-    backward) beyond its collectives' latency, on the default process group as one
-    tensor-parallel group; >= 0 (a noisy machine can make the difference negative)."""
+                   latency_s: float) -> dict[str, float]:
+    """Seconds of host work one tensor-parallel block adds, on the default process group as
+    one tensor-parallel group: {"pass_s": per micro-batch (forward + backward) beyond its
+    collectives' latency, "optimizer_s": per optimizer phase}; each >= 0 (a noisy machine
+    can make a difference negative)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from tessel.models.transformer import Transformer
@@ -87,7 +111,7 @@ def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
     base = ModelConfig.model_validate(model_fields)
     torch.manual_seed(0)
     tokens = torch.randint(0, 64 * tp, TOKENS)
-    per_depth: dict[bool, list[float]] = {False: [], True: []}
+    per_depth: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for parallel in (False, True):
         for layers in LAYERS:
             with torch.device("meta"):
@@ -95,10 +119,14 @@ def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
             if parallel:
                 apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
             materialise(model, torch.device("cpu"), seed=0)
-            per_depth[parallel].append(_pass_seconds(model, tokens, parallel))
+            per_depth[parallel].append(_seconds(model, tokens, parallel))
     blocks = LAYERS[1] - LAYERS[0]
-    plain = (per_depth[False][1] - per_depth[False][0]) / blocks
-    sharded = (per_depth[True][1] - per_depth[True][0]) / blocks
+
+    def per_block(parallel: bool, part: int) -> float:
+        shallow, deep = per_depth[parallel]
+        return (deep[part] - shallow[part]) / blocks
+
     one_block = Layout(1, 1, tp, 1, 1, 0, TOKENS[0], sequence_parallel=sequence_parallel)
     calls = tp_calls(one_block, 1, 0, first=False, last=False)
-    return max(0.0, sharded - plain - calls * latency_s)
+    return {"pass_s": max(0.0, per_block(True, 0) - per_block(False, 0) - calls * latency_s),
+            "optimizer_s": max(0.0, per_block(True, 1) - per_block(False, 1))}

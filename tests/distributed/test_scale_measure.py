@@ -120,3 +120,5 @@ def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes()
     assert found["latency_s"] > 0
     overhead = found["tp_block_overhead_s"]
     assert 0 < overhead < 1.0, overhead  # seconds per block and micro-batch
+    # and per block in the optimizer phase (clipping and AdamW through DTensor)
+    assert 0 < found["tp_block_optimizer_s"] < 1.0, found

@@ -98,13 +98,16 @@ def test_cpu_processes_hide_no_data_parallel_communication():
 
 def test_a_tensor_parallel_block_adds_the_profiles_host_time():
     m = ModelConfig(preset="gpt2-124m")  # 12 blocks
-    host = dataclasses.replace(H100, tp_block_overhead_s=1e-3)
+    host = dataclasses.replace(H100, tp_block_overhead_s=1e-3, tp_block_optimizer_s=2e-4)
     for layout, blocks in ((lay(2, dp_shard=1, tp=2), 12),
                            (lay(4, dp_shard=1, tp=2, pp=2, pp_schedule="1f1b"), 6)):
         micro_batches = 8
-        added = (estimate_step(m, layout, host, 1024, 8, "bf16").compute_s
-                 - estimate_step(m, layout, H100, 1024, 8, "bf16").compute_s)
-        assert added == pytest.approx(micro_batches * blocks * 1e-3)  # the busiest stage's
+        with_host = estimate_step(m, layout, host, 1024, 8, "bf16")
+        without = estimate_step(m, layout, H100, 1024, 8, "bf16")
+        # the busiest stage's blocks, per micro-batch and per optimizer step
+        assert with_host.compute_s - without.compute_s == pytest.approx(
+            micro_batches * blocks * 1e-3)
+        assert with_host.optimizer_s - without.optimizer_s == pytest.approx(blocks * 2e-4)
     one = lay(2)  # no tensor parallelism: no DTensor block
     assert estimate_step(m, one, host, 1024, 8, "bf16") == estimate_step(m, one, H100, 1024, 8,
                                                                          "bf16")
@@ -132,10 +135,12 @@ def test_the_planners_ddp_buckets_are_the_trainers():
 
 def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
     cpu = dataclasses.replace(H100, name="cpu-x", collective_latency_s=5.5e-4, device_type="cpu",
-                              matmul_efficiency=0.001234567, tp_block_overhead_s=0.0123)
+                              matmul_efficiency=0.001234567, tp_block_overhead_s=0.0123,
+                              tp_block_optimizer_s=0.0045)
     table = json.loads(json.dumps(profile_table(cpu)))  # as a sweep's JSON carries it
     assert table["collective_latency_us"] == pytest.approx(550.0)
     assert table["tp_block_overhead_us"] == pytest.approx(12300.0)
+    assert table["tp_block_optimizer_us"] == pytest.approx(4500.0)
     assert profile_from_table("cpu-x", table) == cpu  # full precision, device type kept
     for key, value, needle in [("collective_latency_us", -1, "collective_latency_us must be"),
                                ("collective_latency_us", float("nan"), "collective_latency_us"),
