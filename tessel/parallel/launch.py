@@ -295,12 +295,13 @@ def slurm_script(
         # ... which a stop signal sent to every process (`scancel --full`) does: srun turns its
         # own SIGTERM into a SIGKILL of the tasks before they can save. The job was asked to
         # stop, not crashed: requeued as stopped (not counted against the crash retries), it
-        # resumes from its latest checkpoint (checkpoint.interval bounds what is lost).
+        # resumes from its latest checkpoint (checkpoint.interval bounds what is lost). So
+        # does a stop that comes while the processes are still preparing (they exit 143).
         killed = [
-            '    if [ -n "$STOP" ]; then  # srun was signalled too and killed the step',
-            '      echo "tessel: a stop signal reached srun too, which killed the step before it '
-            'could save (exit $CODE); requeueing job $SLURM_JOB_ID: it resumes from its latest '
-            'checkpoint"',
+            '    if [ -n "$STOP" ]; then  # stopped, without a save of this start',
+            '      echo "tessel: a stop signal ended the step without saving (exit $CODE: srun, '
+            'signalled too, killed it, or training had not begun); requeueing job '
+            '$SLURM_JOB_ID: it resumes from its latest checkpoint"',
             '      scontrol requeue "$SLURM_JOB_ID"; exit 0',
             "    fi",
         ]

@@ -220,7 +220,8 @@ def test_slurm_nodes_a_stop_that_makes_srun_kill_the_step_requeues_the_job(tmp_p
         tmp_path, 'kill -TERM "$PPID"; sleep 1; exit 137\n', restarts=3)
     assert code == 0, out
     assert "requeue 7" in calls.splitlines()[-1], calls
-    assert "a stop signal reached srun too" in out and "the run failed" not in out
+    assert "a stop signal ended the step without saving (exit 137" in out
+    assert "the run failed" not in out
     # a crash without a stop signal still ends the job after 3 requeues, with the step's code
     (tmp_path / "crash").mkdir()
     code, out, calls = _run_two_node_script(tmp_path / "crash", "exit 137\n", restarts=3)
