@@ -179,6 +179,9 @@ class Cluster:
 def slurm_cluster(root: Path, n: int) -> Iterator[Cluster]:
     """A running `n`-node cluster in `root`, its daemons stopped and namespaces removed on exit."""
     install()
+    missing = [cmd for cmd in ("nsenter", "unshare") if shutil.which(cmd) is None]
+    if missing:
+        unavailable(f"{' and '.join(missing)} (util-linux) not found")
     with nodes(n) as made:
         cluster = Cluster(root, [(node, f"tnode{i}") for i, node in enumerate(made)])
         try:
