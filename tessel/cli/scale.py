@@ -44,7 +44,10 @@ not used: each count is searched.
                       all-reduce; with --over tp the host time a tensor-parallel block
                       adds); its matmul efficiency and its optimizer's memory rate are
                       calibrated on the first point, so the others' errors are the
-                      planner's errors in scaling.""")
+                      planner's errors in scaling. Inside a SLURM allocation of several
+                      nodes (sbatch, salloc) each count's processes are spread over its
+                      nodes through srun (N processes on the most nodes, at most the
+                      allocation's, that share them equally).""")
     add_config_arguments(p)
     p.add_argument("--gpus", metavar="N,N,...",
                    help="GPU counts, comma-separated, e.g. 8,64,512,4096 (required)")
@@ -64,7 +67,8 @@ not used: each count is searched.
                    help="run the config at each --nproc process count and put the "
                         "measurements beside the predictions")
     p.add_argument("--nproc", metavar="N,N,...",
-                   help="with --measure: process counts on this machine, e.g. 1,2")
+                   help="with --measure: process counts on this machine (inside a SLURM "
+                        "allocation of several nodes: over its nodes), e.g. 1,2")
     p.add_argument("--warmup", default="3", metavar="N",
                    help="with --measure: untimed steps of each run first (default 3)")
     p.add_argument("--steps", default="10", metavar="N",
@@ -179,7 +183,7 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
 
     from tessel.checkpoint.init_from import load_config
     from tessel.planner import scaling
-    from tessel.scaling import compare, measure_sweep
+    from tessel.scaling import allocation, compare, measure_sweep
     from tessel.scaling.measure import layout_over
 
     if not args.measure or args.nproc is None:
@@ -214,9 +218,16 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         what = (f"{point.tokens_per_s:,.0f} tokens/s" if point.ok else point.error)
         print(f"tessel scale: {point.nproc} process(es): {what}", file=sys.stderr, flush=True)
 
+    alloc = allocation.current()
+    command_for = None
+    if alloc is not None:
+        command_for = allocation.command_for(alloc, gpus=cuda)
+        print(f"tessel scale: inside SLURM job {alloc.job_id}: each count's processes spread "
+              f"over up to {len(alloc.hosts)} nodes ({', '.join(alloc.hosts)}) through srun",
+              file=sys.stderr, flush=True)
     points = measure_sweep(Path(args.config), overrides, nprocs, out, warmup=warmup,
                            steps=steps, strong=mode == scaling.STRONG, on_point=said,
-                           layout_for=layout_over(args.over))
+                           layout_for=layout_over(args.over), command_for=command_for)
     sweep, fitted = compare.predict(points, hw, "cuda" if cuda else "cpu", mode, args.config,
                                     base)
     record = scaling.as_json(sweep)
@@ -229,7 +240,11 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
                              "device_type": "cuda" if cuda else "cpu",
                              "machine": None if cuda else machine,
                              "profile": None if cuda else profile_table(hw),
-                             "calibrated_matmul_efficiency": fitted}
+                             "calibrated_matmul_efficiency": fitted,
+                             "slurm": None if alloc is None else {
+                                 "job_id": alloc.job_id, "hosts": list(alloc.hosts),
+                                 "nodes": {str(n): allocation.nodes_for(n, len(alloc.hosts))
+                                           for n in nprocs}}}
     if html is not None:
         from tessel.fileio import write_text_atomic
         from tessel.planner.scaling_page import render

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,9 +29,10 @@ def build_once(target: Path | None, build: Callable[[Path], Path | None],
         return target
     where = target.parent if target is not None else cache
     assert where is not None, "build_once needs a target or a cache directory"
-    tmp = where / f".tmp-{target.name if target else 'build'}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    where.mkdir(parents=True, exist_ok=True)
+    # A directory of its own, not one named by the pid: the processes of several machines
+    # sharing this cache (a cluster's shared home) may have the same pid.
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name if target else 'build'}-", dir=where))
     try:
         named = build(tmp)
         target = target or named

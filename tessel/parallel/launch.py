@@ -271,6 +271,7 @@ def slurm_script(
     node = (f'NODE=("$PYTHON" -m tessel.parallel.node --nproc-per-node {nproc_per_node} '
             '--master-addr "$HEAD" --master-port "$PORT" -- "${TRAIN[@]}")')
     relay: list[str] = []
+    killed: list[str] = []  # what the script does when a stop signal came and the step died
     elastic = ([f"# Elastic: {low} to {nodes} nodes at each start; the workers re-plan the batch "
                 "split for the",
                 "# world they find (the global batch is kept).",
@@ -291,6 +292,19 @@ def slurm_script(
         start = ['srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &']
         # to the steps' tasks only: srun itself, signalled, kills the step at once
         forward = 'scancel --signal=TERM "$SLURM_JOB_ID"'
+        # ... which a stop signal sent to every process (`scancel --full`) does: srun turns its
+        # own SIGTERM into a SIGKILL of the tasks before they can save. The job was asked to
+        # stop, not crashed: requeued as stopped (not counted against the crash retries), it
+        # resumes from its latest checkpoint (checkpoint.interval bounds what is lost). So
+        # does a stop that comes while the processes are still preparing (they exit 143).
+        killed = [
+            '    if [ -n "$STOP" ]; then  # stopped, without a save of this start',
+            '      echo "tessel: a stop signal ended the step without saving (exit $CODE: srun, '
+            'signalled too, killed it, or training had not begun); requeueing job '
+            '$SLURM_JOB_ID: it resumes from its latest checkpoint"',
+            '      scontrol requeue "$SLURM_JOB_ID"; exit 0',
+            "    fi",
+        ]
     lines = [
         "#!/bin/bash",
         f"# tessel training job for {config_path} ({what}), written by `tessel launch slurm`.",
@@ -343,6 +357,7 @@ def slurm_script(
         '    scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
         '  2|4|5|6|7) exit "$CODE" ;;  # bad input, halted (docs/exit-codes.md): a person decides',
         "  *)  # a crash or a hang: try again from the last checkpoint, a few times",
+        *killed,
         f'    if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_RESTARTS} ]; then',
         '      echo "tessel: the run failed (exit $CODE); requeueing job $SLURM_JOB_ID"',
         '      scontrol requeue "$SLURM_JOB_ID"',

@@ -187,6 +187,47 @@ def test_slurm_script_is_valid_bash_with_rendezvous_requeue_and_resume(capsys, t
     assert train_array(script, tmp_path) == [CONFIG, *overrides, "--auto-resume"]
 
 
+def _run_two_node_script(tmp_path: Path, srun: str, restarts: int) -> tuple[int, str, str]:
+    """The two-node CPU script run by bash with stub srun, scancel and scontrol (which record
+    their arguments in calls.txt); `srun` is the stub's body. (exit code, stdout, calls)"""
+    script = launch.slurm_script("cfg.toml", [], nodes=2, gpus_per_node=0, python="python")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = 'echo "$(basename "$0") $*" >> "$CALLS"\n'
+    stubs = {"srun": record + srun,
+             "scancel": record,
+             "scontrol": record + '[ "$1" = show ] && echo n0\nexit 0\n'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "job.sh").write_text(script)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls.txt"),
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[0-1]",
+           "SLURM_RESTART_COUNT": str(restarts)}
+    out = subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=30)
+    return out.returncode, out.stdout, (tmp_path / "calls.txt").read_text()
+
+
+def test_slurm_nodes_a_stop_that_makes_srun_kill_the_step_requeues_the_job(tmp_path: Path):
+    """`scancel --signal=TERM --full` on several nodes: srun gets the SIGTERM too and kills the
+    step before it can save (measured on a real two-node SLURM: tests/integration/
+    test_slurm.py). The script, signalled as well, requeues the job as stopped, however many
+    times it was requeued before: the crash retries are not spent on it."""
+    # srun signals the script, as `--full` does at the same moment, then dies as the killed
+    # step's srun does
+    code, out, calls = _run_two_node_script(
+        tmp_path, 'kill -TERM "$PPID"; sleep 1; exit 137\n', restarts=3)
+    assert code == 0, out
+    assert "requeue 7" in calls.splitlines()[-1], calls
+    assert "a stop signal ended the step without saving (exit 137" in out
+    assert "the run failed" not in out
+    # a crash without a stop signal still ends the job after 3 requeues, with the step's code
+    (tmp_path / "crash").mkdir()
+    code, out, calls = _run_two_node_script(tmp_path / "crash", "exit 137\n", restarts=3)
+    assert code == 137 and "requeue" not in calls, calls
+
+
 def test_slurm_cpu_job_on_one_node(capsys, tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, script, err = run_cli(capsys, "launch", "slurm", CONFIG, "--nodes", "1",
