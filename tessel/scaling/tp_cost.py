@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from tessel.config import ModelConfig
 
-LAYERS = (1, 3)
+LAYERS = (1, 5)
 """The two depths whose difference is two blocks."""
 WARMUP = 3
 """Untimed passes of each model (DTensor caches its sharding decisions on the first)."""
-REPEATS = 8
+REPEATS = 12
 """Timed passes of each model; the fastest is kept (another job on the machine only ever
 adds time, and the planner predicts a machine of the run's own)."""
 TOKENS = (2, 16)
