@@ -134,7 +134,7 @@ def _light_config(cfg: Config, layout: Layout) -> Any:
     })
     train = cfg.train.model_copy(update={"micro_batch_size": layout.micro_batch})
     return SimpleNamespace(model=cfg.model, data=cfg.data, train=train, parallel=parallel,
-                           optim=cfg.optim)
+                           optim=cfg.optim, fault_tolerance=cfg.fault_tolerance)
 
 
 def check_layout(cfg: Config, layout: Layout, full: bool = False, device_type: str = "cuda"
