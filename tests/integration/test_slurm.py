@@ -153,6 +153,15 @@ def test_two_jobs_on_one_node_both_finish(cluster, reference, tmp_path_factory):
     dirs = [_workdir(tmp_path_factory, f"pair{i}") for i in range(2)]
     # The jobs of the tests before (still completing, or requeued) may hold CPUs: start from
     # an empty queue, so that only SLURM or the script could keep the two apart.
+    # Those tests have ended (one worker runs this module's tests one after another on this
+    # cluster), so whatever of theirs is still queued after a minute is cancelled: seen once
+    # in a loaded suite, a leftover job held a CPU and the pair never ran together.
+    deadline = time.monotonic() + 60
+    while cluster.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = cluster.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+    if left:
+        cluster.run("scancel", *left, check=False)
     deadline = time.monotonic() + 120
     while cluster.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
         time.sleep(0.5)
