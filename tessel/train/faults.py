@@ -5,7 +5,7 @@
     TESSEL_FAULT="kill:rank=1:step=5"         SIGKILL rank 1 when step 5 starts (first attempt only)
     TESSEL_FAULT="hang:rank=1:step=3"         rank 1 sleeps forever when step 3 starts
     TESSEL_FAULT="slow:seconds=0.1"           every step starts 0.1 s late (a slow machine;
-                                              the losses are unchanged)
+                                              the losses are unchanged; step=N: from step N on)
     TESSEL_FAULT="netdelay:seconds=0.05"      every collective of the process (from the first
                                               step on) starts 0.05 s late: a slow network; the
                                               losses are unchanged (rank=R: that rank only)
@@ -82,8 +82,9 @@ class Faults:
                           if f.kind == "netdelay" and f.rank in (None, self.rank))
             self._delay = delay_collectives(seconds) if seconds > 0 else False
         for f in self.faults:
-            if f.kind == "slow" and (f.rank is None or f.rank == self.rank):
-                time.sleep(f.seconds)
+            if f.kind == "slow":
+                if f.rank in (None, self.rank) and (f.step is None or step >= f.step):
+                    time.sleep(f.seconds)
                 continue
             if f.step != step or (f.rank is not None and f.rank != self.rank):
                 continue

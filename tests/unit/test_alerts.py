@@ -110,6 +110,14 @@ def test_fault_specs():
     slow.at_step(1)
     slow.at_step(2)
     assert time.perf_counter() - t0 >= 0.1  # every step, not one
+    later = Faults(rank=0, spec="slow:step=3:seconds=0.2")
+    t0 = time.perf_counter()
+    later.at_step(1)
+    later.at_step(2)
+    assert time.perf_counter() - t0 < 0.2  # not before step 3 ...
+    later.at_step(3)
+    later.at_step(4)
+    assert time.perf_counter() - t0 >= 0.4  # ... and every step from it on
 
 
 def test_watchdog_names_the_rank_that_is_not_in_a_collective(tmp_path):
