@@ -169,12 +169,10 @@ def cmd_train(argv: list[str]) -> int:
 def _launch_nodes(cfg: Config, nproc: int, rdzv: Rendezvous, train_args: list[str]) -> int:
     """This node's part of a multi-node run: every node count it may run on checked first
     (one line naming the counts that fit), then torchrun with the c10d rendezvous."""
-    import os
-
     from tessel.parallel.dims import ParallelDims
     from tessel.parallel.elastic import check_node_counts, replan
     from tessel.parallel.launch import launched_by_torchrun, run_torchrun
-    from tessel.parallel.rendezvous import ELASTIC_ENV, multinode_command
+    from tessel.parallel.rendezvous import multinode_command, torchrun_env
 
     if launched_by_torchrun():
         raise TesselError("--nnodes starts torchrun itself; drop the multi-node options when "
@@ -182,7 +180,4 @@ def _launch_nodes(cfg: Config, nproc: int, rdzv: Rendezvous, train_args: list[st
     check_node_counts(cfg, nproc, rdzv.nodes.counts())
     world = nproc * rdzv.nodes.high
     check_before_launch(replan(cfg, ParallelDims.from_config(cfg.parallel, world))[0], world)
-    env = None
-    if rdzv.nodes.elastic:
-        env = {**os.environ, ELASTIC_ENV: str(rdzv.nodes)}
-    return run_torchrun(multinode_command(nproc, rdzv, train_args), env)
+    return run_torchrun(multinode_command(nproc, rdzv, train_args), torchrun_env(rdzv.nodes))

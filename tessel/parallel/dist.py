@@ -74,7 +74,11 @@ def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dict:
     torchrun restarts workers (--max-restarts) against the same agent store, where the dead
     attempt's keys remain: gloo's rendezvous could read a dead worker's address ("Gloo
     connectFullMesh failed ... Connection refused", seen in about 1 of 4 restarts here).
-    Prefixing every key with the restart count keeps the attempts apart.
+    Prefixing every key with the restart count keeps the attempts apart. Without the agent
+    store (multi-node runs: tessel.parallel.rendezvous.SEPARATE_STORE_ENV) rank 0 of every
+    attempt starts a store of its own, so there is nothing to keep apart, and the restart count
+    must not be used: it is each node's own, and a node that joins a running elastic job starts
+    at 0 while the others are at 1 or more (their workers would never meet).
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
@@ -85,7 +89,8 @@ def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dict:
         is_master=not agent_store and info.rank == 0, timeout=timeout,
         multi_tenant=not agent_store,
     )
-    return {"store": dist.PrefixStore(f"tessel/attempt-{attempt}", store),
+    prefix = f"tessel/attempt-{attempt}" if agent_store else "tessel"
+    return {"store": dist.PrefixStore(prefix, store),
             "rank": info.rank, "world_size": info.world_size}
 
 

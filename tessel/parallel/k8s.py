@@ -19,7 +19,7 @@ import shlex
 
 from tessel.errors import TesselError
 from tessel.parallel.launch import MAX_RESTARTS, check_count, check_text, default_name, train_args
-from tessel.parallel.rendezvous import ELASTIC_ENV
+from tessel.parallel.rendezvous import ELASTIC_ENV, SEPARATE_STORE_EXPORT
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 CONFIG_DIR = "/etc/tessel"  # where the ConfigMap is mounted
@@ -107,6 +107,9 @@ def k8s_manifest(
     # user's text is doubled to reach bash unchanged.
     script = train_args(f"{CONFIG_DIR}/{CONFIG_KEY}", overrides,
                         quote=lambda text: shlex.quote(text).replace("$", "$$"))
+    # A pod that restarts (or returns to an elastic job) joins a later rendezvous round than
+    # the others: it needs the store that every round publishes afresh (see the constant).
+    script.append(SEPARATE_STORE_EXPORT)
     span = f"{low}-{nodes}" if low < nodes else str(nodes)
     what = f"{span} x {nproc} CPU processes" if cpu else f"{span} x {gpus_per_node} GPUs"
     # Names are DNS labels, but "yes", "null" or "123" would not be YAML strings unquoted.

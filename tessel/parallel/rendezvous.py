@@ -27,6 +27,16 @@ from tessel.errors import TesselError
 ELASTIC_ENV = "TESSEL_NNODES"
 """Set (to MIN:MAX) in the workers of an elastic run: they re-plan the micro-batch for the
 data-parallel size they find (tessel/parallel/elastic.py)."""
+SEPARATE_STORE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""torchrun's agents, by default, hand their workers the rendezvous's own TCP store, and each
+agent looks up where that store is only at its first rendezvous. A node that joins a later
+round (one coming back, or any node of a round whose membership changed) then waits for the
+store's address in the new round's keys, which the other agents never write again, while they
+wait for its rank keys: both time out after 60 s (torch 2.13, seen on two network namespaces;
+pytorch/pytorch#147064 is the same failure). With this set, every round publishes a fresh
+address and the workers start their own store, as torch did before 2.4."""
+SEPARATE_STORE_EXPORT = "\n".join(f'export {k}="${{{k}:-{v}}}"' for k, v in SEPARATE_STORE_ENV.items())
+"""The same for a job script that runs torchrun itself (Kubernetes pods), in bash."""
 LAST_CALL_S = 5
 """Seconds the rendezvous waits for more nodes once MIN have joined (torchrun's default is
 30: every shrink would wait that long)."""
@@ -151,6 +161,15 @@ def local_address(host: str, port: int) -> str:
     except OSError as exc:
         raise TesselError(f"--rdzv-endpoint {host}:{port} is not reachable from this machine "
                           f"({exc.strerror or exc}); give an address of the first node") from None
+
+
+def torchrun_env(nodes: NodeRange) -> dict[str, str]:
+    """The environment of this node's torchrun: the caller's, plus a separate store for every
+    rendezvous round (what the user set wins), plus the node range for elastic workers."""
+    env = {**SEPARATE_STORE_ENV, **os.environ}
+    if nodes.elastic:
+        env[ELASTIC_ENV] = str(nodes)
+    return env
 
 
 def multinode_command(nproc: int, rdzv: Rendezvous, train_args: list[str]) -> list[str]:

@@ -22,6 +22,7 @@ from tessel.parallel.dims import ParallelDims
 from tessel.parallel.elastic import check_node_counts, micro_batch_for, replan, replan_if_elastic
 from tessel.parallel.rendezvous import (
     ELASTIC_ENV,
+    SEPARATE_STORE_EXPORT,
     NodeRange,
     Rendezvous,
     is_local,
@@ -95,6 +96,8 @@ def test_an_elastic_launch_runs_torchrun_with_the_c10d_rendezvous(launched, monk
                  "127.0.0.1:29511", "--max-restarts=5", "--train.steps=3"]) == 0
     (cmd, env), = launched
     assert env is not None and env[ELASTIC_ENV] == "1:2"
+    # every rendezvous round publishes its own store (a returning node meets the others)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     i = cmd.index("-m", 3)  # the workers: tessel train with the other arguments only
     assert cmd[i:] == ["-m", "tessel", "train", CONFIG, "--train.steps=3"]
     opts = dict(zip(cmd[3:i:2], cmd[4:i:2]))
@@ -109,7 +112,8 @@ def test_an_elastic_launch_runs_torchrun_with_the_c10d_rendezvous(launched, monk
 def test_a_fixed_size_multinode_launch_sets_no_elastic_environment(launched):
     assert main(["train", CONFIG, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29511"]) == 0
     (cmd, env), = launched
-    assert env is None and cmd[cmd.index("--nnodes") + 1] == "2"
+    assert ELASTIC_ENV not in env and cmd[cmd.index("--nnodes") + 1] == "2"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a restarted node meets the others
 
 
 def test_only_the_node_holding_the_endpoint_hosts_the_rendezvous():
@@ -230,6 +234,10 @@ def test_an_elastic_pytorchjob_has_an_elastic_policy_and_workers_only(capsys):
     script = container["args"][0]
     subprocess.run(["bash", "-n", "-c", script], check=True)
     assert f"export {ELASTIC_ENV}=1:2\n" in script
+    store = subprocess.run(["bash", "-c", f"{SEPARATE_STORE_EXPORT}\n"
+                            "echo $TORCH_DISABLE_SHARE_RDZV_TCP_STORE"], capture_output=True,
+                           text=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    assert store == "1\n" and SEPARATE_STORE_EXPORT in script
     # the operator's PET_NNODES (1:2) and PET_RDZV_* give torchrun its range and rendezvous
     assert "exec torchrun --nproc-per-node 2 --max-restarts 3 -m tessel train" in script
     assert "--nnodes" not in script and "MASTER_ADDR" not in script
@@ -255,3 +263,11 @@ def test_namespaces_that_cannot_be_made_skip_in_one_line_but_fail_under_ci(monke
     with pytest.raises(pytest.fail.Exception, match="CI=true: must run"):
         with netns.nodes(2):
             pass
+
+
+def test_a_users_own_store_setting_reaches_torchrun(monkeypatch):
+    from tessel.parallel.rendezvous import torchrun_env
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    env = torchrun_env(NodeRange(2, 2))
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0" and ELASTIC_ENV not in env
