@@ -275,7 +275,9 @@ def slurm_script(
     # SLURM then never gives it more than MIN nodes, not even at a requeue with every node
     # free (measured on slurm-wlm 22.05); one task per node is SLURM's default, and srun asks
     # for it itself.
-    tasks = ([] if low < nodes else
+    tasks = (["# One task per node, SLURM's default (no task count: one would keep the job at "
+              f"{low} node(s))."]
+             if low < nodes else
              ["# One task per node: it starts that node's training processes.",
               "#SBATCH --ntasks-per-node=1"])
     relay: list[str] = []
