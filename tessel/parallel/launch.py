@@ -270,6 +270,16 @@ def slurm_script(
                  ("cpus-per-task", cpus_per_task)) if value]
     node = (f'NODE=("$PYTHON" -m tessel.parallel.node --nproc-per-node {nproc_per_node} '
             '--master-addr "$HEAD" --master-port "$PORT" -- "${TRAIN[@]}")')
+    # One task per node: it starts that node's training processes. Not asked for by an
+    # elastic job: from --ntasks-per-node sbatch fixes the job's task count at MIN x 1, and
+    # SLURM then never gives it more than MIN nodes, not even at a requeue with every node
+    # free (measured on slurm-wlm 22.05); one task per node is SLURM's default, and srun asks
+    # for it itself.
+    tasks = (["# One task per node, SLURM's default (no task count: one would keep the job at "
+              f"{low} node(s))."]
+             if low < nodes else
+             ["# One task per node: it starts that node's training processes.",
+              "#SBATCH --ntasks-per-node=1"])
     relay: list[str] = []
     killed: list[str] = []  # what the script does when a stop signal came and the step died
     elastic = ([f"# Elastic: {low} to {nodes} nodes at each start; the workers re-plan the batch "
@@ -316,8 +326,7 @@ def slurm_script(
         "# tessel's exit code (docs/exit-codes.md).",
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes if low == nodes else f'{low}-{nodes}'}",
-        "# One task per node: it starts that node's training processes.",
-        "#SBATCH --ntasks-per-node=1",
+        *tasks,
         *optional,
         "#SBATCH --requeue",
         f"# SIGTERM to this script {grace_s} s before the time limit; it passes it on, tessel saves",

@@ -12,7 +12,12 @@ grace time, requeue) and the time limit's warning reach both nodes' processes, w
 and the job requeues and resumes where it stopped with bit-identical losses; `--full`, which
 makes srun kill the step, requeues it, losing no more than the checkpoint interval. And
 `tessel scale --measure --nproc 1,2` in a two-node allocation runs its two-process point on
-both nodes.
+both nodes. Elastic (`--nodes 1:2`, one process a node): started while the second node is
+drained, the job trains on the first alone; the node returns and a stop signal requeues the
+job, which gets both nodes and resumes at world size 2 (`world_grow`); the second node is
+drained and its training processes killed, and the job requeues itself onto the first node
+and resumes at world size 1 from the latest interval checkpoint (`world_shrink`): the
+reference's losses, every sample taken once.
 
 The packages are installed when missing and this process may (root, apt-get); elsewhere the
 module is skipped with the reason, except under CI=true, where it fails.
@@ -20,10 +25,13 @@ module is skipped with the reason, except under CI=true, where it fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +42,7 @@ import pytest
 from conftest import write_corpus
 from slurm_cluster import CPUS, Cluster, slurm_cluster
 
+from tessel.checkpoint import list_checkpoints, read_state
 from tessel.config import read_saved
 from tessel.observe.events import read_events
 from tessel.observe.metrics import read_metrics
@@ -336,3 +345,96 @@ def test_scale_measure_inside_an_allocation_spreads_each_point_over_its_nodes(cl
                 for name in cluster.names}
     assert len(launched[cluster.names[0]]) == 2 and len(launched[cluster.names[1]]) == 1
     assert launched[cluster.names[1]][0] == max(launched[cluster.names[0]])
+
+
+# ---- elastic: --nodes 1:2 ----------------------------------------------------------------------
+
+
+def _set_node(cluster: Cluster, name: str, state: str, check: bool = True) -> None:
+    """`scontrol update` of a node's state: DRAIN (it takes no new job; one running there
+    goes on) or RESUME (back in service; refused for a node in service already)."""
+    cluster.run("scontrol", "update", f"nodename={name}", f"state={state}",
+                *(["reason=tessel-test"] if state == "drain" else []), check=check)
+
+
+def _kill_training(cluster: Cluster, i: int) -> list[int]:
+    """SIGKILL every tessel process of node i (its node launcher and worker): a node whose
+    training died; its slurmd stays up."""
+    killed = []
+    for pid in cluster.hosts[i][0].pids():
+        with contextlib.suppress(OSError):
+            if b"tessel" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
+
+
+def _world_changes(d: Path) -> list[tuple[str, int, int, int, int]]:
+    """(kind, step, world size before, after, accumulation) of each world_shrink/grow event."""
+    return [(e["kind"], e["step"], e["world_size_before"], e["world_size"], e["accumulation"])
+            for e in read_events(d / "run") if e["kind"] in ("world_shrink", "world_grow")]
+
+
+@pytest.mark.budget(75)  # seconds on the reference machine: 53 s here, +~40%
+def test_an_elastic_job_grows_onto_a_returned_node_and_shrinks_off_a_lost_one(
+        cluster, reference, tmp_path_factory):
+    """`tessel launch slurm --nodes 1:2` (one process a node) submitted while the second node
+    is drained: SLURM starts it on one node, at world size 1 (micro-batch 4, accumulation 2).
+    The node returns (`state=resume`) and the job's steps are signalled: they save, the job
+    requeues itself, gets both nodes and resumes at world size 2 from that checkpoint
+    (accumulation 1). Then the second node is drained and its training processes killed: srun
+    ends the step, the script requeues the job (a crash), which gets the first node alone and
+    resumes at world size 1 from the latest interval checkpoint. No person in between; the
+    global batch kept, every sample taken once, the losses the reference's."""
+    d = _workdir(tmp_path_factory, "elastic")
+    ckpts = d / "run" / "checkpoints"
+    spare = cluster.names[1]
+    _set_node(cluster, spare, "drain")
+    try:
+        job = _submit(cluster, d, "--nodes", "1:2", "--nproc-per-node", "1",
+                      f"--checkpoint.interval={INTERVAL}")
+        first = cluster.wait(job, lambda j: _steps_logged(d) >= 20, what="trained 20 steps")
+        _set_node(cluster, spare, "resume")
+        cluster.run("scancel", "--signal=TERM", job)
+        second = cluster.wait(job, lambda j: j["Restarts"] == "1" and j["JobState"] == "RUNNING",
+                              what="requeued and started again")
+        # the returned node taken in (a job that asked for a task count never got it)
+        assert second["NodeList"] == "tnode[0-1]", second
+        cluster.wait(job, lambda j: _world_changes(d), what="resumed")
+        grew_at = _world_changes(d)[0][1]
+        cluster.wait(job, lambda j: list_checkpoints(ckpts)[-1][0] > grew_at,
+                     what="saved an interval checkpoint at world size 2")
+        _set_node(cluster, spare, "drain")
+        assert _kill_training(cluster, 1)  # the second node's launcher and worker
+        lost_at = _last_step(d)
+        third = cluster.wait(job, lambda j: j["Restarts"] == "2" and j["JobState"] == "RUNNING",
+                             what="requeued after the loss and started again")
+        info = _finished(cluster, job, d)
+    finally:  # in service again for whatever runs next on this cluster
+        _set_node(cluster, spare, "resume", check=False)
+    assert info["Restarts"] == "2"
+    # SLURM's allocations: the first node alone, and again once the second was lost
+    assert first["NodeList"] == third["NodeList"] == cluster.names[0]
+    saved, resumed = _stops_and_resumes(d)
+    assert saved == [grew_at] and len(resumed) == 2 and resumed[0] == grew_at
+    shrank_at = resumed[1]  # the latest interval checkpoint when the node was lost
+    assert shrank_at % INTERVAL == 0 and grew_at < shrank_at <= lost_at <= shrank_at + INTERVAL
+    # One process a node: world size = nodes; accumulation = 8 / (micro-batch 4 x world)
+    assert read_events(d / "run")[0]["world_size"] == 1
+    assert _world_changes(d) == [("world_grow", grew_at, 1, 2, 1),
+                                 ("world_shrink", shrank_at, 2, 1, 2)]
+    log = _log(d)
+    # the loss took the crash path (srun's --kill-on-bad-exit), not the stop path
+    assert "srun: error: tnode1: task 1: Killed" in log, log[-3000:]
+    assert re.search(r"the run failed \(exit \d+\); requeueing job", log), log[-3000:]
+    # The global batch and schedule kept: the reference's losses at every step (the steps
+    # trained twice after the loss count as retrained), within float tolerance (accumulation
+    # over micro-batches or an all-reduce over processes sum in another order).
+    got = _losses(d / "run")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
+    # The data position is exact: every sample of 300 global batches of 8 taken once.
+    final = read_state(list_checkpoints(ckpts)[-1][1])
+    assert final["loader"]["total"] == STEPS * 8 and final["batches_drawn"] == STEPS
+    assert final["world_size"] == 1

@@ -187,6 +187,22 @@ def test_slurm_script_is_valid_bash_with_rendezvous_requeue_and_resume(capsys, t
     assert train_array(script, tmp_path) == [CONFIG, *overrides, "--auto-resume"]
 
 
+def test_an_elastic_slurm_job_leaves_its_task_count_to_slurm():
+    """`--nodes 1:2` asks for no task count: with `#SBATCH --ntasks-per-node=1` sbatch set the
+    job's task count to MIN x 1 and SLURM never gave it a second node, not even at a requeue
+    with both free (measured: tests/integration/test_slurm.py). srun still starts one node
+    launcher per node of whatever was allocated; a fixed-size job keeps asking for one each."""
+    def sbatch_lines(**kw: int) -> list[str]:
+        script = launch.slurm_script("cfg.toml", [], gpus_per_node=0, python="python", **kw)
+        assert 'srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &' in script
+        return [line for line in script.splitlines() if line.startswith("#SBATCH")]
+
+    elastic = sbatch_lines(nodes=2, min_nodes=1)
+    assert "#SBATCH --nodes=1-2" in elastic
+    assert [line for line in elastic if "--ntasks" in line] == []
+    assert "#SBATCH --ntasks-per-node=1" in sbatch_lines(nodes=2)
+
+
 def _run_two_node_script(tmp_path: Path, srun: str, restarts: int) -> tuple[int, str, str]:
     """The two-node CPU script run by bash with stub srun, scancel and scontrol (which record
     their arguments in calls.txt); `srun` is the stub's body. (exit code, stdout, calls)"""
