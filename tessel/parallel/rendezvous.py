@@ -5,7 +5,9 @@ With MIN:MAX the run is elastic: torchrun's rendezvous admits between MIN and MA
 a node is lost the survivors' workers fail, torchrun restarts them (up to --max-restarts
 times) with the nodes still there, and `--auto-resume` continues the run from its latest
 checkpoint at the new world size (tessel/parallel/elastic.py re-plans the batch split). A
-node that comes back is meant to join at a later restart (not tested; see
+node that comes back (the same command started on it again) is taken in at the next round:
+the running agents stop their workers (a checkpoint, as on preemption) and all restart at
+the larger world size (SEPARATE_STORE_ENV says what that needs from torchrun;
 docs/parallelism.md#elastic-world-size).
 
 The node whose address is HOST hosts the rendezvous (decided here by binding to HOST, not by
