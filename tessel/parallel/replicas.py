@@ -99,6 +99,27 @@ def quiet_torchft() -> None:
                             category=UserWarning)
 
 
+def weights_only_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (what a recovering group fetches its peer's state
+    through), reading what arrives with torch's weights-only unpickler. torchft's own reads
+    it with plain pickle (`weights_only=False`, for learning-rate schedulers' state), so any
+    process that could answer a group's request could run code in it; tessel's state for a
+    peer is tensors, numbers, strings and containers (tessel.train.replicas), which the
+    weights-only unpickler reads whole, and anything else is refused."""
+    import urllib.request
+
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
 class ReplicaGroup:
     """This process's membership of the replica groups: torchft's Manager, a reconfigurable
     gloo (CPU) or NCCL (CUDA) process group across the groups, and the store it rendezvous
@@ -141,7 +162,7 @@ class ReplicaGroup:
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=0, world_size=1, store_addr=host, store_port=self._store.port,
             lighthouse_addr=cfg.lighthouse or None, replica_id=f"tessel_{cfg.replica_id}",
-            hostname=host,
+            hostname=host, checkpoint_transport=weights_only_transport(timeout),
             init_sync=False)  # every group starts from the same seed or weights
 
     def quorum(self) -> int:

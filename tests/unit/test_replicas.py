@@ -219,3 +219,52 @@ def test_a_peer_state_that_does_not_fit_is_one_line(tiny_config, lighthouse):
         trainer.replicas.load_state_dict(trainer.replicas.state_dict())  # its own: fits
     finally:
         trainer.replicas.close()
+
+
+class _Payload:
+    """What a hostile peer could send: unpickling it makes a directory (harmless code)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.path),)
+
+
+def test_a_peers_state_is_read_without_running_code(tiny_config, lighthouse, tmp_path: Path):
+    from datetime import timedelta
+
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    from tessel.parallel.replicas import weights_only_transport
+
+    cfg = tiny_config(**{**FT, "fault_tolerance.group_size": 1,
+                         "fault_tolerance.lighthouse": lighthouse(1)})
+    trainer = Trainer(cfg, console=False)
+    timeout = timedelta(seconds=30)
+    sender, ours = HTTPTransport(timeout=timeout, num_chunks=0), weights_only_transport(timeout)
+    try:
+        # tessel's real state crosses whole through the weights-only reader ...
+        state = trainer.replicas.state_dict()
+        sender.send_checkpoint([1], 1, state, timeout)
+        got = ours.recv_checkpoint(0, sender.metadata(), 1, timeout)
+        assert got["trainer"] == state["trainer"]
+        for a, b in zip(got["model"], state["model"], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert got["optim"][0]["param_groups"] == state["optim"][0]["param_groups"]
+        trainer.replicas.load_state_dict(got)
+        # ... and a payload that runs code when unpickled is refused, where torchft's own
+        # transport runs it.
+        sender.send_checkpoint([1], 2, {"x": _Payload(tmp_path / "ran")}, timeout)
+        with pytest.raises(Exception, match="unsupported GLOBAL posix.mkdir"):
+            ours.recv_checkpoint(0, sender.metadata(), 2, timeout)
+        assert not (tmp_path / "ran").exists()
+        HTTPTransport(timeout=timeout, num_chunks=0).recv_checkpoint(0, sender.metadata(), 2,
+                                                                     timeout)
+        assert (tmp_path / "ran").is_dir()
+    finally:
+        sender.shutdown(wait=False)
+        ours.shutdown(wait=False)
+        trainer.replicas.close()
