@@ -4,6 +4,10 @@
     TESSEL_FAULT="nan:batch=7"                make the loss of global batch 7 NaN
     TESSEL_FAULT="kill:rank=1:step=5"         SIGKILL rank 1 when step 5 starts (first attempt only)
     TESSEL_FAULT="hang:rank=1:step=3"         rank 1 sleeps forever when step 3 starts
+    TESSEL_FAULT="killsync:step=3"            SIGKILL this process as it enters step 3's
+                                              all-reduce over the replica groups
+                                              ([fault_tolerance]): it took part in the
+                                              step's quorum, so its peers are in theirs
     TESSEL_FAULT="slow:seconds=0.1"           every step starts 0.1 s late (a slow machine;
                                               the losses are unchanged; step=N: from step N on)
     TESSEL_FAULT="netdelay:seconds=0.05"      every collective of the process (from the first
@@ -53,9 +57,9 @@ def parse_faults(spec: str) -> list[Fault]:
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         kind, *fields = item.split(":")
-        if kind not in ("spike", "nan", "kill", "hang", "slow", "netdelay"):
+        if kind not in ("spike", "nan", "kill", "hang", "slow", "netdelay", "killsync"):
             raise TesselError(f"TESSEL_FAULT: unknown fault {kind!r}; use spike, nan, kill, hang, "
-                              "slow or netdelay")
+                              "slow, netdelay or killsync")
         args: dict[str, float | int] = {}
         for f in fields:
             key, _, value = f.partition("=")
@@ -93,6 +97,15 @@ class Faults:
             if f.kind == "hang":
                 while True:
                     time.sleep(3600)
+
+    def at_replica_allreduce(self, step: int) -> None:
+        """Where a replica group enters the step's all-reduce over the groups (`step`: as
+        `at_step`'s, the steps done)."""
+        for f in self.faults:
+            if (f.kind == "killsync" and f.step == step and f.rank in (None, self.rank)
+                    and self.first_attempt):
+                time.sleep(1.0)  # its peers are in the all-reduce by then, waiting for it
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def loss_factor(self, batch: int) -> float:
         """What the loss of global batch `batch` is multiplied by (1.0: untouched)."""

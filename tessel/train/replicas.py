@@ -106,6 +106,7 @@ class TrainerReplicas:
         """The step's loss and gradients averaged over the groups of the quorum (one
         collective): the loss logged is the mean over the groups that took part."""
         mean = loss.detach().float().reshape(1).clone()
+        self.tr.faults.at_replica_allreduce(self.tr.step)
         self.group.average([mean, *grads])
         return mean.reshape(())
 

@@ -1,6 +1,8 @@
 """Fault-tolerant replica groups ([fault_tolerance], torchft 0.2 on CPU/gloo, nothing mocked):
 three single-process replica groups and an in-process torchft Lighthouse. The third group is
-SIGKILLed as its step K starts; the other two keep stepping with two participants; the killed
+SIGKILLed inside step K + 1's all-reduce over the groups (after that step's quorum), where
+the other two wait for it: that step is discarded and taken again without it, and the two keep
+stepping with two participants; the killed
 group, started again on its run directory (which holds no checkpoint), takes the current
 state from a healthy peer, rejoins, and ends with weights bitwise equal to its peers'.
 """
@@ -29,7 +31,7 @@ if importlib.util.find_spec("torchft") is None and os.environ.get("CI") != "true
     pytest.skip("torchft is not installed (pip install 'tessel[ft]')", allow_module_level=True)
 
 GROUPS, K, STEPS = 3, 3, 1000
-"""Replica groups; the step at whose start the third is killed; train.steps, more than the
+"""Replica groups; the steps done when the third is killed; train.steps, more than the
 test lets the run take: once the killed group is back, alert rules with action "stop" end
 all three groups together, one step later (the survivors' `replicas.joined`, the returned
 group's `replicas.healed`), however long the restart took on a busy machine."""
@@ -86,7 +88,9 @@ def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepp
     args = [_args(runs[i], corpus, i, lighthouse.address()) for i in range(GROUPS)]
     procs = [_start([*args[i], "--auto-resume"], fault=f"slow:seconds={SLOW}")
              for i in range(GROUPS - 1)]
-    procs.append(_start([*args[-1], "--auto-resume"], fault=f"kill:step={K}"))
+    # It dies as it enters step K + 1's all-reduce, after joining that step's quorum: the
+    # other two are inside theirs, waiting for it.
+    procs.append(_start([*args[-1], "--auto-resume"], fault=f"killsync:step={K}"))
     try:
         procs[-1].wait(timeout=120)
         assert procs[-1].returncode == -9, procs[-1].communicate()[1][-3000:]
@@ -102,6 +106,10 @@ def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepp
         lighthouse.shutdown()
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == EXIT_STOPPED, err[-3000:]  # by the alert rules, together
+    for out, _ in outputs[:2]:  # the step it died in was not applied, and was taken again
+        assert out.count("discarded") == 1, out[-3000:]
+        assert (f"tessel: fault tolerance: step {K + 1} discarded (a replica group failed "
+                "during it); retrying it on the same data") in out
     restarted_out = outputs[-1][0]
     assert "has no checkpoint yet; starting from step 0" in restarted_out
 

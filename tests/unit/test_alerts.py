@@ -11,7 +11,7 @@ from tessel.config import AlertConfig, RecoveryConfig
 from tessel.errors import TesselError
 from tessel.observe.alerts import AlertRules
 from tessel.observe.watchdog import Watchdog
-from tessel.train.faults import Faults, parse_faults
+from tessel.train.faults import Fault, Faults, parse_faults
 from tessel.train.recovery import SpikeDetector
 
 
@@ -101,6 +101,7 @@ def test_fault_specs():
     assert parse_faults("spike:batch=3:scale=10;kill:rank=1:step=2")[0].scale == 10.0
     f = Faults(rank=0, spec="spike:batch=3:scale=10;nan:batch=4")
     assert f.loss_factor(3) == 10.0 and math.isnan(f.loss_factor(4)) and f.loss_factor(5) == 1.0
+    assert parse_faults("killsync:step=3") == [Fault("killsync", step=3)]
     with pytest.raises(TesselError, match="unknown fault"):
         parse_faults("explode:step=1")
     with pytest.raises(TesselError, match="bad value"):
