@@ -34,7 +34,8 @@ def tessel_here(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
                 *args: str | Path) -> tuple[int, str, str]:
     """`tessel ARGS` in this process with CI=true: (exit code, stdout, stderr), captured at
     the file descriptors (what preprocess's forked workers or a native library write there
-    counts too, as it would in a subprocess's pipes)."""
+    counts too, as it would in a subprocess's pipes; test_cli's `tessel_here` sees only
+    Python's sys.stdout and sys.stderr)."""
     monkeypatch.setenv("CI", "true")
     capfd.readouterr()
     code = main(list(map(str, args)))
