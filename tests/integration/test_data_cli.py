@@ -1,7 +1,9 @@
 """`tessel tokenizer train`, `tessel preprocess` and `tessel data inspect` as a user runs them.
 
-A few real subprocesses (`python -m tessel`, CI=true) for the smoke paths; the many
-bad-input cases go through `tessel.cli.main` in-process, the same code minus the start-up.
+Through `tessel.cli.main` in this process (CI=true; stdout and stderr captured at the file
+descriptors: not a terminal, as in a pipe), the same code as the command minus a ~5 s
+start-up; one refusal goes through the real entry point (`python -m tessel`) for its exit
+code.
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ def tessel(*args: str | Path) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=120)
 
 
+def tessel_here(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+                *args: str | Path) -> tuple[int, str, str]:
+    """`tessel ARGS` in this process with CI=true: (exit code, stdout, stderr), captured at
+    the file descriptors (what preprocess's forked workers or a native library write there
+    counts too, as it would in a subprocess's pipes; test_cli's `tessel_here` sees only
+    Python's sys.stdout and sys.stderr)."""
+    monkeypatch.setenv("CI", "true")
+    capfd.readouterr()
+    code = main(list(map(str, args)))
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
 def assert_one_line_error(out: str, err: str, code: int, needle: str) -> None:
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -43,48 +58,57 @@ def jsonl(tmp_path: Path) -> Path:
     return path
 
 
-def test_tokenizer_train_writes_a_loadable_tokenizer(tmp_path: Path, jsonl: Path):
-    out = tessel("tokenizer", "train", "--input", jsonl, "--vocab-size", "300", "--output",
-                 tmp_path / "tok" / "tokenizer.json")
-    assert out.returncode == 0, out.stderr
-    assert "trained a 300-id byte-level BPE on 40 documents" in out.stdout and out.stderr == ""
+def test_tokenizer_train_writes_a_loadable_tokenizer(tmp_path: Path, jsonl: Path, capfd,
+                                                     monkeypatch):
+    code, out, err = tessel_here(capfd, monkeypatch, "tokenizer", "train", "--input", jsonl,
+                                 "--vocab-size", "300", "--output",
+                                 tmp_path / "tok" / "tokenizer.json")
+    assert code == 0, err
+    assert "trained a 300-id byte-level BPE on 40 documents" in out and err == ""
     tok = load_tokenizer(tmp_path / "tok" / "tokenizer.json")
     assert tok.vocab_size == 300 and tok.decode(tok.encode(TEXTS[3])) == TEXTS[3]
     assert [p.name for p in (tmp_path / "tok").iterdir()] == ["tokenizer.json"]
 
 
-def test_preprocess_writes_a_dataset_and_prints_only_the_summary(tmp_path: Path, jsonl: Path):
+def test_preprocess_writes_a_dataset_and_prints_only_the_summary(tmp_path: Path, jsonl: Path,
+                                                                 capfd, monkeypatch):
     tok = train_bpe(TEXTS, 300)
     tok.save(tmp_path / "tok.json")
-    out = tessel("preprocess", "--input", jsonl, "--tokenizer", tmp_path / "tok.json",
-                 "--output", tmp_path / "data" / "web", "--workers", "2", "--append-eod")
-    assert out.returncode == 0, out.stderr
-    assert out.stderr == "" and len(out.stdout.splitlines()) == 1  # CI: no progress bar
-    assert out.stdout.startswith("preprocessed 40 documents")
+    code, out, err = tessel_here(capfd, monkeypatch, "preprocess", "--input", jsonl,
+                                 "--tokenizer", tmp_path / "tok.json", "--output",
+                                 tmp_path / "data" / "web", "--workers", "2", "--append-eod")
+    assert code == 0, err
+    assert err == "" and len(out.splitlines()) == 1  # CI: no progress bar
+    assert out.startswith("preprocessed 40 documents")
     ds = IndexedDataset(tmp_path / "data" / "web")
     assert ds.n_docs == 40 and ds.tokenizer_fingerprint == tok.fingerprint()
     assert ds.tokenizer().decode(ds.document(5).tolist()) == TEXTS[5]
 
 
-def test_data_inspect_prints_sizes_tokenizer_and_a_sample(tmp_path: Path, jsonl: Path):
+def test_data_inspect_prints_sizes_tokenizer_and_a_sample(tmp_path: Path, jsonl: Path, capfd,
+                                                          monkeypatch):
     preprocess([jsonl], "bytes", tmp_path / "d", append_eod=True, progress=False)
-    out = tessel("data", "inspect", tmp_path / "d.idx", "--verify")
-    assert out.returncode == 0, out.stderr
-    fields = dict(line.split(None, 1) for line in out.stdout.splitlines()[:3])
+    code, out, err = tessel_here(capfd, monkeypatch, "data", "inspect", tmp_path / "d.idx",
+                                 "--verify")
+    assert code == 0, err
+    fields = dict(line.split(None, 1) for line in out.splitlines()[:3])
     assert fields == {"dataset": str(tmp_path / "d"), "documents": "40",
                       "tokens": f"{sum(len(t.encode()) + 1 for t in TEXTS):,}"}
     for needle in ("dtype       uint16", "vocab size  257", "tokenizer   ", "doc length  mean",
                    "checksum    ok", "  | Document 0: the quick brown fox"):
-        assert needle in out.stdout
+        assert needle in out
 
 
-def test_bad_input_is_one_line_with_nothing_written(tmp_path: Path):
+def test_bad_input_is_one_line_with_nothing_written(tmp_path: Path, capfd, monkeypatch):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
+    # the real entry point: its exit code and stderr
     out = tessel("preprocess", "--input", tmp_path / "bad.jsonl", "--output", tmp_path / "out" / "d")
     assert_one_line_error(out.stdout, out.stderr, out.returncode, "bad.jsonl:2: not valid JSON")
     assert not (tmp_path / "out").exists()
-    out = tessel("preprocess", "--output", tmp_path / "out" / "d")
-    assert_one_line_error(out.stdout, out.stderr, out.returncode, "required: --input")
+    code, out, err = tessel_here(capfd, monkeypatch, "preprocess", "--output",
+                                 tmp_path / "out" / "d")
+    assert_one_line_error(out, err, code, "required: --input")
+    assert not (tmp_path / "out").exists()
 
 
 def _corrupt(prefix: Path) -> Path:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli import ROOT, assert_one_line_error, start, tessel
+from test_cli import ROOT, assert_one_line_error, start, tessel, tessel_here
 
 from tessel.observe.metrics import read_metrics
 
@@ -209,23 +209,27 @@ def _tiny_hf_chat_model(path: Path) -> Path:
 
 @pytest.mark.budget(80)  # seconds on the reference machine: measured, +~40%
 @pytest.mark.slow
-def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
+def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch):
     """The issue's end-to-end example in one config: a Hugging Face Llama (written here) is
     fine-tuned on the bundled chat set with its own chat template and exported; the masked
     loss falls, transformers loads the export and answers a held-out question greedily with
-    tessel's reply, in the template's shape (a reply that ends its turn by itself)."""
+    tessel's reply, in the template's shape (a reply that ends its turn by itself). The
+    commands run in this process (`tessel_here`: what the entry point runs, less a ~5 s
+    start-up), from the repository root as the config's relative data path expects."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from tessel.data.tokenizer import load_tokenizer
 
     src = _tiny_hf_chat_model(tmp_path / "hf")
     run = tmp_path / "run"
-    proc = tessel("train", "configs/sft-tiny.toml", f"--model.init_from={src}",
-                  "--data.chat_template=auto", f"--run.dir={run}",
-                  f"--data.cache_dir={tmp_path / 'cache'}", "--train.steps=60",
-                  "--train.eval_interval=0", "--checkpoint.interval=60",
-                  "--checkpoint.hf_export_interval=60", "--metrics.tensorboard=false",
-                  "--run.sample_tokens=0", cwd=ROOT)
+    monkeypatch.chdir(ROOT)
+    proc = tessel_here("train", "configs/sft-tiny.toml", f"--model.init_from={src}",
+                       "--data.chat_template=auto", f"--run.dir={run}",
+                       f"--data.cache_dir={tmp_path / 'cache'}", "--train.steps=60",
+                       "--train.eval_interval=0", "--checkpoint.interval=60",
+                       "--checkpoint.hf_export_interval=60", "--metrics.tensorboard=false",
+                       "--run.sample_tokens=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the model's own" in proc.stdout  # the template came from the HF directory
     # the one start-up line with the counts
@@ -250,8 +254,8 @@ def test_sft_from_a_hugging_face_model_to_a_hugging_face_model(tmp_path: Path):
                          pad_token_id=end)[0, ids.shape[1]:].tolist()
     assert end in out, tok.decode(out)  # it ends its turn by itself
     hf_reply = tok.decode(out[:out.index(end)])
-    chat = tessel("generate", str(run), "--chat", "--prompt", question,
-                  "--max-new-tokens", "24", "--temperature", "0")
+    chat = tessel_here("generate", str(run), "--chat", "--prompt", question,
+                       "--max-new-tokens", "24", "--temperature", "0")
     assert chat.returncode == 0, chat.stderr
     assert "<|im_start|>" not in chat.stdout  # the reply alone, not the rendered prompt
     assert chat.stdout.strip() == hf_reply.strip(), (chat.stdout, hf_reply)

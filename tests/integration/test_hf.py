@@ -1,5 +1,7 @@
 """Hugging Face interop against `transformers` itself: small random HF models built in the
-test (no hub), converted both ways, compared logit by logit and token by token."""
+test (no hub), converted both ways, compared logit by logit and token by token. The commands
+run in this process (`tessel.cli.main`, or `tessel_here` for its exit code and output): a
+`python -m tessel` start-up costs ~5 s and shows nothing these tests check."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_cli import assert_one_line_error, tessel, tessel_here
+from test_cli import assert_one_line_error, tessel_here
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -111,11 +113,12 @@ def test_hf_to_tessel_matches_transformers_and_round_trips_bit_for_bit(arch, tmp
 def test_fine_tuned_model_exports_to_transformers_with_the_same_logits(tmp_path: Path, corpus: Path):
     src = save_hf(hf_llama(), tmp_path / "hf", corpus)
     run = tmp_path / "run"
-    out = tessel("train", f"--model.init_from={src}", f"--run.dir={run}", "--data.source=files",
-                 f"--data.paths=['{corpus}']", "--train.seq_len=64", "--train.steps=4",
-                 "--train.micro_batch_size=2", "--train.global_batch_size=4",
-                 "--train.eval_interval=0", "--train.eval_iters=1", "--checkpoint.interval=2",
-                 "--checkpoint.hf_export_interval=2", "--metrics.tensorboard=false")
+    out = tessel_here("train", f"--model.init_from={src}", f"--run.dir={run}",
+                      "--data.source=files", f"--data.paths=['{corpus}']", "--train.seq_len=64",
+                      "--train.steps=4", "--train.micro_batch_size=2",
+                      "--train.global_batch_size=4", "--train.eval_interval=0",
+                      "--train.eval_iters=1", "--checkpoint.interval=2",
+                      "--checkpoint.hf_export_interval=2", "--metrics.tensorboard=false")
     assert out.returncode == 0, out.stderr
     assert f"initialising from Hugging Face LlamaForCausalLM {src}" in out.stdout
     assert f"tokenizer from {src / 'tokenizer.json'}" in out.stdout
@@ -340,11 +343,12 @@ def test_a_tokenizer_without_an_end_of_document_token_uses_the_models_eos(
     assert Config.load(tmp_path / "t/config.toml").data.eod_token == "<|eot|>"
     # Fine-tuning ends every document with it, and export names it as EOS.
     run = tmp_path / "run"
-    out = tessel("train", str(tmp_path / "t/config.toml"), f"--run.dir={run}",
-                 "--data.source=files", f"--data.paths=['{corpus}']", "--train.seq_len=32",
-                 "--train.steps=1", "--train.micro_batch_size=2", "--train.global_batch_size=2",
-                 "--train.eval_interval=0", "--train.eval_iters=1", "--data.split=100,0",
-                 f"--data.cache_dir={tmp_path / 'cache'}", "--metrics.tensorboard=false")
+    out = tessel_here("train", str(tmp_path / "t/config.toml"), f"--run.dir={run}",
+                      "--data.source=files", f"--data.paths=['{corpus}']", "--train.seq_len=32",
+                      "--train.steps=1", "--train.micro_batch_size=2",
+                      "--train.global_batch_size=2", "--train.eval_interval=0",
+                      "--train.eval_iters=1", "--data.split=100,0",
+                      f"--data.cache_dir={tmp_path / 'cache'}", "--metrics.tensorboard=false")
     assert out.returncode == 0, out.stderr
     from tessel.data.indexed import IndexedDataset
 

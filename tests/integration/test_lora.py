@@ -16,7 +16,7 @@ from conftest import write_corpus
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from test_cli import assert_one_line_error, tessel, tessel_here
+from test_cli import assert_one_line_error, tessel_here
 from test_hf import VOCAB, hf_llama, save_hf, tessel_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -183,7 +183,7 @@ def test_checkpoints_hold_only_the_adapters_and_resume_exactly(trained, tmp_path
     half = tmp_path / "half"
     Trainer(load_config(None, lora_overrides(src, half, corpus, **{"train.steps": 2})),
             console=False).train()
-    out = tessel("train", "--resume", str(half), "--train.steps=4")
+    out = tessel_here("train", "--resume", str(half), "--train.steps=4")
     assert out.returncode == 0, out.stderr
     resumed = read_full(latest_checkpoint(half / "checkpoints"), "model")
     assert saved.keys() == resumed.keys()
@@ -196,7 +196,7 @@ def test_checkpoints_hold_only_the_adapters_and_resume_exactly(trained, tmp_path
     torch.manual_seed(7)
     save_hf(hf_llama(), src)
     before = sorted(p.name for p in (half / "checkpoints").iterdir())
-    out = tessel("train", "--resume", str(half), "--train.steps=6")
+    out = tessel_here("train", "--resume", str(half), "--train.steps=6")
     assert_one_line_error(out, "adapters trained on another base model")
     assert sorted(p.name for p in (half / "checkpoints").iterdir()) == before
 

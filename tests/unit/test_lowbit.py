@@ -152,7 +152,11 @@ def test_low_precision_state_trains_through_the_trainer(tiny_config, name, dtype
     from tessel.observe.metrics import read_metrics
     from tessel.train import Trainer
 
-    cfg = tiny_config(**{"optim.name": name, "optim.state_dtype": dtype, "train.steps": 4})
+    # tiny-llama: torchao compiles its update once per parameter shape (the `tiny` preset's
+    # took 43 s on a cold compile cache); these are the shapes that
+    # test_int8_state_is_torchaos_adamw8bit had compiled already in this process
+    cfg = tiny_config(**{"model.preset": "tiny-llama", "optim.name": name,
+                         "optim.state_dtype": dtype, "train.steps": 4})
     trainer = Trainer(cfg, console=False)
     trainer.train()
     losses = [r["loss"] for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
