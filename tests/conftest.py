@@ -28,10 +28,12 @@ torch.set_num_threads(int(os.environ.get(
 
 WORKERS = 2
 """xdist workers for `-n auto`: the CI machine's two cores."""
-PROCESSES = ("tests/distributed/", "tests/integration/test_slurm.py",
-             "tests/integration/test_lm_eval.py::test_two_processes_score_like_one")
+PROCESSES = ("tests/distributed/", "tests/integration/test_lm_eval.py::test_two_processes_score_like_one")
 """Tests that start several training processes: one at a time, on one worker (the scope
-"processes"), beside the other worker's single-process tests."""
+"processes"), beside the other worker's single-process tests. Not test_slurm.py, whose jobs
+mostly wait (a paced run of a tiny model, SLURM's scheduling): with it, this scope was 28 of
+the suite's 47 summed minutes, and the other worker sat idle for the last 9; it is a module
+like any other now, on whichever worker takes it."""
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -277,7 +277,7 @@ def job_output(proc: subprocess.CompletedProcess) -> str:
     return (err[crash:crash + 4000] + "\n[...]\n" if crash >= 0 else "") + err[-3000:]
 
 
-def torchrun(nproc: int, spec: dict, tmp_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, spec: dict, tmp_path: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     spec_path = tmp_path / f"spec-{nproc}-{len(list(tmp_path.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
