@@ -4,10 +4,11 @@
     TESSEL_FAULT="nan:batch=7"                make the loss of global batch 7 NaN
     TESSEL_FAULT="kill:rank=1:step=5"         SIGKILL rank 1 when step 5 starts (first attempt only)
     TESSEL_FAULT="hang:rank=1:step=3"         rank 1 sleeps forever when step 3 starts
-    TESSEL_FAULT="killsync:step=3"            SIGKILL this process as it enters step 3's
-                                              all-reduce over the replica groups
-                                              ([fault_tolerance]): it took part in the
-                                              step's quorum, so its peers are in theirs
+    TESSEL_FAULT="killsync:step=3"            once 3 steps are done, SIGKILL this process
+                                              as it enters the next step's all-reduce over
+                                              the replica groups ([fault_tolerance]): it
+                                              took part in that step's quorum, so its peers
+                                              are in theirs
     TESSEL_FAULT="slow:seconds=0.1"           every step starts 0.1 s late (a slow machine;
                                               the losses are unchanged; step=N: from step N on)
     TESSEL_FAULT="netdelay:seconds=0.05"      every collective of the process (from the first
