@@ -12,9 +12,11 @@ once and the launcher waits for them however long the save takes; the workers re
 through MASTER_ADDR:MASTER_PORT (torch's env:// initialisation) as under torchrun.
 
 Exit code: the workers' own when they agree (0: finished); EXIT_REQUEUE (75) when a SIGTERM or
-SIGUSR1 stopped them and each saved its checkpoint and exited 0, so the job script requeues
-itself; otherwise the first failing worker's code (128 + S if a signal S killed it), after the
-others had `_FAILURE_GRACE_S` seconds to notice (their collectives fail) and were then killed.
+SIGUSR1 stopped them before the run's last step and each saved its checkpoint (the workers
+say so with that code: STOPPED_EXIT_ENV), so the job script requeues itself, but 0 when the
+signal came after the last step (the run is done); otherwise the first failing worker's code
+(128 + S if a signal S killed it), after the others had `_FAILURE_GRACE_S` seconds to notice
+(their collectives fail) and were then killed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import time
 
 # EX_TEMPFAIL: "try again later". The job script requeues itself on it.
 EXIT_REQUEUE = 75
+# Read by tessel.train.control.exit_code_for: what a worker exits with when a stop signal
+# ended its run early, after the checkpoint.
+STOPPED_EXIT_ENV = "TESSEL_STOPPED_EXIT_CODE"
 _FAILURE_GRACE_S = 60.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -57,7 +62,8 @@ def worker_env(local_rank: int, a: argparse.Namespace) -> dict[str, str]:
             "RANK": str(a.node_rank * a.nproc_per_node + local_rank),
             "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(a.nproc_per_node), "GROUP_RANK": str(a.node_rank),
-            "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port)}
+            "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port),
+            STOPPED_EXIT_ENV: str(EXIT_REQUEUE)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    failed = [c for c in codes if c != 0]
+    failed = [c for c in codes if c not in (0, EXIT_REQUEUE)]
     if failed:
         code = failed[0]
         return code if code > 0 else 128 - code
-    if any(s in (signal.SIGTERM, signal.SIGUSR1) for s in stops):
+    if EXIT_REQUEUE in codes:  # stopped early, saved (a signal after the last step: 0)
         print("tessel: stopped by the scheduler's signal after saving a checkpoint; "
               f"exiting {EXIT_REQUEUE} so the job requeues itself", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
@@ -110,7 +116,7 @@ def _wait(workers: list[subprocess.Popen[bytes]]) -> list[int]:
         codes = [w.poll() for w in workers]
         if all(c is not None for c in codes):
             return [int(c) for c in codes if c is not None]
-        if failed_at is None and any(c not in (None, 0) for c in codes):
+        if failed_at is None and any(c not in (None, 0, EXIT_REQUEUE) for c in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S:
             for w in workers:

@@ -8,6 +8,7 @@ settles whether an asynchronous checkpoint has been written on every rank.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from tessel.errors import Stopped
 from tessel.observe.alerts import ACTIONS
+from tessel.parallel.node import STOPPED_EXIT_ENV
 
 # Exit codes of runs that end early on purpose (docs/exit-codes.md).
 EXIT_INTERRUPTED, EXIT_PAUSED, EXIT_STOPPED = 130, 4, 5
@@ -90,6 +92,11 @@ def stop_at_once(during: str) -> Iterator[None]:
 
 def exit_code_for(stopped_by: str | None) -> int:
     """The process exit code of a run that ended for `stopped_by` (None: it finished)."""
+    if stopped_by in ("SIGTERM", "SIGUSR1"):
+        # 0 (checkpoint saved), or what tessel's node launcher asks for in its workers'
+        # environment, so that it can tell a run stopped early from one that finished
+        value = os.environ.get(STOPPED_EXIT_ENV, "")
+        return int(value) if value.isdigit() and 0 < int(value) < 126 else 0
     return {"SIGINT": EXIT_INTERRUPTED, "pause": EXIT_PAUSED,
             "stop": EXIT_STOPPED}.get(stopped_by or "", 0)
 

@@ -339,7 +339,10 @@ class Trainer:
                 self.alerts.flush()  # a pause or stop exits right after: deliver first
                 self.alerts.close()
             log.close()
-        stopped_by = self.control.reason()
+        # A signal or an alert's action that came after the last step (during the final
+        # evaluation or save) stopped nothing: the run is done, and says so (a `finish`
+        # event, exit 0), or a SLURM job would requeue itself for a run with no step left.
+        stopped_by = self.control.reason() if self.step < t.steps else None
         lifecycle.ended(self, stopped_by)
         return self._result(loss, stopped_by)
 

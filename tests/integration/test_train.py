@@ -184,6 +184,37 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_config, monkey
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
 
 
+def test_a_signal_after_the_last_step_stops_nothing(tiny_config, monkeypatch):
+    """A SIGTERM (a time limit's warning) that arrives during the final evaluation comes too
+    late to stop anything: the run finished and says so (a `finish` event, exit 0), not a
+    preemption that a SLURM job would requeue itself for. One before the last step does stop
+    it, with the code tessel's node launcher asks for (tessel.parallel.node)."""
+    from tessel.observe.events import read_events
+    from tessel.parallel.node import EXIT_REQUEUE, STOPPED_EXIT_ENV
+
+    monkeypatch.setenv(STOPPED_EXIT_ENV, str(EXIT_REQUEUE))
+    for last, at_step in (("late", 3), ("early", 2)):
+        cfg = tiny_config(last, **{"train.steps": 3, "train.eval_interval": 2})
+        trainer = Trainer(cfg, console=False)
+        real_evaluate = trainer._evaluate
+
+        def evaluate_then_sigterm(*args, real=real_evaluate, when=at_step, tr=trainer):
+            out = real(*args)
+            if tr.step == when:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        monkeypatch.setattr(trainer, "_evaluate", evaluate_then_sigterm)
+        result = trainer.train()
+        kinds = [e["kind"] for e in read_events(Path(cfg.run.dir))]
+        if last == "late":
+            assert (result.stopped_by, result.exit_code, result.step) == (None, 0, 3)
+            assert kinds[-1] == "finish" and "preempt" not in kinds
+        else:
+            assert (result.stopped_by, result.exit_code, result.step) == ("SIGTERM", 75, 2)
+            assert kinds[-1] == "preempt" and "finish" not in kinds
+
+
 def test_resume_can_extend_steps_but_not_change_the_model(tiny_config):
     cfg = tiny_config(**{"train.steps": 4})
     Trainer(cfg, console=False).train()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shlex
 import signal
@@ -287,6 +288,49 @@ def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_cod
     out = subprocess.run([sys.executable, "-m", "tessel.parallel.node", "--nproc-per-node", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "must follow '--'" in out.stderr
+
+
+@pytest.mark.parametrize("worker_ends", ["stopped", "finished"])
+def test_the_node_launcher_requeues_only_a_run_its_signal_stopped_early(monkeypatch, capfd,
+                                                                       tmp_path: Path,
+                                                                       worker_ends: str):
+    """A SIGTERM forwarded to the workers requeues the job (75) only when they say it stopped
+    their run before its last step (the code the launcher put in their environment, which
+    `tessel train` exits with: tests/integration/test_train.py); workers that finished anyway
+    (the signal came during the final evaluation or save) end the job (0). The workers here
+    stand in for `tessel train`: they wait for the forwarded signal, then exit one way or the
+    other."""
+    from tessel.parallel import node
+
+    code_at_exit = (f"int(os.environ[{node.STOPPED_EXIT_ENV!r}])" if worker_ends == "stopped"
+                    else "0")
+    worker = ("import os, signal, sys, time\n"
+              "got = []\n"
+              "signal.signal(signal.SIGTERM, lambda *_: got.append(1))\n"
+              "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})\n"
+              "open(os.environ['READY'] + os.environ['LOCAL_RANK'], 'w').close()\n"
+              "while not got: time.sleep(0.05)\n"
+              f"sys.exit({code_at_exit})\n")
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(node.subprocess, "Popen",
+                        lambda cmd, **kw: real_popen([sys.executable, "-c", worker], **kw))
+    ready = tmp_path / "ready"
+    monkeypatch.setenv("READY", str(ready))
+
+    def signal_once_ready() -> None:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{ready}{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # to the launcher, which forwards it
+
+    threading.Thread(target=signal_once_ready, daemon=True).start()
+    code = node.main(["--nproc-per-node", "2", "--master-port", "29998", "--", "cfg.toml"])
+    err = capfd.readouterr().err
+    if worker_ends == "stopped":
+        assert code == node.EXIT_REQUEUE and "so the job requeues itself" in err
+    else:
+        assert code == 0 and "requeue" not in err
 
 
 # ---- tessel launch k8s --------------------------------------------------------------------
