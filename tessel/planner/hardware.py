@@ -19,6 +19,7 @@ and link bandwidths (sources in SOURCES). Users add or override profiles in a TO
     collective_latency_us = 20 # optional: fixed cost of one collective call, microseconds
     tp_block_overhead_us = 0   # optional: host time a tensor-parallel block adds, microseconds
     tp_block_optimizer_us = 0  # optional: the same per optimizer step, microseconds
+    sync_drift = 0             # optional: ranks' drift, seconds per sqrt(compute seconds)
 
 A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
 set to the value at which the planner's prediction for that run equals what it measured.
@@ -86,6 +87,15 @@ class GpuProfile:
     """Host seconds one tensor-parallel block's parameters add to each optimizer phase
     (gradient clipping and the multi-tensor update dispatched through DTensor; TOML:
     tp_block_optimizer_us); measured and 0 as tp_block_overhead_s."""
+    sync_drift: float = 0.0
+    """How far ranks that computed the same work drift apart, so that a synchronising
+    collective (tensor-, context-, expert- or data-parallel) waits for the slowest: seconds
+    per square root of the compute seconds since the previous one (independent noise in each
+    rank's operators adds up like a random walk: after L seconds of compute the wait is
+    sync_drift x sqrt(L), beside the call's latency and bytes). Measured on CPU processes by
+    `tessel scale --measure` (0.03-0.05 on the project's 2-core virtual machine, where a
+    collective after 8 ms of compute waited 3-5 ms against 0.7 ms alone); 0 in the built-in
+    GPU profiles, whose kernels' times vary far less."""
     device_names: tuple[str, ...] = ()
     """Substrings of torch.cuda.get_device_name() that identify this GPU."""
     device_type: str = "cuda"
@@ -142,7 +152,7 @@ SOURCES = {
 _FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
            "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
            "collective_latency_us", "tp_block_overhead_us", "tp_block_optimizer_us",
-           "device_names", "device_type"}
+           "sync_drift", "device_names", "device_type"}
 _MICROSECONDS = {"collective_latency_us": "collective_latency_s",
                  "tp_block_overhead_us": "tp_block_overhead_s",
                  "tp_block_optimizer_us": "tp_block_optimizer_s"}
@@ -180,6 +190,12 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
                 raise TesselError(f"hardware profile {name!r}: {key} must be a number >= 0 "
                                   "(microseconds)")
             values[_MICROSECONDS[key]] = float(value) / 1e6
+        elif key == "sync_drift":
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
+                raise TesselError(f"hardware profile {name!r}: sync_drift must be a number >= 0 "
+                                  "(seconds per square root of a second)")
+            values[key] = float(value)
         else:
             values[key] = value
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
@@ -315,6 +331,8 @@ def profile_table(profile: GpuProfile) -> dict[str, object]:
     for key, field in _MICROSECONDS.items():
         if key != "collective_latency_us" and getattr(profile, field):
             table[key] = getattr(profile, field) * 1e6
+    if profile.sync_drift:
+        table["sync_drift"] = profile.sync_drift
     if profile.device_names:
         table["device_names"] = list(profile.device_names)
     if profile.device_type != "cuda":

@@ -86,6 +86,10 @@ ASSUMPTIONS = (
     "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange); "
     "the masked kernel's lower efficiency on short pieces is not modelled, so the search "
     f"splits a sequence only where each rank keeps {MIN_CP_POSITIONS:,} positions or more",
+    "ranks' drift (the profile's sync_drift, measured on CPU processes, 0 for GPUs): every "
+    "tensor-, context- or expert-parallel collective and the step's first data-parallel one "
+    "waits sync_drift x sqrt(the compute seconds since the previous collective) for the "
+    "slowest rank; a micro-batch's compute is spread evenly between its collectives",
     "tensor parallelism's host work (DTensor) per block and micro-batch: the profile's "
     "tp_block_overhead_s, added to compute, and per block and optimizer step "
     "tp_block_optimizer_s (measured on CPU processes; 0 for GPUs, where the host runs ahead "
@@ -246,6 +250,13 @@ def cp_exchange(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
     return _ring(2 * layout.micro_batch * seq_len * kv * act_bytes, cp, bandwidth, all_reduce=False)
 
 
+def fsdp_calls(zero: int, micro_batches: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of each FSDP unit in a step: ZeRO-1 gathers the
+    parameters and reduce-scatters the gradients once, ZeRO-2 gathers and reduce-scatters
+    in every micro-batch, ZeRO-3 gathers again for the backward."""
+    return {1: 1, 2: micro_batches, 3: 2 * micro_batches}[zero], 1 if zero == 1 else micro_batches
+
+
 def estimate_step(
     m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int, global_batch: int,
     precision: str, dp_overlap: float | None = None, optimizer: OptimizerSpec = ADAMW,
@@ -297,6 +308,7 @@ def estimate_step(
     lat = hw.collective_latency_s
     calls = tp_calls(layout, layers, stage.moe_layers, 0 in ids, n_stages - 1 in ids)
     tp_comm = micro_batches * (collectives * per_collective + calls * lat) * (1 + recompute)
+    tp_syncs = calls * (1 + recompute) if tp > 1 else 0
 
     # Context parallel: every layer's exchange in the forward, the backward and a
     # recomputation, not overlapped.
@@ -304,17 +316,33 @@ def estimate_step(
     cp_comm = micro_batches * passes * layers * (
         cp_exchange(m, layout, hw, seq_len, act_bytes)
         + (CP_CALLS[layout.cp_mode] * lat if cp > 1 else 0.0))
+    cp_syncs = passes * layers * CP_CALLS[layout.cp_mode] if cp > 1 else 0
 
     # Expert parallelism: each MoE layer sends every token's top_k copies to the experts'
     # ranks and back (dispatch, combine) in the forward, the same again in the backward, and
     # the forward's again when full checkpointing recomputes it; not overlapped.
-    ep_comm = 0.0
+    ep_comm, ep_syncs = 0.0, 0
     if layout.ep > 1 and stage.moe_layers:
         passes = 2 + (1 if layout.activation_checkpointing == "full" else 0)
         # dispatch or combine of this rank's part of the sequence
         one_way = tokens / tp * m.moe_top_k * m.d_model * act_bytes
         ep_comm = micro_batches * stage.moe_layers * passes * 2 * (
             all_to_all(one_way, layout.ep, hw) + EP_CALLS_EACH_WAY * lat)
+        ep_syncs = stage.moe_layers * passes * 2 * EP_CALLS_EACH_WAY
+
+    # Ranks' drift: each collective above, and FSDP's gathers and reduce-scatters, waits
+    # for the slowest rank after the compute since the one before (a micro-batch's spread
+    # evenly over its collectives).
+    syncs = tp_syncs + cp_syncs + ep_syncs
+    if fsdp_active(layout) and layout.dp * cp > 1:
+        syncs_with_dp = syncs + (layers + 1) * sum(fsdp_calls(layout.zero, micro_batches)) \
+            / micro_batches
+    else:
+        syncs_with_dp = syncs
+    drift = (hw.sync_drift * math.sqrt(t_mb / syncs_with_dp)) if syncs_with_dp else 0.0
+    tp_comm += micro_batches * tp_syncs * drift
+    cp_comm += micro_batches * cp_syncs * drift
+    ep_comm += micro_batches * ep_syncs * drift
 
     # Data parallel over dp x cp ranks (FSDP's shard group includes the cp ranks). Routed
     # experts are sharded over their own group, whose ranks are ep apart across the
@@ -338,10 +366,13 @@ def estimate_step(
         hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
         if dp_overlap is None and hw.device_type == "cpu":
             hide = CPU_OVERLAP
+        # its first bucket waits for the slowest rank after the step's whole compute when
+        # nothing synchronised the ranks before (accumulation runs without), else after the
+        # last micro-batch's last piece; the buckets after it follow at once
+        raw += hw.sync_drift * math.sqrt(compute) if not syncs else drift
         dp_comm = max(0.0, raw - hide * t_mb * 2 / 3)  # the last micro-batch's backward
     else:
-        gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
-        scatters = 1 if layout.zero == 1 else micro_batches
+        gathers, scatters = fsdp_calls(layout.zero, micro_batches)
         raw = (gathers * (_ring(act_bytes * dense, shard_group, shard_bw, all_reduce=False)
                           + _ring(act_bytes * experts, expert_group, expert_bw, all_reduce=False))
                + scatters * (_ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)
@@ -353,6 +384,7 @@ def estimate_step(
         if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
             raw += _ring(4.0 * (dense / shard_group + experts / expert_group),
                          layout.dp_replicate, inter, all_reduce=True) + units * lat
+        raw += units * (gathers + scatters) * drift
         hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
         if dp_overlap is None and hw.device_type == "cpu":
             hide = CPU_OVERLAP
@@ -394,8 +426,7 @@ def estimate_step(
     if layout.offload == "params" and fsdp_active(layout):
         # FSDP2's CPU offload copies each shard to the device before every all-gather and
         # each reduced gradient shard back, micro-batch by micro-batch.
-        gathers = {1: 1, 2: micro_batches, 3: 2 * micro_batches}[layout.zero]
-        scatters = 1 if layout.zero == 1 else micro_batches
+        gathers, scatters = fsdp_calls(layout.zero, micro_batches)
         offload += 4.0 * local_params * (gathers + scatters) / HOST_LINK_BYTES_PER_S
     raw_comm = tp_comm + raw + pp_comm + cp_comm + ep_comm
     return StepTime(compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer_s, offload,

@@ -9,6 +9,15 @@ size a few times; rank 0's median time per size is fitted as
 
 (the ring all-reduce's bytes per rank, the convention of the planner's `_ring` and of
 nccl-tests' "bus bandwidth"), by least squares over the sizes.
+
+The same processes then measure how far they drift apart in training-like use (the
+profile's `sync_drift`): every rank runs the same matmuls for a segment of L seconds, alone
+and then followed by a one-number all-reduce, and the difference per segment, beyond the
+latency, is what a collective waits for the slowest rank after L seconds of compute. It is
+fitted as sync_drift x sqrt(L) over two segment lengths (independent noise in each rank's
+operators adds up like a random walk: on the project's 2-core machine the wait grew from
+3-5 ms after 8 ms of compute to 6-15 ms after 35-75 ms, against 0.7 ms for the all-reduce
+alone).
 """
 
 from __future__ import annotations
@@ -34,6 +43,11 @@ WARMUP = 2
 REPEATS = 15
 """Timed all-reduces per size; the median is kept."""
 WORKER = "from tessel.scaling.gloo import worker_main; worker_main()"
+DRIFT_SEGMENTS_S = (0.008, 0.032)
+"""Compute between the all-reduces of the drift measurement, seconds: the pieces of a
+tensor-parallel block to a small model's micro-batch."""
+DRIFT_SECONDS = 0.25
+"""Seconds of segments per timed loop (each length is timed alone and synchronised, 3 times)."""
 
 
 def ring_bytes(nbytes: float, nproc: int) -> float:
@@ -108,7 +122,56 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     extra = {} if tp_model is None else {k: found[k] for k in ("tp_block_overhead_s",
                                                                 "tp_block_optimizer_s")}
     return {"nproc": nproc, **fit(samples, nproc),
-            "samples": [{"bytes": int(b), "seconds": t} for b, t in samples], **extra}
+            "samples": [{"bytes": int(b), "seconds": t} for b, t in samples],
+            "sync_drift": found["sync_drift"], "drift_samples": found["drift_samples"],
+            **extra}
+
+
+def drift(latency_s: float) -> tuple[float, list[dict[str, float]]]:
+    """(sync_drift, the samples it was fitted to: [{"segment_s", "wait_s"}]), measured by
+    the ranks of the default process group together (module docstring). The segment's
+    length and the wait are means over the ranks (the trainer's exposed communication is
+    too); each the median of 3 timings."""
+    import torch
+    import torch.distributed as dist
+
+    # A transformer block's shapes (a small model's MLP on 512 tokens): activations larger
+    # than a core's cache, so the segments meet the memory traffic training does.
+    torch.manual_seed(0)
+    x, up, down = torch.randn(512, 192), torch.randn(192, 768), torch.randn(768, 192)
+    flag = torch.zeros(1)
+
+    def segments(n: int, reps: int, synchronised: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            for _ in range(reps):
+                torch.mm(torch.mm(x, up), down)
+            if synchronised:
+                dist.all_reduce(flag)
+        return (time.perf_counter() - start) / n
+
+    # One piece's time, rank 0's for all: every rank runs the same segments.
+    one = torch.tensor([segments(1, 20, False) / 20], dtype=torch.float64)
+    dist.broadcast(one, 0)
+    samples = []
+    for target in DRIFT_SEGMENTS_S:
+        reps = max(1, round(target / one.item()))
+        n = max(4, round(DRIFT_SECONDS / target))
+        lengths, waits = [], []
+        for _ in range(3):
+            pair = torch.tensor([segments(n, reps, False), segments(n, reps, True)],
+                                dtype=torch.float64)
+            dist.all_reduce(pair)
+            alone, together = (pair / dist.get_world_size()).tolist()
+            lengths.append(alone)
+            waits.append(max(0.0, together - alone - latency_s))
+        samples.append({"segment_s": statistics.median(lengths),
+                        "wait_s": statistics.median(waits)})
+    # wait = sync_drift x sqrt(L), least squares over the lengths
+    den = sum(x["segment_s"] for x in samples)
+    value = sum(x["wait_s"] * x["segment_s"] ** 0.5 for x in samples) / den if den else 0.0
+    return value, samples
 
 
 def worker_main() -> None:
@@ -134,11 +197,12 @@ def worker_main() -> None:
                 if i >= WARMUP:
                     kept.append(time.perf_counter() - start)
         found: dict[str, Any] = {"seconds": [statistics.median(t) for t in times]}
+        latency = fit(list(zip(map(float, spec["sizes"]), found["seconds"])),
+                      spec["world"])["latency_s"]
+        found["sync_drift"], found["drift_samples"] = drift(latency)
         if spec.get("tp_model") is not None:
             from tessel.scaling.tp_cost import block_overhead
 
-            latency = fit(list(zip(map(float, spec["sizes"]), found["seconds"])),
-                          spec["world"])["latency_s"]
             tp = block_overhead(spec["tp_model"], bool(spec["sequence_parallel"]), latency)
             found["tp_block_overhead_s"] = tp["pass_s"]
             found["tp_block_optimizer_s"] = tp["optimizer_s"]

@@ -75,6 +75,7 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
     profile = sweep["measurement"]["profile"]
     assert profile["device_type"] == "cpu"
     assert profile["collective_latency_us"] == pytest.approx(gloo["latency_s"] * 1e6)
+    assert profile.get("sync_drift", 0.0) == pytest.approx(gloo["sync_drift"])
     (tmp_path / "sweep.json").write_text(out.stdout)
     plan = subprocess.run(
         [sys.executable, "-m", "tessel", "plan", str(ROOT / "configs/tiny.toml"), "--gpus", "2",
@@ -122,3 +123,11 @@ def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes()
     assert 0 < overhead < 1.0, overhead  # seconds per block and micro-batch
     # and per block in the optimizer phase (clipping and AdamW through DTensor)
     assert 0 < found["tp_block_optimizer_s"] < 1.0, found
+    # the ranks' drift, from segments of about 8 and 32 ms of compute (sized on rank 0's
+    # timing of one piece, so they land near the targets) with and without an all-reduce
+    short, long = found["drift_samples"]
+    assert 0.002 < short["segment_s"] < 0.03 and long["segment_s"] > 2 * short["segment_s"]
+    assert all(s["wait_s"] >= 0 for s in (short, long))
+    fitted = sum(s["wait_s"] * s["segment_s"] ** 0.5 for s in (short, long)) / (
+        short["segment_s"] + long["segment_s"])
+    assert found["sync_drift"] == pytest.approx(fitted)

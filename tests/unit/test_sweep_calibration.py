@@ -113,6 +113,31 @@ def test_a_tensor_parallel_block_adds_the_profiles_host_time():
                                                                          "bf16")
 
 
+def test_the_ranks_drift_makes_each_synchronising_collective_wait():
+    """sync_drift x sqrt(the compute since the previous collective), per collective: a
+    tensor-parallel micro-batch's compute spread over its calls; DDP's one wait after the
+    step's whole compute; nothing without collectives; nothing for the built-in GPUs (0)."""
+    from tessel.planner.speed import tp_calls
+
+    m = ModelConfig(preset="gpt2-124m")
+    drifting = dataclasses.replace(H100, sync_drift=0.02)
+    micro_batches = 8
+    tp = lay(2, dp_shard=1, tp=2)
+    base, slow = (estimate_step(m, tp, h, 1024, 8, "bf16") for h in (H100, drifting))
+    calls = tp_calls(tp, 12, 0, first=True, last=True)
+    t_mb = base.compute_s / micro_batches
+    assert slow.tp_comm_s - base.tp_comm_s == pytest.approx(
+        micro_batches * calls * 0.02 * math.sqrt(t_mb / calls))
+    assert slow.compute_s == base.compute_s and slow.dp_comm_s == base.dp_comm_s == 0
+    ddp = lay(2)  # dp=2, DDP: accumulation without synchronising, one wait per step
+    base, slow = (estimate_step(m, ddp, h, 1024, 8, "bf16", dp_overlap=0.0)
+                  for h in (H100, drifting))
+    assert slow.dp_comm_s - base.dp_comm_s == pytest.approx(0.02 * math.sqrt(base.compute_s))
+    one = lay(1)
+    assert estimate_step(m, one, drifting, 1024, 8, "bf16") == estimate_step(
+        m, one, H100, 1024, 8, "bf16")
+
+
 def test_the_optimizers_rate_is_fitted_on_its_measured_phase():
     from tessel.planner.hardware import calibrate_optimizer
 
@@ -136,8 +161,9 @@ def test_the_planners_ddp_buckets_are_the_trainers():
 def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
     cpu = dataclasses.replace(H100, name="cpu-x", collective_latency_s=5.5e-4, device_type="cpu",
                               matmul_efficiency=0.001234567, tp_block_overhead_s=0.0123,
-                              tp_block_optimizer_s=0.0045)
+                              tp_block_optimizer_s=0.0045, sync_drift=0.0151)
     table = json.loads(json.dumps(profile_table(cpu)))  # as a sweep's JSON carries it
+    assert table["sync_drift"] == pytest.approx(0.0151)
     assert table["collective_latency_us"] == pytest.approx(550.0)
     assert table["tp_block_overhead_us"] == pytest.approx(12300.0)
     assert table["tp_block_optimizer_us"] == pytest.approx(4500.0)
@@ -146,6 +172,8 @@ def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
                                ("collective_latency_us", float("nan"), "collective_latency_us"),
                                ("tp_block_overhead_us", -3, "tp_block_overhead_us must be"),
                                ("tp_block_overhead_us", "1 ms", "tp_block_overhead_us must be"),
+                               ("sync_drift", -0.1, "sync_drift must be a number >= 0"),
+                               ("sync_drift", True, "sync_drift must be a number >= 0"),
                                ("device_type", "tpu", "device_type must be"),
                                ("bf16_tflops", "fast", "bf16_tflops must be a number"),
                                ("hbm_gbps", float("inf"), "hbm_gbps must be a positive"),
@@ -205,7 +233,7 @@ def cpu_truth():
     return dataclasses.replace(
         H100, name="cpu-measured", bf16_flops=1.4e11, intra_node_gbps=1.0, inter_node_gbps=1.0,
         gpus_per_node=2, hbm_gbps=8.0, memory_gib=12.0, comm_efficiency=1.0,
-        collective_latency_s=5e-4, device_type="cpu", matmul_efficiency=0.9)
+        collective_latency_s=5e-4, device_type="cpu", matmul_efficiency=0.9, sync_drift=0.01)
 
 
 def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path: Path):
@@ -214,7 +242,7 @@ def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path
     then predicts every measured point."""
     slower = dataclasses.replace(cpu_truth, comm_efficiency=1.0 / 3,
                                  collective_latency_s=3 * 5e-4, matmul_efficiency=0.7,
-                                 hbm_gbps=cpu_truth.hbm_gbps / 3)
+                                 hbm_gbps=cpu_truth.hbm_gbps / 3, sync_drift=3 * 0.01)
     points = [(1, tiny(1)), (2, tiny(2, dp_shard=1, tp=2)), (2, tiny(2, dp_shard=1, pp=2))]
     record = sweep_record(slower, points, profile=cpu_truth)
     sweep = sweep_fit.read_sweep(record, "sweep.json")
@@ -225,6 +253,7 @@ def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path
     assert tuned.matmul_efficiency == pytest.approx(0.7, rel=1e-3)
     assert tuned.collective_latency_s == pytest.approx(1.5e-3, rel=1e-3)
     assert tuned.comm_efficiency == pytest.approx(1 / 3, rel=1e-3)
+    assert tuned.sync_drift == pytest.approx(0.03, rel=1e-3)
     for world, cfg in points:
         lay_ = Layout.from_config(cfg, world)
         assert predict(cfg, lay_, tuned, "cpu") == pytest.approx(
