@@ -68,11 +68,9 @@ def worker_env(local_rank: int, a: argparse.Namespace) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     a, train_args = _parse(sys.argv[1:] if argv is None else argv)
-    stops: list[int] = []
     workers: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: object) -> None:
-        stops.append(signum)
         for w in workers:
             with contextlib.suppress(ProcessLookupError):
                 w.send_signal(signum)
