@@ -87,9 +87,10 @@ ASSUMPTIONS = (
     "the masked kernel's lower efficiency on short pieces is not modelled, so the search "
     f"splits a sequence only where each rank keeps {MIN_CP_POSITIONS:,} positions or more",
     "ranks' drift (the profile's sync_drift, measured on CPU processes, 0 for GPUs): every "
-    "tensor-, context- or expert-parallel collective and the step's first data-parallel one "
-    "waits sync_drift x sqrt(the compute seconds since the previous collective) for the "
-    "slowest rank; a micro-batch's compute is spread evenly between its collectives",
+    "tensor-, context- or expert-parallel collective, FSDP gather and reduce-scatter, and "
+    "DDP's first bucket of the step waits sync_drift x sqrt(the compute seconds since the "
+    "previous collective) for the slowest rank; a micro-batch's compute is spread evenly "
+    "between its collectives",
     "tensor parallelism's host work (DTensor) per block and micro-batch: the profile's "
     "tp_block_overhead_s, added to compute, and per block and optimizer step "
     "tp_block_optimizer_s (measured on CPU processes; 0 for GPUs, where the host runs ahead "
