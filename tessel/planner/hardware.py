@@ -159,6 +159,14 @@ _MICROSECONDS = {"collective_latency_us": "collective_latency_s",
 """TOML keys in microseconds -> the profile's fields in seconds."""
 
 
+def _non_negative(name: str, key: str, value: object, unit: str) -> float:
+    """`value` as a float, or one line saying that `key` of profile `name` must be >= 0."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0):
+        raise TesselError(f"hardware profile {name!r}: {key} must be a number >= 0 ({unit})")
+    return float(value)
+
+
 def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuProfile:
     unknown = set(table) - _FIELDS
     if unknown:
@@ -185,17 +193,9 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
         elif key == "device_names":
             values["device_names"] = tuple(value)
         elif key in _MICROSECONDS:
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0):
-                raise TesselError(f"hardware profile {name!r}: {key} must be a number >= 0 "
-                                  "(microseconds)")
-            values[_MICROSECONDS[key]] = float(value) / 1e6
+            values[_MICROSECONDS[key]] = _non_negative(name, key, value, "microseconds") / 1e6
         elif key == "sync_drift":
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0):
-                raise TesselError(f"hardware profile {name!r}: sync_drift must be a number >= 0 "
-                                  "(seconds per square root of a second)")
-            values[key] = float(value)
+            values[key] = _non_negative(name, key, value, "seconds per square root of a second")
         else:
             values[key] = value
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
