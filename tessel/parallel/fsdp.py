@@ -18,6 +18,7 @@ every stage, so the optimizer always holds 1/dp_shard of its state):
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -86,6 +87,16 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=zero == 3, **kwargs)
 
 
+# No broadcast of buffers before each forward (DDP's default): tessel's are constant (rotary
+# table, vocabulary mask) or kept equal on every rank by tessel itself (MoE routing statistics
+# are all-reduced and the balancing bias moved identically), so the broadcast was a collective
+# per step, and a wait for the slowest rank, for nothing. torch 2.13 names it
+# forward_sync_buffers (buffers still synced once at construction); 2.11-2.12 broadcast_buffers.
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                          else {"broadcast_buffers": False})
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, hook: str) -> DDP:
     """Wrap in DDP over the data-parallel group: bucketed all-reduce overlapped with backward.
     `hook` compresses the all-reduce (bf16/fp16 halve the bytes; PowerSGD sends a rank-2
@@ -94,7 +105,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, hook: str) -> DDP:
 
     group = dp_mesh.get_group()
     wrapped = DDP(model, process_group=group, bucket_cap_mb=DDP_BUCKET_MB,
-                  gradient_as_bucket_view=True)
+                  gradient_as_bucket_view=True, **NO_FORWARD_BUFFER_SYNC)
     if hook == "bf16":
         wrapped.register_comm_hook(group, default_hooks.bf16_compress_hook)
     elif hook == "fp16":

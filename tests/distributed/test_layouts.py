@@ -189,13 +189,16 @@ LAYOUTS_4.update({
 # experts per rank (the experts' own shard group is 1); on 4 ranks ep2 x efsdp2 under
 # ZeRO-3, ep4 with 2 experts per rank, ep2 within tp2 x dp2, ep2 beside pp2, and HSDP
 # (2 replicas of ep2). Under tp the MoE layers run on each rank's part of the sequence:
-# tp2 alone replicates the experts (their gradients summed over the tp ranks without FSDP).
+# tp2 alone replicates the experts (their gradients summed over the tp ranks without FSDP);
+# plain DDP (zero 0) too, with no buffer broadcast before the forward: the routing statistics
+# are all-reduced by tessel and the balancing bias moved alike on every rank.
 MOE = {"model.preset": "tiny-moe", "model.n_layers": 4, "model.moe_bias_update_rate": 0.01,
        "model.moe_z_loss_coef": 1e-3,
        "model.head_dim": 24, "model.qk_norm": True}  # Qwen3-MoE's attention
 LAYOUTS_2.update({
     "moe_ep2": {**MOE, "parallel.ep": 2},
     "moe_tp2": {**MOE, "parallel.tp": 2},
+    "moe_ddp": {**MOE, "parallel.zero": 0},
 })
 LAYOUTS_4.update({
     "moe_ep2_zero3": {**MOE, "parallel.ep": 2, "parallel.zero": 3},
