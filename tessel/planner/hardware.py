@@ -20,6 +20,7 @@ and link bandwidths (sources in SOURCES). Users add or override profiles in a TO
     tp_block_overhead_us = 0   # optional: host time a tensor-parallel block adds, microseconds
     tp_block_optimizer_us = 0  # optional: the same per optimizer step, microseconds
     sync_drift = 0             # optional: ranks' drift, seconds per sqrt(compute seconds)
+    sync_skew = 0              # optional: ranks' speed difference, wait per compute second
 
 A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
 set to the value at which the planner's prediction for that run equals what it measured.
@@ -92,10 +93,20 @@ class GpuProfile:
     collective (tensor-, context-, expert- or data-parallel) waits for the slowest: seconds
     per square root of the compute seconds since the previous one (independent noise in each
     rank's operators adds up like a random walk: after L seconds of compute the wait is
-    sync_drift x sqrt(L), beside the call's latency and bytes). Measured on CPU processes by
-    `tessel scale --measure` (0.03-0.05 on the project's 2-core virtual machine, where a
-    collective after 8 ms of compute waited 3-5 ms against 0.7 ms alone); 0 in the built-in
-    GPU profiles, whose kernels' times vary far less."""
+    sync_drift x sqrt(L), beside the call's latency and bytes; the larger of this and
+    sync_skew x L counts). Measured on CPU processes by
+    `tessel scale --measure` over segments of 8, 32 and 128 ms (0.004-0.052 on the
+    project's 2-core virtual machine, where a collective waited 0.3-1.4 ms after 7-12 ms of
+    compute and 2-10 ms after 110-190 ms); 0 in the built-in GPU profiles,
+    whose kernels' times vary far less."""
+    sync_skew: float = 0.0
+    """The wait for the slowest rank as a fraction of the compute since the previous
+    collective, which counts where it is larger than sync_drift x sqrt(L): after longer
+    compute, such as DDP's one all-reduce after a step's whole forward and backward, the wait
+    grows in proportion to it (as if one rank's core ran steadily slower). Measured on CPU
+    processes by `tessel scale --measure` as the wait after segments of 128 ms over their
+    length (0.017-0.069 on the project's 2-core virtual machine); 0 in the built-in GPU
+    profiles."""
     device_names: tuple[str, ...] = ()
     """Substrings of torch.cuda.get_device_name() that identify this GPU."""
     device_type: str = "cuda"
@@ -152,7 +163,7 @@ SOURCES = {
 _FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
            "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
            "collective_latency_us", "tp_block_overhead_us", "tp_block_optimizer_us",
-           "sync_drift", "device_names", "device_type"}
+           "sync_drift", "sync_skew", "device_names", "device_type"}
 _MICROSECONDS = {"collective_latency_us": "collective_latency_s",
                  "tp_block_overhead_us": "tp_block_overhead_s",
                  "tp_block_optimizer_us": "tp_block_optimizer_s"}
@@ -196,6 +207,8 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
             values[_MICROSECONDS[key]] = _non_negative(name, key, value, "microseconds") / 1e6
         elif key == "sync_drift":
             values[key] = _non_negative(name, key, value, "seconds per square root of a second")
+        elif key == "sync_skew":
+            values[key] = _non_negative(name, key, value, "a fraction of the compute")
         else:
             values[key] = value
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
@@ -333,6 +346,8 @@ def profile_table(profile: GpuProfile) -> dict[str, object]:
             table[key] = getattr(profile, field) * 1e6
     if profile.sync_drift:
         table["sync_drift"] = profile.sync_drift
+    if profile.sync_skew:
+        table["sync_skew"] = profile.sync_skew
     if profile.device_names:
         table["device_names"] = list(profile.device_names)
     if profile.device_type != "cuda":

@@ -86,11 +86,11 @@ ASSUMPTIONS = (
     "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange); "
     "the masked kernel's lower efficiency on short pieces is not modelled, so the search "
     f"splits a sequence only where each rank keeps {MIN_CP_POSITIONS:,} positions or more",
-    "ranks' drift (the profile's sync_drift, measured on CPU processes, 0 for GPUs): every "
-    "tensor-, context- or expert-parallel collective, FSDP gather and reduce-scatter, and "
-    "DDP's first bucket of the step waits sync_drift x sqrt(the compute seconds since the "
-    "previous collective) for the slowest rank; a micro-batch's compute is spread evenly "
-    "between its collectives",
+    "ranks' drift (the profile's sync_drift and sync_skew, measured on CPU processes, 0 for "
+    "GPUs): every tensor-, context- or expert-parallel collective, FSDP gather and "
+    "reduce-scatter, and DDP's first bucket of the step waits for the slowest rank the larger "
+    "of sync_drift x sqrt(L) and sync_skew x L, L the compute seconds since the previous "
+    "collective; a micro-batch's compute is spread evenly between its collectives",
     "tensor parallelism's host work (DTensor) per block and micro-batch: the profile's "
     "tp_block_overhead_s, added to compute, and per block and optimizer step "
     "tp_block_optimizer_s (measured on CPU processes; 0 for GPUs, where the host runs ahead "
@@ -251,6 +251,13 @@ def cp_exchange(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
     return _ring(2 * layout.micro_batch * seq_len * kv * act_bytes, cp, bandwidth, all_reduce=False)
 
 
+def sync_wait(hw: GpuProfile, compute_s: float) -> float:
+    """Seconds a synchronising collective waits for the slowest rank after `compute_s` of
+    compute since the previous one: the ranks' random drift (sync_drift x sqrt(L)) or, after
+    longer compute, their steady difference in speed (sync_skew x L), whichever is larger."""
+    return max(hw.sync_drift * math.sqrt(compute_s), hw.sync_skew * compute_s)
+
+
 def fsdp_calls(zero: int, micro_batches: int) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) of each FSDP unit in a step: ZeRO-1 gathers the
     parameters and reduce-scatters the gradients once, ZeRO-2 gathers and reduce-scatters
@@ -340,7 +347,7 @@ def estimate_step(
             / micro_batches
     else:
         syncs_with_dp = syncs
-    drift = (hw.sync_drift * math.sqrt(t_mb / syncs_with_dp)) if syncs_with_dp else 0.0
+    drift = sync_wait(hw, t_mb / syncs_with_dp) if syncs_with_dp else 0.0
     tp_comm += micro_batches * tp_syncs * drift
     cp_comm += micro_batches * cp_syncs * drift
     ep_comm += micro_batches * ep_syncs * drift
@@ -370,7 +377,7 @@ def estimate_step(
         # its first bucket waits for the slowest rank after the step's whole compute when
         # nothing synchronised the ranks before (accumulation runs without), else after the
         # last micro-batch's last piece; the buckets after it follow at once
-        raw += hw.sync_drift * math.sqrt(compute) if not syncs else drift
+        raw += sync_wait(hw, compute) if not syncs else drift
         dp_comm = max(0.0, raw - hide * t_mb * 2 / 3)  # the last micro-batch's backward
     else:
         gathers, scatters = fsdp_calls(layout.zero, micro_batches)

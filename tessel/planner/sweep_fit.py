@@ -106,7 +106,8 @@ def read_sweep(data: dict[str, Any], where: str) -> Sweep:
 def _stretched(hw: GpuProfile, factor: float) -> GpuProfile:
     return dataclasses.replace(hw, comm_efficiency=hw.comm_efficiency / factor,
                                collective_latency_s=hw.collective_latency_s * factor,
-                               sync_drift=hw.sync_drift * factor)
+                               sync_drift=hw.sync_drift * factor,
+                               sync_skew=hw.sync_skew * factor)
 
 
 def fit(hw: GpuProfile, sweep: Sweep,

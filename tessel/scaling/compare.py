@@ -91,12 +91,13 @@ def machine_profile(nproc: int, threads: int | None = 1, model: ModelConfig | No
         hbm_gbps=memory_bps / 1e9, comm_efficiency=1.0, collective_latency_s=latency,
         tp_block_overhead_s=float((gloo or {}).get("tp_block_overhead_s", 0.0)),
         tp_block_optimizer_s=float((gloo or {}).get("tp_block_optimizer_s", 0.0)),
-        sync_drift=float((gloo or {}).get("sync_drift", 0.0)), device_type="cpu")
+        sync_drift=float((gloo or {}).get("sync_drift", 0.0)),
+        sync_skew=float((gloo or {}).get("sync_skew", 0.0)), device_type="cpu")
     measured = {"matmul_flops": matmul["flops"], "matmul": f"{matmul['dtype']} {matmul['n']}^3",
                 "memory_bandwidth_Bps": memory_bps, "threads": threads,
                 "gloo": None if gloo is None else {
                     k: gloo[k] for k in ("nproc", "latency_s", "bandwidth_Bps", "sync_drift",
-                                         "drift_samples", "tp_block_overhead_s",
+                                         "sync_skew", "drift_samples", "tp_block_overhead_s",
                                          "tp_block_optimizer_s")
                     if k in gloo}}
     return profile, measured

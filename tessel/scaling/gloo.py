@@ -11,13 +11,21 @@ size a few times; rank 0's median time per size is fitted as
 nccl-tests' "bus bandwidth"), by least squares over the sizes.
 
 The same processes then measure how far they drift apart in training-like use (the
-profile's `sync_drift`): every rank runs the same matmuls for a segment of L seconds, alone
-and then followed by a one-number all-reduce, and the difference per segment, beyond the
-latency, is what a collective waits for the slowest rank after L seconds of compute. It is
-fitted as sync_drift x sqrt(L) over two segment lengths (independent noise in each rank's
-operators adds up like a random walk: on the project's 2-core machine the wait grew from
-3-5 ms after 8 ms of compute to 6-15 ms after 35-75 ms, against 0.7 ms for the all-reduce
-alone).
+profile's `sync_drift` and `sync_skew`): every rank runs the same matmuls for a segment of L seconds, then a
+one-number all-reduce, then a second one at once. The first waits for the slowest rank; the
+second, which starts with the ranks together, is the call alone: their difference, averaged
+over the segments and the ranks, is what a collective waits for after L seconds of compute.
+It is measured within each segment, so that a change of the machine's speed between two
+timed loops does not enter it (the method before subtracted the times of the same segments
+timed alone and then synchronised; on the project's noisy machine neither is steady between
+sweeps: 0.004-0.052 for this one in 27 sweeps of an hour). It is fitted as
+sync_drift x sqrt(L) (independent noise in each rank's operators adds up like a random walk)
+over segments of 8, 32 and 128 ms, the pieces of a tensor-parallel block to a small model's
+step. On the project's 2-core machine the wait was 1.1-1.7 ms after 9-12 ms of compute,
+1.3-3.6 after 27-51, 4.7-12.5 after 136-147 and 13-30 after 313-357: faster than sqrt(L)
+beyond ~50 ms, in proportion to L (as if one rank's core ran steadily slower). The
+longest segment's wait over its length is therefore kept too (sync_skew), and the planner
+charges the larger of the two laws.
 """
 
 from __future__ import annotations
@@ -36,18 +44,19 @@ from typing import Any
 
 from tessel.errors import TesselError
 
-DEFAULT_SIZES = (4096, 65536, 1 << 20, 4 << 20)
-"""Message sizes in bytes: from latency-bound to bandwidth-bound on loopback."""
+DEFAULT_SIZES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
+"""Message sizes in bytes: from latency-bound to bandwidth-bound on loopback (the largest
+near a small model's one DDP bucket of gradients)."""
 WARMUP = 2
 """Untimed rounds over the sizes (connection set-up, allocator)."""
 REPEATS = 15
 """Timed all-reduces per size; the median is kept."""
 WORKER = "from tessel.scaling.gloo import worker_main; worker_main()"
-DRIFT_SEGMENTS_S = (0.008, 0.032)
+DRIFT_SEGMENTS_S = (0.008, 0.032, 0.128)
 """Compute between the all-reduces of the drift measurement, seconds: the pieces of a
-tensor-parallel block to a small model's micro-batch."""
-DRIFT_SECONDS = 0.25
-"""Seconds of segments per timed loop (each length is timed alone and synchronised, 3 times)."""
+tensor-parallel block to a small model's step."""
+DRIFT_SECONDS = 0.4
+"""Seconds of segments per length (at least 6 segments)."""
 
 
 def ring_bytes(nbytes: float, nproc: int) -> float:
@@ -80,14 +89,16 @@ def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
 
 def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                  timeout_s: float = 120.0, tp_model: dict[str, Any] | None = None,
-                 sequence_parallel: bool = True) -> dict[str, object]:
+                 sequence_parallel: bool = True, slow_last_rank_s: float = 0.0
+                 ) -> dict[str, object]:
     """Latency (s) and bus bandwidth (bytes/s) of a gloo all-reduce between `nproc` local
     processes, with the per-size medians they were fitted to:
     {"nproc", "latency_s", "bandwidth_Bps", "samples": [{"bytes", "seconds"}, ...]}; with
     `tp_model` (a ModelConfig's fields) also "tp_block_overhead_s" and
     "tp_block_optimizer_s", the host time a tensor-parallel block of that architecture adds
     over the `nproc` processes per micro-batch and per optimizer phase
-    (`tessel.scaling.tp_cost`)."""
+    (`tessel.scaling.tp_cost`). `slow_last_rank_s`: a fire drill for the drift measurement,
+    the last rank sleeps this long in each of its segments (its peers wait for it)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise TesselError(f"an all-reduce needs at least 2 processes (got {nproc!r})")
     if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 4
@@ -96,7 +107,8 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     with tempfile.TemporaryDirectory(prefix="tessel-gloo-") as tmp:
         spec = json.dumps({"world": nproc, "store": str(Path(tmp) / "store"),
                            "sizes": list(sizes), "tp_model": tp_model,
-                           "sequence_parallel": sequence_parallel})
+                           "sequence_parallel": sequence_parallel,
+                           "slow_last_rank_s": slow_last_rank_s})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), spec], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -123,15 +135,16 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                                                                 "tp_block_optimizer_s")}
     return {"nproc": nproc, **fit(samples, nproc),
             "samples": [{"bytes": int(b), "seconds": t} for b, t in samples],
-            "sync_drift": found["sync_drift"], "drift_samples": found["drift_samples"],
+            "sync_drift": found["sync_drift"], "sync_skew": found["sync_skew"],
+            "drift_samples": found["drift_samples"],
             **extra}
 
 
-def drift(latency_s: float) -> tuple[float, list[dict[str, float]]]:
-    """(sync_drift, the samples it was fitted to: [{"segment_s", "wait_s"}]), measured by
-    the ranks of the default process group together (module docstring). The segment's
-    length and the wait are means over the ranks (the trainer's exposed communication is
-    too); each the median of 3 timings."""
+def drift(slow_last_rank_s: float = 0.0) -> tuple[float, float, list[dict[str, float]]]:
+    """(sync_drift, sync_skew, the samples they were fitted to: [{"segment_s", "wait_s"}]),
+    measured by the ranks of the default process group together (module docstring). The
+    segment's length and the wait are means over the segments and the ranks (the trainer's
+    exposed communication is a mean over the ranks too). `slow_last_rank_s`: measure_gloo's."""
     import torch
     import torch.distributed as dist
 
@@ -140,38 +153,52 @@ def drift(latency_s: float) -> tuple[float, list[dict[str, float]]]:
     torch.manual_seed(0)
     x, up, down = torch.randn(512, 192), torch.randn(192, 768), torch.randn(768, 192)
     flag = torch.zeros(1)
+    slow = slow_last_rank_s if dist.get_rank() == dist.get_world_size() - 1 else 0.0
 
-    def segments(n: int, reps: int, synchronised: bool) -> float:
+    def piece() -> None:
+        torch.mm(torch.mm(x, up), down)
+
+    def segments(n: int, reps: int) -> tuple[float, float]:
+        lengths, waits = [], []
         dist.barrier()
-        start = time.perf_counter()
+        dist.all_reduce(flag)
         for _ in range(n):
+            start = time.perf_counter()
             for _ in range(reps):
-                torch.mm(torch.mm(x, up), down)
-            if synchronised:
-                dist.all_reduce(flag)
-        return (time.perf_counter() - start) / n
+                piece()
+            if slow:
+                time.sleep(slow)
+            computed = time.perf_counter()
+            dist.all_reduce(flag)  # waits for the slowest rank
+            waited = time.perf_counter()
+            dist.all_reduce(flag)  # the ranks together: the call alone
+            alone = time.perf_counter() - waited
+            lengths.append(computed - start)
+            waits.append(waited - computed - alone)  # unclipped: the mean keeps no bias
+        return statistics.fmean(lengths), max(0.0, statistics.fmean(waits))
 
     # One piece's time, rank 0's for all: every rank runs the same segments.
-    one = torch.tensor([segments(1, 20, False) / 20], dtype=torch.float64)
+    for _ in range(5):
+        piece()
+    start = time.perf_counter()
+    for _ in range(20):
+        piece()
+    one = torch.tensor([(time.perf_counter() - start) / 20], dtype=torch.float64)
     dist.broadcast(one, 0)
     samples = []
     for target in DRIFT_SEGMENTS_S:
-        reps = max(1, round(target / one.item()))
-        n = max(4, round(DRIFT_SECONDS / target))
-        lengths, waits = [], []
-        for _ in range(3):
-            pair = torch.tensor([segments(n, reps, False), segments(n, reps, True)],
-                                dtype=torch.float64)
-            dist.all_reduce(pair)
-            alone, together = (pair / dist.get_world_size()).tolist()
-            lengths.append(alone)
-            waits.append(max(0.0, together - alone - latency_s))
-        samples.append({"segment_s": statistics.median(lengths),
-                        "wait_s": statistics.median(waits)})
+        pair = torch.tensor(segments(max(6, round(DRIFT_SECONDS / target)),
+                                     max(1, round(target / one.item()))), dtype=torch.float64)
+        dist.all_reduce(pair)
+        length, wait = (pair / dist.get_world_size()).tolist()
+        samples.append({"segment_s": length, "wait_s": wait})
     # wait = sync_drift x sqrt(L), least squares over the lengths
     den = sum(x["segment_s"] for x in samples)
     value = sum(x["wait_s"] * x["segment_s"] ** 0.5 for x in samples) / den if den else 0.0
-    return value, samples
+    # wait = sync_skew x L, from the longest
+    longest = samples[-1]
+    skew = longest["wait_s"] / longest["segment_s"] if longest["segment_s"] > 0 else 0.0
+    return value, skew, samples
 
 
 def worker_main() -> None:
@@ -197,12 +224,13 @@ def worker_main() -> None:
                 if i >= WARMUP:
                     kept.append(time.perf_counter() - start)
         found: dict[str, Any] = {"seconds": [statistics.median(t) for t in times]}
-        latency = fit(list(zip(map(float, spec["sizes"]), found["seconds"])),
-                      spec["world"])["latency_s"]
-        found["sync_drift"], found["drift_samples"] = drift(latency)
+        found["sync_drift"], found["sync_skew"], found["drift_samples"] = drift(
+            float(spec["slow_last_rank_s"]))
         if spec.get("tp_model") is not None:
             from tessel.scaling.tp_cost import block_overhead
 
+            latency = fit(list(zip(map(float, spec["sizes"]), found["seconds"])),
+                          spec["world"])["latency_s"]
             tp = block_overhead(spec["tp_model"], bool(spec["sequence_parallel"]), latency)
             found["tp_block_overhead_s"] = tp["pass_s"]
             found["tp_block_optimizer_s"] = tp["optimizer_s"]

@@ -76,6 +76,7 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
     assert profile["device_type"] == "cpu"
     assert profile["collective_latency_us"] == pytest.approx(gloo["latency_s"] * 1e6)
     assert profile.get("sync_drift", 0.0) == pytest.approx(gloo["sync_drift"])
+    assert profile.get("sync_skew", 0.0) == pytest.approx(gloo["sync_skew"])
     (tmp_path / "sweep.json").write_text(out.stdout)
     plan = subprocess.run(
         [sys.executable, "-m", "tessel", "plan", str(ROOT / "configs/tiny.toml"), "--gpus", "2",
@@ -123,11 +124,31 @@ def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes()
     assert 0 < overhead < 1.0, overhead  # seconds per block and micro-batch
     # and per block in the optimizer phase (clipping and AdamW through DTensor)
     assert 0 < found["tp_block_optimizer_s"] < 1.0, found
-    # the ranks' drift, from segments of about 8 and 32 ms of compute (sized on rank 0's
-    # timing of one piece, so they land near the targets) with and without an all-reduce
-    short, long = found["drift_samples"]
-    assert 0.002 < short["segment_s"] < 0.03 and long["segment_s"] > 2 * short["segment_s"]
-    assert all(s["wait_s"] >= 0 for s in (short, long))
-    fitted = sum(s["wait_s"] * s["segment_s"] ** 0.5 for s in (short, long)) / (
-        short["segment_s"] + long["segment_s"])
+    # the ranks' drift, from segments of about 8, 32 and 128 ms of compute (sized on rank
+    # 0's timing of one piece, so they land near the targets), each followed by an all-reduce
+    samples = found["drift_samples"]
+    lengths = [s["segment_s"] for s in samples]
+    assert len(samples) == 3 and 0.002 < lengths[0] < 0.03
+    assert lengths[1] > 2 * lengths[0] and lengths[2] > 2 * lengths[1]
+    assert all(s["wait_s"] >= 0 for s in samples)
+    fitted = sum(s["wait_s"] * s["segment_s"] ** 0.5 for s in samples) / sum(lengths)
     assert found["sync_drift"] == pytest.approx(fitted)
+    assert found["sync_skew"] == pytest.approx(samples[2]["wait_s"] / lengths[2])
+
+
+@pytest.mark.budget(20)
+def test_the_drift_measurement_reads_a_rank_that_is_made_slower():
+    """The drift is the wait in an all-reduce after each segment beyond the same call made at
+    once after it (the ranks then together). A fire drill makes the last of 2 ranks sleep 20
+    ms in every segment: its peer waits that much more per segment than the other way round,
+    so the mean over the ranks is at least ~10 ms at every length (on this machine 1-8 ms
+    without it; noise in either rank only adds to it), and the fit says so."""
+    from tessel.scaling.gloo import measure_gloo
+
+    slow = 0.020
+    found = measure_gloo(2, sizes=(4096, 65536), slow_last_rank_s=slow)
+    for sample in found["drift_samples"]:
+        assert sample["wait_s"] > 0.6 * slow / 2, found["drift_samples"]
+    lengths = [s["segment_s"] for s in found["drift_samples"]]
+    assert found["sync_drift"] > 0.6 * slow / 2 * sum(x ** 0.5 for x in lengths) / sum(lengths)
+    assert found["sync_skew"] > 0.6 * slow / 2 / lengths[2]

@@ -138,6 +138,30 @@ def test_the_ranks_drift_makes_each_synchronising_collective_wait():
         m, one, H100, 1024, 8, "bf16")
 
 
+def test_a_steady_difference_in_speed_counts_where_it_exceeds_the_drift():
+    """sync_skew x L, where larger than sync_drift x sqrt(L): DDP's one wait after a step's
+    whole compute takes it; a tensor-parallel block's short pieces keep the drift."""
+    from tessel.planner.speed import sync_wait, tp_calls
+
+    m = ModelConfig(preset="gpt2-124m")
+    drifting = dataclasses.replace(H100, sync_drift=0.002)
+    skewed = dataclasses.replace(drifting, sync_skew=0.05)
+    assert sync_wait(skewed, 1.0) == pytest.approx(0.05)  # 0.05 x 1 > 0.002 x 1
+    assert sync_wait(skewed, 1e-4) == pytest.approx(2e-5)  # 0.002 x 0.01 > 0.05 x 1e-4
+    ddp = lay(2)
+    base, drift, skew = (estimate_step(m, ddp, h, 1024, 8, "bf16", dp_overlap=0.0)
+                         for h in (H100, drifting, skewed))
+    assert 0.05 * base.compute_s > 0.002 * math.sqrt(base.compute_s)  # a step is long enough
+    assert skew.dp_comm_s - base.dp_comm_s == pytest.approx(0.05 * base.compute_s)
+    assert drift.dp_comm_s < skew.dp_comm_s
+    tp = lay(2, dp_shard=1, tp=2)
+    calls = tp_calls(tp, 12, 0, first=True, last=True)
+    piece = estimate_step(m, tp, H100, 1024, 8, "bf16").compute_s / 8 / calls
+    assert 0.05 * piece < 0.002 * math.sqrt(piece)  # a piece is short: the drift's law
+    assert estimate_step(m, tp, skewed, 1024, 8, "bf16") == estimate_step(m, tp, drifting,
+                                                                          1024, 8, "bf16")
+
+
 def test_the_optimizers_rate_is_fitted_on_its_measured_phase():
     from tessel.planner.hardware import calibrate_optimizer
 
@@ -161,9 +185,10 @@ def test_the_planners_ddp_buckets_are_the_trainers():
 def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
     cpu = dataclasses.replace(H100, name="cpu-x", collective_latency_s=5.5e-4, device_type="cpu",
                               matmul_efficiency=0.001234567, tp_block_overhead_s=0.0123,
-                              tp_block_optimizer_s=0.0045, sync_drift=0.0151)
+                              tp_block_optimizer_s=0.0045, sync_drift=0.0151, sync_skew=0.047)
     table = json.loads(json.dumps(profile_table(cpu)))  # as a sweep's JSON carries it
     assert table["sync_drift"] == pytest.approx(0.0151)
+    assert table["sync_skew"] == pytest.approx(0.047)
     assert table["collective_latency_us"] == pytest.approx(550.0)
     assert table["tp_block_overhead_us"] == pytest.approx(12300.0)
     assert table["tp_block_optimizer_us"] == pytest.approx(4500.0)
@@ -174,6 +199,8 @@ def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
                                ("tp_block_overhead_us", "1 ms", "tp_block_overhead_us must be"),
                                ("sync_drift", -0.1, "sync_drift must be a number >= 0"),
                                ("sync_drift", True, "sync_drift must be a number >= 0"),
+                               ("sync_skew", -0.01, "sync_skew must be a number >= 0"),
+                               ("sync_skew", "5%", "sync_skew must be a number >= 0"),
                                ("device_type", "tpu", "device_type must be"),
                                ("bf16_tflops", "fast", "bf16_tflops must be a number"),
                                ("hbm_gbps", float("inf"), "hbm_gbps must be a positive"),
@@ -233,7 +260,8 @@ def cpu_truth():
     return dataclasses.replace(
         H100, name="cpu-measured", bf16_flops=1.4e11, intra_node_gbps=1.0, inter_node_gbps=1.0,
         gpus_per_node=2, hbm_gbps=8.0, memory_gib=12.0, comm_efficiency=1.0,
-        collective_latency_s=5e-4, device_type="cpu", matmul_efficiency=0.9, sync_drift=0.01)
+        collective_latency_s=5e-4, device_type="cpu", matmul_efficiency=0.9, sync_drift=0.01,
+        sync_skew=0.04)
 
 
 def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path: Path):
@@ -242,7 +270,8 @@ def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path
     then predicts every measured point."""
     slower = dataclasses.replace(cpu_truth, comm_efficiency=1.0 / 3,
                                  collective_latency_s=3 * 5e-4, matmul_efficiency=0.7,
-                                 hbm_gbps=cpu_truth.hbm_gbps / 3, sync_drift=3 * 0.01)
+                                 hbm_gbps=cpu_truth.hbm_gbps / 3, sync_drift=3 * 0.01,
+                                 sync_skew=3 * 0.04)
     points = [(1, tiny(1)), (2, tiny(2, dp_shard=1, tp=2)), (2, tiny(2, dp_shard=1, pp=2))]
     record = sweep_record(slower, points, profile=cpu_truth)
     sweep = sweep_fit.read_sweep(record, "sweep.json")
@@ -254,6 +283,7 @@ def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path
     assert tuned.collective_latency_s == pytest.approx(1.5e-3, rel=1e-3)
     assert tuned.comm_efficiency == pytest.approx(1 / 3, rel=1e-3)
     assert tuned.sync_drift == pytest.approx(0.03, rel=1e-3)
+    assert tuned.sync_skew == pytest.approx(0.12, rel=1e-3)
     for world, cfg in points:
         lay_ = Layout.from_config(cfg, world)
         assert predict(cfg, lay_, tuned, "cpu") == pytest.approx(
