@@ -11,10 +11,11 @@ size a few times; rank 0's median time per size is fitted as
 nccl-tests' "bus bandwidth"), by least squares over the sizes.
 
 The same processes then measure how far they drift apart in training-like use (the
-profile's `sync_drift` and `sync_skew`): every rank runs the same matmuls for a segment of L seconds, then a
-one-number all-reduce, then a second one at once. The first waits for the slowest rank; the
-second, which starts with the ranks together, is the call alone: their difference, averaged
-over the segments and the ranks, is what a collective waits for after L seconds of compute.
+profile's `sync_drift` and `sync_skew`): every rank runs the same matmuls for a segment of L
+seconds, then a one-number all-reduce, then a second one at once. The first waits for the
+slowest rank; the second, which starts with the ranks together, is the call alone: their
+difference, averaged over the segments and the ranks, is what a collective waits for after
+L seconds of compute.
 It is measured within each segment, so that a change of the machine's speed between two
 timed loops does not enter it (the method before subtracted the times of the same segments
 timed alone and then synchronised; on the project's noisy machine neither is steady between
