@@ -164,6 +164,9 @@ _FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_
            "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
            "collective_latency_us", "tp_block_overhead_us", "tp_block_optimizer_us",
            "sync_drift", "sync_skew", "device_names", "device_type"}
+_DRIFT = {"sync_drift": "seconds per square root of a second",
+          "sync_skew": "a fraction of the compute"}
+"""The ranks' drift keys (TOML and field alike) -> their unit, for the one-line error."""
 _MICROSECONDS = {"collective_latency_us": "collective_latency_s",
                  "tp_block_overhead_us": "tp_block_overhead_s",
                  "tp_block_optimizer_us": "tp_block_optimizer_s"}
@@ -205,10 +208,8 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
             values["device_names"] = tuple(value)
         elif key in _MICROSECONDS:
             values[_MICROSECONDS[key]] = _non_negative(name, key, value, "microseconds") / 1e6
-        elif key == "sync_drift":
-            values[key] = _non_negative(name, key, value, "seconds per square root of a second")
-        elif key == "sync_skew":
-            values[key] = _non_negative(name, key, value, "a fraction of the compute")
+        elif key in _DRIFT:
+            values[key] = _non_negative(name, key, value, _DRIFT[key])
         else:
             values[key] = value
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
@@ -344,10 +345,7 @@ def profile_table(profile: GpuProfile) -> dict[str, object]:
     for key, field in _MICROSECONDS.items():
         if key != "collective_latency_us" and getattr(profile, field):
             table[key] = getattr(profile, field) * 1e6
-    if profile.sync_drift:
-        table["sync_drift"] = profile.sync_drift
-    if profile.sync_skew:
-        table["sync_skew"] = profile.sync_skew
+    table.update({key: getattr(profile, key) for key in _DRIFT if getattr(profile, key)})
     if profile.device_names:
         table["device_names"] = list(profile.device_names)
     if profile.device_type != "cuda":
