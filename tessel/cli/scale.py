@@ -37,7 +37,9 @@ not used: each count is searched.
                       each process count of this machine (`tessel train --nproc N`, all
                       processes in one parallel dimension: --over dp (default), tp, pp,
                       cp or ep; --warmup steps, then --steps timed
-                      ones) and print what each run measured (tokens/s, efficiency, step
+                      ones, then as many again with every other one
+                      profiled for its communication) and print what
+                      each run measured (tokens/s, efficiency, step
                       split, exposed communication) beside the planner's
                       prediction of that run. On CPU the planner's device is this machine,
                       measured first (matmul and memory rate of one process, gloo's
@@ -185,6 +187,7 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
     from tessel.planner import scaling
     from tessel.scaling import allocation, compare, measure_sweep
     from tessel.scaling.measure import layout_over
+    from tessel.scaling.points import profiled_steps
 
     if not args.measure or args.nproc is None:
         raise TesselError("--measure runs the config at each process count of --nproc (e.g. "
@@ -236,7 +239,8 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
     for rec, point in zip(record["points"], sweep.points):
         if rec["measured"] is not None and rec["measured"]["tokens_per_s"] is not None:
             rec["config"] = point.config.to_dict()  # what `--calibrate` predicts the run from
-    record["measurement"] = {"out": str(out), "warmup": warmup, "steps": steps, "over": args.over,
+    record["measurement"] = {"out": str(out), "warmup": warmup, "steps": steps,
+                             "profiled_steps": profiled_steps(steps), "over": args.over,
                              "device_type": "cuda" if cuda else "cpu",
                              "machine": None if cuda else machine,
                              "profile": None if cuda else profile_table(hw),
@@ -254,8 +258,9 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         print(json.dumps(record, indent=1))
     else:
         print(scaling.text(sweep), end="")
-        print(f"\nmeasured ({out}; {warmup} warm-up and {steps} timed steps per run; the "
-              "planner calibrated on the first point"
+        print(f"\nmeasured ({out}; {warmup} warm-up, {steps} timed and "
+              f"{profiled_steps(steps)} profiled steps per run; the planner "
+              "calibrated on the first point"
               + (f": matmul efficiency {fitted:.4g}" if fitted is not None else "") + "):")
         print(compare.comparison(sweep), end="")
     if html is not None:

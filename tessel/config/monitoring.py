@@ -31,6 +31,12 @@ class MetricsConfig(Section):
     next log record; docs/monitoring.md); the other steps run unprofiled. 0: never. A
     profiled step took 1.4-1.8x a plain one on toy CPU models (2-4% of the run at 20;
     docs/performance.md)."""
+    comm_sample_after: int = Field(0, ge=0)
+    """No step up to this one (the run's step number) is profiled for communication; the
+    sampling counts from here (steps after+N, after+2N, ...). For a benchmark or a scaling
+    sweep: its timed steps then run unprofiled, which interleaving does not give on several
+    processes (the plain steps between profiled ones ran up to 20% slower under DDP on
+    gloo; docs/scaling.md). 0: sampling from the first step."""
 
 
 AlertCondition = Literal[

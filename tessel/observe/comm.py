@@ -35,9 +35,9 @@ ranks of a collective wait inside it for the slowest one; that wait is communica
 (it is where a slow link or a straggler shows).
 
 Profiling costs time, so one step in `metrics.comm_sample_interval` is profiled (the last of
-each such run of steps) and the others run untouched: a step that is not sampled costs one
-integer comparison (~2 us). What a sampled step costs is measured by
-benchmarks/comm_sampling.py (docs/performance.md).
+each such run of steps, counted from `metrics.comm_sample_after`) and the others run
+untouched: a step that is not sampled costs a few integer comparisons (~2 us). What a
+sampled step costs is measured by benchmarks/comm_sampling.py (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -187,12 +187,13 @@ class CommMeter:
 
     def __init__(self, device: torch.device, every: int, distributed: bool,
                  group: Callable[[], dist.ProcessGroup | None] = lambda: None,
-                 say: Callable[[str], None] = lambda _msg: None):
+                 say: Callable[[str], None] = lambda _msg: None, after: int = 0):
         """`group()`: a group over every rank that takes CPU tensors, for the gather at log
         steps (None: the default group), asked for only then; `say`: where the one line about
-        a failed profile goes."""
+        a failed profile goes; `after`: steps up to this one are never profiled."""
         self.gpu = device.type == "cuda"
         self.every = every
+        self.after = after
         if every:
             # Kineto prints lines of its own at every profile's start and stop (torch 2.13:
             # "USDT: ... profiler_start"); 6 silences them. Read at its first profile; a value
@@ -201,16 +202,15 @@ class CommMeter:
         self.distributed = distributed
         self.group = group
         self.say = say
-        self._calls = 0
         self._due = 0  # sampled steps since the last window, profiled or not: the same on every rank
         self._samples: list[CommSplit] = []
         self._failed = False
 
     @contextlib.contextmanager
-    def sampled(self) -> Iterator[None]:
-        """Around one training step: profiles it when it is the one in `every` to sample."""
-        self._calls += 1
-        if not self.every or self._calls % self.every:
+    def sampled(self, step: int) -> Iterator[None]:
+        """Around training step `step` (1 for the first; the same on every rank): profiles it
+        when it is the one in `every` to sample, counted from `after`."""
+        if not self.every or step <= self.after or (step - self.after) % self.every:
             yield
             return
         self._due += 1

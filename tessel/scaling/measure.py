@@ -2,9 +2,12 @@
 
 Each point is `python -m tessel train CONFIG --nproc N` (the command a user runs: torchrun
 for N > 1), in its own run directory under the sweep's directory, told to take WARMUP + STEPS
-steps, log every step, and neither evaluate, score, checkpoint nor sample before its last
-step (the end-of-run evaluation and save come after the timed steps). Its metrics.jsonl is
-then read past the warm-up steps (`points.summarize`). Strong scaling keeps the config's
+steps and then `profiled_steps(STEPS)` more in which every other one is profiled for its
+communication, log every step, and neither evaluate, score, checkpoint nor sample before its
+last step (the end-of-run evaluation and save come after the timed steps). Its metrics.jsonl
+is then read past the warm-up steps (`points.summarize`): throughput and step split from the
+timed steps, which run unprofiled (a profiled step slows the plain ones around it on several
+processes), exposed communication from the profiled ones. Strong scaling keeps the config's
 global batch; weak scaling multiplies it by N (the config's batch is one process's). A run
 that fails is reported at its point, with its one-line error, and the sweep goes on.
 """
@@ -22,7 +25,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.scaling.points import MeasuredPoint, error_line, summarize, with_efficiency
+from tessel.scaling.points import (
+    COMM_EVERY,
+    MeasuredPoint,
+    error_line,
+    profiled_steps,
+    summarize,
+    with_efficiency,
+)
 
 LayoutFor = Callable[[int], Mapping[str, object]]
 """N -> the parallel.* settings of the point with N processes ({"parallel.tp": 2, ...})."""
@@ -38,9 +48,9 @@ QUIET_RUN = {
     "run.sample_tokens": "0",  # no sample after training
     "metrics.log_interval": "1",  # one record per step: the warm-up is cut by step number
     "metrics.tensorboard": "false",  # metrics.jsonl is what is read
-    # every other step profiled for its exposed communication (points.summarize reads the
-    # time from those and the throughput from the others)
-    "metrics.comm_sample_interval": "2",
+    # after the timed steps, one step in COMM_EVERY profiled for its exposed communication
+    # (run_overrides sets where they start)
+    "metrics.comm_sample_interval": str(COMM_EVERY),
 }
 """Overrides of every sweep run, after the user's (they win): nothing but training steps in
 the timed window, and a record per step."""
@@ -95,7 +105,8 @@ def run_overrides(global_batch: int, nproc: int, warmup: int, steps: int,
     """The overrides the sweep adds for one point (after the user's, so they win)."""
     sets = {
         **QUIET_RUN,
-        "train.steps": str(warmup + steps),
+        "train.steps": str(warmup + steps + profiled_steps(steps)),
+        "metrics.comm_sample_after": str(warmup + steps),
         "train.global_batch_size": str(global_batch if strong else global_batch * nproc),
         **{k.removeprefix("--"): override_value(v) for k, v in layout.items()},
         "run.dir": json.dumps(str(run_dir)),
@@ -186,7 +197,8 @@ def measure_point(point: MeasuredPoint, command: list[str], env: Mapping[str, st
     wall = time.monotonic() - start
     metrics = Path(point.run_dir) / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.is_file() else []
-    found = summarize(records, warmup, point.steps_asked, point.nproc)
+    found = summarize(records, warmup, point.steps_asked, point.nproc,
+                      profiled_steps(point.steps_asked))
     if code is None:
         error = f"timed out after {timeout_s:g} s; its processes were stopped"
     elif code != 0:

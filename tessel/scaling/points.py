@@ -23,6 +23,18 @@ COMM_EXPOSED = "time_comm_exposed_s"
 collectives, mean over the ranks; written on the steps the trainer samples, see
 `metrics.comm_sample_interval`). Read when present: a run without it leaves the point's
 `comm_exposed_s` None."""
+COMM_EVERY = 2
+"""In a sweep's run, one step in COMM_EVERY of the profiled window after the timed steps is
+profiled (`metrics.comm_sample_interval`): every step profiled in a row slowed the profile
+step by step (DDP on gloo: 0.22 s to 0.29 s in 17 steps, its exposed time 9 to 45 ms)."""
+
+
+def profiled_steps(steps: int) -> int:
+    """The steps a sweep's run takes after its `steps` timed ones to measure communication:
+    as many (rounded up to a whole number of COMM_EVERY), so about steps / COMM_EVERY
+    profiled samples. Apart from the timed steps because a profiled step slows the plain
+    steps around it on several processes (DDP on gloo: by up to 20%), not only itself."""
+    return -(-steps // COMM_EVERY) * COMM_EVERY
 COMM_TOTAL = "time_comm_s"
 """The metrics field of all communication time in a step, hidden or not (same sampling)."""
 
@@ -42,13 +54,15 @@ class MeasuredPoint:
     """The run's directory (config.toml, metrics.jsonl; the log of the command is LOG_NAME
     inside the sweep directory beside it)."""
     steps_asked: int
-    """Timed steps the sweep asked for (after the warm-up steps)."""
+    """Timed steps the sweep asked for (after the warm-up steps; the run then takes
+    `profiled_steps(steps_asked)` more, for its communication)."""
     timed_steps: int = 0
     """Timed steps found in metrics.jsonl (fewer than steps_asked: see `short`)."""
     tokens_per_s: float | None = None
     """Tokens per second over all processes in the timed steps: their tokens over their
     summed step time (None when nothing was timed). Steps profiled for communication
-    (slower) are left out of it, of step_time_s and of split when others were timed."""
+    (slower) are left out of it, of step_time_s and of split when others were timed (a
+    sweep's are after them)."""
     tokens_per_s_per_process: float | None = None
     """tokens_per_s / nproc."""
     step_time_s: float | None = None
@@ -58,8 +72,9 @@ class MeasuredPoint:
     `time_<phase>_s`), over the timed steps that logged it; they sum to at most step_time_s."""
     comm_exposed_s: float | None = None
     """Mean seconds per step the ranks were blocked on communication (COMM_EXPOSED, over the
-    timed steps that logged it: sampled steps), None when the run did not measure it. A part
-    of the compute and optimizer phases, not a phase beside them."""
+    steps that logged it: the sampled steps after the timed ones, or among them), None when
+    the run did not measure it. A part of the compute and optimizer phases, not a phase
+    beside them."""
     comm_s: float | None = None
     """Mean seconds of all communication per step, hidden or not (COMM_TOTAL), or None."""
     efficiency: float | None = None
@@ -120,9 +135,11 @@ def timed_records(records: list[dict[str, Any]], warmup: int, steps: int) -> lis
 
 
 def summarize(records: list[dict[str, Any]], warmup: int, steps: int,
-              nproc: int) -> dict[str, Any]:
+              nproc: int, profiled: int = 0) -> dict[str, Any]:
     """The measured fields of a MeasuredPoint from a run's metrics records (as
-    `tessel.observe.metrics.read_metrics` returns them)."""
+    `tessel.observe.metrics.read_metrics` returns them): throughput and split from steps
+    warmup+1 .. warmup+steps, communication from the profiled steps among them and among
+    the `profiled` steps after them."""
     timed = timed_records(records, warmup, steps)
     if not timed:
         return {"timed_steps": 0}
@@ -130,6 +147,7 @@ def summarize(records: list[dict[str, Any]], warmup: int, steps: int,
     # others: throughput, step time and split come from the unprofiled steps when there are
     # any, the communication from the profiled ones.
     plain = [r for r in timed if _number(r, COMM_EXPOSED) is None] or timed
+    sampled = timed + timed_records(records, warmup + steps, profiled)
     times = [_number(r, "step_time_s") or 0.0 for r in plain]
     tokens = sum((_number(r, "tokens_per_s") or 0.0) * t for r, t in zip(plain, times))
     tps = tokens / sum(times)
@@ -141,8 +159,8 @@ def summarize(records: list[dict[str, Any]], warmup: int, steps: int,
         "tokens_per_s_per_process": tps / nproc,
         "step_time_s": sum(times) / len(times),
         "split": split,
-        "comm_exposed_s": _mean(_number(r, COMM_EXPOSED) for r in timed),
-        "comm_s": _mean(_number(r, COMM_TOTAL) for r in timed),
+        "comm_exposed_s": _mean(_number(r, COMM_EXPOSED) for r in sampled),
+        "comm_s": _mean(_number(r, COMM_TOTAL) for r in sampled),
     }
 
 

@@ -158,7 +158,8 @@ class Trainer:
             self.run.skipped_batches, cfg.recovery.skip_batches, writer=proc.is_main))
         self.control = StopControl(proc.distributed, self.device.type, self.watchdog.phase)
         self.comm = CommMeter(self.device, cfg.metrics.comm_sample_interval, proc.distributed,
-                              self.control.cpu_group, say)  # exposed communication, sampled steps
+                              self.control.cpu_group, say,  # exposed communication, sampled steps
+                              after=cfg.metrics.comm_sample_after)
         hf_export = None
         if proc.is_main and cfg.checkpoint.hf_export_interval:
             from tessel.checkpoint.hf_export import HFExporter
@@ -352,7 +353,9 @@ class Trainer:
         grad norm); no host sync."""
         if self.replicas is not None:  # the quorum; a group behind takes a peer's state
             self.replicas.begin_step()
-        with self.comm.sampled():  # one step in metrics.comm_sample_interval is profiled
+        # one step in metrics.comm_sample_interval is profiled (by step number: the same on
+        # every rank, and after a resume)
+        with self.comm.sampled(self.step + 1):
             self.train_step.set_lr(lr_at(self.step, self.cfg.train.steps, self.cfg.optim))
             self.timer.start("data")
             accum, loader = self.train_step.accum, self.data.train

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tessel.config import read_saved
+from tessel.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +47,12 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
         assert sum(m["split"].values()) <= m["step_time_s"] * (1 + 1e-9)
         saved = read_saved(Path(m["run_dir"]) / "config.toml")
         assert saved["train"]["global_batch_size"] == 16  # strong scaling: the config's batch
-        assert saved["train"]["steps"] == 5 and saved["parallel"]["tp"] == 1
+        # 2 warm-up, 3 timed and 4 more in which every other one is profiled
+        assert saved["train"]["steps"] == 9 and saved["parallel"]["tp"] == 1
+        assert saved["metrics"]["comm_sample_after"] == 5
+        records = read_metrics(Path(m["run_dir"]) / "metrics.jsonl")
+        profiled = [r["step"] for r in records if "time_comm_exposed_s" in r]
+        assert profiled == [7, 9]  # none of the timed steps (3-5) was profiled
         assert p["layout"].startswith(f"dp={m['nproc']} tp=1 pp=1")  # the run's own layout
         assert p["predicted"]["tokens_per_s"] > 0
     one, two, three = (p["measured"] for p in points)
@@ -54,7 +60,7 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
     assert two["efficiency"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"] / 2)
     # calibrated on the first point: its prediction is its measurement
     assert points[0]["predicted"]["tokens_per_s"] == pytest.approx(one["tokens_per_s"], rel=2e-3)
-    # every other step profiled for its communication: one process has none, two do
+    # the profiled steps after the timed ones: one process has no communication, two do
     assert one["comm_exposed_s"] == 0.0 and one["comm_s"] == 0.0
     assert two["comm_s"] > 0 and two["comm_exposed_s"] is not None
     assert not three["ok"] and three["exit_code"] == 2 and three["tokens_per_s"] is None

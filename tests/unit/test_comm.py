@@ -106,7 +106,7 @@ def _step(group: dist.ProcessGroup) -> None:
 
 def test_a_profiled_step_sees_every_collective_and_a_delay_inside_them(gloo_group, monkeypatch):
     meter = CommMeter(torch.device("cpu"), every=1, distributed=False)
-    with meter.sampled():
+    with meter.sampled(1):
         _step(gloo_group)
     plain = meter.window(step_time_s=1.0)
     assert plain["comm_collectives"] == 4
@@ -118,7 +118,7 @@ def test_a_profiled_step_sees_every_collective_and_a_delay_inside_them(gloo_grou
     faults = Faults(rank=0, spec="netdelay:seconds=0.05")
     faults.at_step(0)  # turns the delay on
     try:
-        with meter.sampled():
+        with meter.sampled(2):
             _step(gloo_group)
         delayed = meter.window(step_time_s=1.0)
     finally:
@@ -129,7 +129,7 @@ def test_a_profiled_step_sees_every_collective_and_a_delay_inside_them(gloo_grou
     assert sleeps == [0.05] * 4
     assert delayed["time_comm_exposed_s"] >= 4 * 0.05
     assert "ADInplaceOrView" not in torch._C._dispatch_dump("c10d::allreduce_")  # off again
-    with meter.sampled():
+    with meter.sampled(3):
         pass
     assert meter.window(1.0)["comm_collectives"] == 0
 
@@ -137,10 +137,17 @@ def test_a_profiled_step_sees_every_collective_and_a_delay_inside_them(gloo_grou
 def test_steps_not_sampled_are_not_profiled():
     meter = CommMeter(torch.device("cpu"), every=3, distributed=False)
     seen = []
-    for _ in range(6):
-        with meter.sampled():
+    for step in range(1, 7):
+        with meter.sampled(step):
             seen.append(torch.autograd._profiler_enabled())
     assert seen == [False, False, True, False, False, True]
+    # a benchmark's timed steps left alone: sampling counts from step `after`
+    after = CommMeter(torch.device("cpu"), every=2, distributed=False, after=3)
+    seen = []
+    for step in range(1, 9):
+        with after.sampled(step):
+            seen.append(torch.autograd._profiler_enabled())
+    assert seen == [False, False, False, False, True, False, True, False]
     assert CommMeter(torch.device("cpu"), every=0, distributed=False).window(1.0) == {}
 
 
@@ -165,7 +172,7 @@ def test_a_profile_that_cannot_be_taken_costs_the_figure_not_the_step(monkeypatc
     said: list[str] = []
     meter = CommMeter(torch.device("cpu"), every=1, distributed=False, say=said.append)
     with torch.profiler.profile():  # someone else's profiler: one at a time
-        with meter.sampled():
+        with meter.sampled(1):
             torch.ones(3).sum()
     assert meter.window(1.0) == {} and not said
 
@@ -173,8 +180,8 @@ def test_a_profile_that_cannot_be_taken_costs_the_figure_not_the_step(monkeypatc
         raise RuntimeError("no events")
 
     monkeypatch.setattr("tessel.observe.comm.host_events", broken)
-    for _ in range(2):
-        with meter.sampled():
+    for step in (2, 3):
+        with meter.sampled(step):
             torch.ones(3).sum()
     assert meter.window(1.0) == {} and not torch.autograd._profiler_enabled()
     assert said == ["tessel: exposed communication is not measured on this rank from now on: "

@@ -50,6 +50,16 @@ def test_summary_covers_the_timed_steps_only_as_tokens_over_time():
     # exposed communication: the mean over the steps that measured it (sampled steps)
     assert got["comm_exposed_s"] == pytest.approx(0.2)
     assert got["comm_s"] == pytest.approx(0.3)
+    # a sweep's run: its profiled steps after the timed ones (steps 6-7 of `profiled` 2),
+    # not past them (step 8)
+    after = summarize([rec(1, 1000.0, 1.0), rec(2, 3000.0, 0.5),
+                       rec(3, 10.0, 2.0, time_comm_exposed_s=0.1, time_comm_s=0.2),
+                       rec(4, 10.0, 2.0, time_comm_exposed_s=0.3, time_comm_s=0.4),
+                       rec(5, 10.0, 2.0, time_comm_exposed_s=9.0)],
+                      warmup=0, steps=2, nproc=1, profiled=2)
+    assert after["tokens_per_s"] == pytest.approx(2500 / 1.5) and after["timed_steps"] == 2
+    assert after["comm_exposed_s"] == pytest.approx(0.2)
+    assert after["comm_s"] == pytest.approx(0.3)
     # with every step profiled, they are all there is
     every = summarize([rec(1, 1000.0, 1.0, time_comm_exposed_s=0.1),
                        rec(2, 3000.0, 0.5, time_comm_exposed_s=0.3)], warmup=0, steps=2, nproc=1)
@@ -115,7 +125,10 @@ def test_overrides_keep_or_scale_the_batch_and_the_layout_wins(tmp_path: Path):
     weak = load_config(TINY, user + run_overrides(16, 4, 2, 3, layout, False, tmp_path / "r"))
     assert strong.train.global_batch_size == 16 and weak.train.global_batch_size == 64
     for cfg in (strong, weak):
-        assert cfg.train.steps == 5 and cfg.metrics.log_interval == 1
+        # 2 warm-up, 3 timed, then 4 with every other one profiled (its communication):
+        # the timed steps run unprofiled
+        assert cfg.train.steps == 9 and cfg.metrics.log_interval == 1
+        assert (cfg.metrics.comm_sample_after, cfg.metrics.comm_sample_interval) == (5, 2)
         assert (cfg.train.eval_interval, cfg.checkpoint.interval, cfg.run.sample_tokens) == (0, 0, 0)
         assert cfg.lm_eval.tasks == [] and cfg.metrics.tensorboard is False
         assert (cfg.parallel.tp, cfg.parallel.pp) == (1, 2)
