@@ -37,6 +37,11 @@ FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide b
 # of gradients): DDP's backward with its all-reduce took 12-31 ms longer than without
 # (no_sync), the all-reduce alone 8-17 ms.
 CPU_OVERLAP = 0.0
+# gloo (CPU processes) has no reduce-scatter of its own: torch 2.11-2.13 runs one as a whole
+# all-reduce and keeps the rank's slice (a profiled sequence-parallel step shows one
+# `gloo:all_reduce` per reduce-scatter call), twice a reduce-scatter's bytes. Sequence
+# parallelism's all-gather + reduce-scatter pairs then move 1.5 all-reduces' bytes, not one.
+GLOO_SCATTER = 2.0  # a reduce-scatter's bytes on gloo, in reduce-scatters
 # Recomputed FLOPs: full checkpointing runs each block's forward again; selective recomputes
 # only element-wise work (its time, not its FLOPs, shows).
 RECOMPUTE = {"none": 0.0, "selective": 0.03, "full": 1.0 / 3.0}
@@ -309,8 +314,11 @@ def estimate_step(
     # Tensor parallel: per block, two all-reduces forward and two backward (or the equal-volume
     # all-gather + reduce-scatter pairs of sequence parallelism), not overlapped.
     tp_bw = intra if tp <= hw.gpus_per_node else inter
+    scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
     per_collective = _ring(layout.micro_batch * seq_len / cp * m.d_model * act_bytes, tp, tp_bw,
                            all_reduce=True)
+    if layout.sequence_parallel:  # an all-gather (half) and a reduce-scatter (half, or more)
+        per_collective *= (1 + scatter) / 2
     # MoE layers have attention's two only (their MLP is not split).
     collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
     lat = hw.collective_latency_s
@@ -383,8 +391,9 @@ def estimate_step(
         gathers, scatters = fsdp_calls(layout.zero, micro_batches)
         raw = (gathers * (_ring(act_bytes * dense, shard_group, shard_bw, all_reduce=False)
                           + _ring(act_bytes * experts, expert_group, expert_bw, all_reduce=False))
-               + scatters * (_ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)
-                             + _ring(4.0 * experts, expert_group, expert_bw, all_reduce=False)))
+               + scatters * scatter * (
+                   _ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)
+                   + _ring(4.0 * experts, expert_group, expert_bw, all_reduce=False)))
         # One all-gather and one reduce-scatter call per FSDP unit (each block, and the root
         # module's embeddings and output), as many times as the bytes above move.
         units = layers + 1

@@ -24,6 +24,7 @@ from tessel.planner.speed import (
     DDP_OVERLAP,
     FSDP_OVERLAP,
     estimate_step,
+    rank_parameters,
     tp_calls,
 )
 from tessel.scaling.measure import default_layout, layout_over
@@ -90,10 +91,34 @@ def test_cpu_processes_hide_no_data_parallel_communication():
         gpu_step = estimate_step(m, layout, slow_link, 1024, 8, "bf16")
         cpu_step = estimate_step(m, layout, cpu, 1024, 8, "bf16")
         assert cpu_step.dp_comm_s == pytest.approx(cpu_step.raw_comm_s)
-        assert 0 <= gpu_step.dp_comm_s < gpu_step.raw_comm_s == pytest.approx(cpu_step.raw_comm_s)
+        assert 0 <= gpu_step.dp_comm_s < gpu_step.raw_comm_s <= cpu_step.raw_comm_s
         # an explicit overlap (replaying a published run) still wins
-        assert estimate_step(m, layout, cpu, 1024, 8, "bf16", dp_overlap=overlap).dp_comm_s == \
-            pytest.approx(gpu_step.dp_comm_s)
+        replay = estimate_step(m, layout, cpu, 1024, 8, "bf16", dp_overlap=overlap).dp_comm_s
+        assert replay == pytest.approx(gpu_step.dp_comm_s + cpu_step.raw_comm_s
+                                       - gpu_step.raw_comm_s)
+
+
+def test_gloo_runs_a_reduce_scatter_as_a_whole_all_reduce():
+    """torch's gloo backend has no reduce-scatter: it all-reduces the whole tensor and keeps
+    the rank's slice, so on a CPU profile a reduce-scatter costs twice its bytes: sequence
+    parallelism's all-gather + reduce-scatter pairs 1.5 all-reduces' bytes, FSDP's gradient
+    reduce-scatters twice theirs; all-reduces and all-gathers as on a GPU."""
+    m = ModelConfig(preset="gpt2-124m")
+    bytes_only = dataclasses.replace(H100, intra_node_gbps=5.0, collective_latency_s=0.0)
+    cpu = dataclasses.replace(bytes_only, device_type="cpu")
+    sp, no_sp = (lay(2, dp_shard=1, tp=2, sequence_parallel=s) for s in (True, False))
+    assert estimate_step(m, sp, cpu, 1024, 8, "bf16").tp_comm_s == pytest.approx(
+        1.5 * estimate_step(m, sp, bytes_only, 1024, 8, "bf16").tp_comm_s)
+    assert estimate_step(m, no_sp, cpu, 1024, 8, "bf16").tp_comm_s == pytest.approx(
+        estimate_step(m, no_sp, bytes_only, 1024, 8, "bf16").tp_comm_s)
+    # ZeRO-3 on 2 ranks, 4 micro-batches each: 8 gathers of the bf16 parameters and 4
+    # reduce-scatters of the fp32 gradients (half of each crosses the link), the latter
+    # twice on gloo
+    fsdp = lay(2, zero=3)
+    scatters = 4 * 0.5 * 4 * rank_parameters(m, fsdp, 0).total / (5e9 * H100.comm_efficiency)
+    assert (estimate_step(m, fsdp, cpu, 1024, 8, "bf16").raw_comm_s
+            - estimate_step(m, fsdp, bytes_only, 1024, 8, "bf16").raw_comm_s
+            == pytest.approx(scatters))
 
 
 def test_a_tensor_parallel_block_adds_the_profiles_host_time():
