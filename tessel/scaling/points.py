@@ -23,6 +23,8 @@ COMM_EXPOSED = "time_comm_exposed_s"
 collectives, mean over the ranks; written on the steps the trainer samples, see
 `metrics.comm_sample_interval`). Read when present: a run without it leaves the point's
 `comm_exposed_s` None."""
+COMM_TOTAL = "time_comm_s"
+"""The metrics field of all communication time in a step, hidden or not (same sampling)."""
 COMM_EVERY = 2
 """In a sweep's run, one step in COMM_EVERY of the profiled window after the timed steps is
 profiled (`metrics.comm_sample_interval`): every step profiled in a row slowed the profile
@@ -35,8 +37,6 @@ def profiled_steps(steps: int) -> int:
     profiled samples. Apart from the timed steps because a profiled step slows the plain
     steps around it on several processes (DDP on gloo: by up to 20%), not only itself."""
     return -(-steps // COMM_EVERY) * COMM_EVERY
-COMM_TOTAL = "time_comm_s"
-"""The metrics field of all communication time in a step, hidden or not (same sampling)."""
 
 
 @dataclass(frozen=True)
