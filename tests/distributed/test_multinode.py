@@ -110,6 +110,13 @@ def test_a_lost_node_shrinks_the_run_and_grows_it_again_when_it_returns(refs, tw
     shrink = _wait_for_event(run, "world_shrink", [survivor])
     assert shrink["step"] == 2 and (shrink["world_size_before"], shrink["world_size"]) == (2, 1)
     assert shrink["accumulation"] == 4  # 8 sequences: 4 micro-batches of 2 on one rank
+    # The shrink's checkpoint, kept aside now: the run's later saves may retire it before the
+    # end (on a fast machine they did).
+    again = tmp_path / "resumed_alone"
+    again.mkdir()
+    for name in ("config.toml", "tokenizer.json"):
+        shutil.copy(run / name, again / name)
+    shutil.copytree(checkpoint_at(run, 2), again / "checkpoints" / checkpoint_at(run, 2).name)
 
     # The machine comes back: the same command on it. The survivor's torchrun sees it waiting
     # in the rendezvous and stops its worker (SIGTERM: a checkpoint at the step boundary); the
@@ -131,11 +138,6 @@ def test_a_lost_node_shrinks_the_run_and_grows_it_again_when_it_returns(refs, tw
     assert events[-1]["kind"] == "finish"
 
     # A one-process run resumed from the shrink's checkpoint: the steps the survivor ran alone.
-    again = tmp_path / "resumed_alone"
-    again.mkdir()
-    for name in ("config.toml", "tokenizer.json"):
-        shutil.copy(run / name, again / name)
-    shutil.copytree(checkpoint_at(run, 2), again / "checkpoints" / checkpoint_at(run, 2).name)
     cfg = Config.load(again / "config.toml", {"run.dir": str(again)})
     Trainer(cfg, resume=True, console=False).train()
     got, _ = train_metrics(run)
