@@ -157,7 +157,7 @@ def test_a_signalled_job_saves_requeues_itself_and_resumes_exactly(cluster, refe
     assert 20 <= stopped_at < STEPS
 
 
-@pytest.mark.budget(45)  # seconds on the reference machine: measured, +~40%
+@pytest.mark.budget(85)  # reference machine: ~60 s with SLOW (33 s at machine factor 0.55), +~40%
 def test_two_jobs_on_one_node_both_finish(cluster, reference, tmp_path_factory):
     dirs = [_workdir(tmp_path_factory, f"pair{i}") for i in range(2)]
     # The jobs of the tests before (still completing, or requeued) may hold CPUs: start from
