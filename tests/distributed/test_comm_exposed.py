@@ -12,9 +12,11 @@ from test_layouts import base, job_output, torchrun, train_metrics
 
 pytestmark = pytest.mark.slow
 
-DELAY = 0.02
-"""Seconds per collective: FSDP2's 29 collectives per step make ~0.6 s, well above the
-measurement's scatter on a busy 2-core machine."""
+DELAY = 0.04
+"""Seconds per collective: FSDP2's 29 collectives per step make ~1.2 s, well above the
+measurement's scatter on a busy 2-core machine. (At 0.02 the rise once fell to 0.698 of the
+delay beside another test's processes: the delay also absorbs waits the plain run had, a
+rank behind its peer catching up while the peer sleeps, about 0.18 s there.)"""
 
 
 @pytest.mark.budget(60)  # seconds on the reference machine: measured, +~40%
@@ -34,12 +36,7 @@ def test_a_slower_network_raises_exposed_communication_by_the_delay(refs, tmp_pa
         for step in (2, 4):  # the sampled steps
             n = slow[step]["comm_collectives"]
             assert n == plain[step]["comm_collectives"] > 20, (name, step, n)
-            # the mean over both ranks: each was held up by every delayed collective. The
-            # delay also absorbs waits of the plain run (a rank behind its peer catches up
-            # while the peer sleeps), so on a loaded machine the rise can fall short of the
-            # delay (0.698 of it once, beside another test's processes); the delayed step
-            # itself is held up by most of the delay in any case.
+            # the mean over both ranks: each was held up by every delayed collective
             rise = slow[step]["time_comm_exposed_s"] - plain[step]["time_comm_exposed_s"]
-            assert 0.5 * DELAY * n < rise < 1.5 * DELAY * n + 0.1, (name, step, rise, DELAY * n)
-            assert slow[step]["time_comm_exposed_s"] > 0.7 * DELAY * n, (name, step)
+            assert 0.7 * DELAY * n < rise < 1.5 * DELAY * n + 0.1, (name, step, rise, DELAY * n)
             assert slow[step]["time_comm_exposed_s"] <= slow[step]["time_comm_s"]
