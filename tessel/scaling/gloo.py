@@ -90,7 +90,7 @@ def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
 
 def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                  timeout_s: float = 120.0, tp_model: dict[str, Any] | None = None,
-                 sequence_parallel: bool = True, slow_last_rank_s: float = 0.0
+                 sequence_parallel: bool = True, slow_last_rank: float = 0.0
                  ) -> dict[str, object]:
     """Latency (s) and bus bandwidth (bytes/s) of a gloo all-reduce between `nproc` local
     processes, with the per-size medians they were fitted to:
@@ -98,8 +98,10 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     `tp_model` (a ModelConfig's fields) also "tp_block_overhead_s" and
     "tp_block_optimizer_s", the host time a tensor-parallel block of that architecture adds
     over the `nproc` processes per micro-batch and per optimizer phase
-    (`tessel.scaling.tp_cost`). `slow_last_rank_s`: a fire drill for the drift measurement,
-    the last rank sleeps this long in each of its segments (its peers wait for it)."""
+    (`tessel.scaling.tp_cost`). `slow_last_rank`: a fire drill for the drift measurement,
+    the last rank sleeps this many times its own compute in each segment (a rank that much
+    slower: its peers wait for it), so the drill's wait grows with the segment as the noise
+    of a loaded machine does."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise TesselError(f"an all-reduce needs at least 2 processes (got {nproc!r})")
     if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 4
@@ -109,7 +111,7 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         spec = json.dumps({"world": nproc, "store": str(Path(tmp) / "store"),
                            "sizes": list(sizes), "tp_model": tp_model,
                            "sequence_parallel": sequence_parallel,
-                           "slow_last_rank_s": slow_last_rank_s})
+                           "slow_last_rank": slow_last_rank})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), spec], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -141,11 +143,11 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
             **extra}
 
 
-def drift(slow_last_rank_s: float = 0.0) -> tuple[float, float, list[dict[str, float]]]:
+def drift(slow_last_rank: float = 0.0) -> tuple[float, float, list[dict[str, float]]]:
     """(sync_drift, sync_skew, the samples they were fitted to: [{"segment_s", "wait_s"}]),
     measured by the ranks of the default process group together (module docstring). The
     segment's length and the wait are means over the segments and the ranks (the trainer's
-    exposed communication is a mean over the ranks too). `slow_last_rank_s`: measure_gloo's."""
+    exposed communication is a mean over the ranks too). `slow_last_rank`: measure_gloo's."""
     import torch
     import torch.distributed as dist
 
@@ -154,7 +156,7 @@ def drift(slow_last_rank_s: float = 0.0) -> tuple[float, float, list[dict[str, f
     torch.manual_seed(0)
     x, up, down = torch.randn(512, 192), torch.randn(192, 768), torch.randn(768, 192)
     flag = torch.zeros(1)
-    slow = slow_last_rank_s if dist.get_rank() == dist.get_world_size() - 1 else 0.0
+    slow = slow_last_rank if dist.get_rank() == dist.get_world_size() - 1 else 0.0
 
     def piece() -> None:
         torch.mm(torch.mm(x, up), down)
@@ -168,7 +170,7 @@ def drift(slow_last_rank_s: float = 0.0) -> tuple[float, float, list[dict[str, f
             for _ in range(reps):
                 piece()
             if slow:
-                time.sleep(slow)
+                time.sleep(slow * (time.perf_counter() - start))
             computed = time.perf_counter()
             dist.all_reduce(flag)  # waits for the slowest rank
             waited = time.perf_counter()
@@ -226,7 +228,7 @@ def worker_main() -> None:
                     kept.append(time.perf_counter() - start)
         found: dict[str, Any] = {"seconds": [statistics.median(t) for t in times]}
         found["sync_drift"], found["sync_skew"], found["drift_samples"] = drift(
-            float(spec["slow_last_rank_s"]))
+            float(spec["slow_last_rank"]))
         if spec.get("tp_model") is not None:
             from tessel.scaling.tp_cost import block_overhead
 
