@@ -214,7 +214,8 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         # tensor-parallel points (it takes a few seconds).
         tp_model = base.model if args.over == "tp" and max(nprocs) > 1 else None
         hw, machine = compare.machine_profile(
-            max(nprocs), model=tp_model, sequence_parallel=base.parallel.sequence_parallel)
+            max(nprocs), model=tp_model, sequence_parallel=base.parallel.sequence_parallel,
+            drift_model=base.model)
     mode = scaling.WEAK if args.weak else scaling.STRONG
 
     def said(point) -> None:  # noqa: ANN001

@@ -21,6 +21,7 @@ and link bandwidths (sources in SOURCES). Users add or override profiles in a TO
     tp_block_optimizer_us = 0  # optional: the same per optimizer step, microseconds
     sync_drift = 0             # optional: ranks' drift, seconds per sqrt(compute seconds)
     sync_skew = 0              # optional: ranks' speed difference, wait per compute second
+    collective_curve_us = []   # optional: [[ring bytes per rank, microseconds], ...] measured
 
 A profile can be calibrated from a measured run (`calibrate`): the matmul efficiency is
 set to the value at which the planner's prediction for that run equals what it measured.
@@ -107,6 +108,15 @@ class GpuProfile:
     processes by `tessel scale --measure` as the wait after segments of 128 ms over their
     length (0.017-0.069 on the project's 2-core virtual machine); 0 in the built-in GPU
     profiles."""
+    collective_curve: tuple[tuple[float, float], ...] = ()
+    """A collective call's seconds against the bytes each rank sends in its ring (an
+    all-reduce of S bytes on n ranks: 2 (n - 1) / n x S), measured (ascending bytes; TOML:
+    collective_curve_us, [[bytes, microseconds], ...]). Where given, the tensor-parallel
+    calls and DDP's gradient buckets are priced on it (piecewise linear, its last slope
+    beyond it, its first point below it) instead of collective_latency_s + bytes / bandwidth:
+    between CPU processes a call's time is no line (gloo on the project's 2-core machine:
+    0.6-1.5 ms at 1-4 KB, 1.6-2.5 ms at 64 KB-2 MB, 12 ms at 16 MB). Measured on CPU
+    processes by `tessel scale --measure`; empty in the built-in GPU profiles."""
     device_names: tuple[str, ...] = ()
     """Substrings of torch.cuda.get_device_name() that identify this GPU."""
     device_type: str = "cuda"
@@ -163,7 +173,7 @@ SOURCES = {
 _FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
            "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
            "collective_latency_us", "tp_block_overhead_us", "tp_block_optimizer_us",
-           "sync_drift", "sync_skew", "device_names", "device_type"}
+           "sync_drift", "sync_skew", "collective_curve_us", "device_names", "device_type"}
 _DRIFT = {"sync_drift": "seconds per square root of a second",
           "sync_skew": "a fraction of the compute"}
 """The ranks' drift keys (TOML and field alike) -> their unit, for the one-line error."""
@@ -179,6 +189,22 @@ def _non_negative(name: str, key: str, value: object, unit: str) -> float:
             or not math.isfinite(value) or value < 0):
         raise TesselError(f"hardware profile {name!r}: {key} must be a number >= 0 ({unit})")
     return float(value)
+
+
+def _curve(name: str, value: object) -> tuple[tuple[float, float], ...]:
+    """collective_curve_us's [[bytes, microseconds], ...] as (bytes, seconds) pairs, or one
+    line saying what it must be."""
+    def number(x: object) -> bool:
+        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+    if (not isinstance(value, (list, tuple)) or len(value) == 1
+            or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(number, p))
+                       and p[0] > 0 and p[1] >= 0 for p in value)
+            or any(b[0] <= a[0] for a, b in zip(value, value[1:]))):
+        raise TesselError(f"hardware profile {name!r}: collective_curve_us must be a list of "
+                          "at least 2 [bytes > 0, microseconds >= 0] pairs in ascending bytes, "
+                          "or []")
+    return tuple((float(b), float(us) / 1e6) for b, us in value)
 
 
 def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuProfile:
@@ -210,6 +236,8 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
             values[_MICROSECONDS[key]] = _non_negative(name, key, value, "microseconds") / 1e6
         elif key in _DRIFT:
             values[key] = _non_negative(name, key, value, _DRIFT[key])
+        elif key == "collective_curve_us":
+            values["collective_curve"] = _curve(name, value)
         else:
             values[key] = value
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
@@ -346,6 +374,8 @@ def profile_table(profile: GpuProfile) -> dict[str, object]:
         if key != "collective_latency_us" and getattr(profile, field):
             table[key] = getattr(profile, field) * 1e6
     table.update({key: getattr(profile, key) for key in _DRIFT if getattr(profile, key)})
+    if profile.collective_curve:
+        table["collective_curve_us"] = [[b, t * 1e6] for b, t in profile.collective_curve]
     if profile.device_names:
         table["device_names"] = list(profile.device_names)
     if profile.device_type != "cuda":

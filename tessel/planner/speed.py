@@ -158,10 +158,61 @@ def tp_calls(layout: Layout, layers: int, moe_layers: int, first: bool, last: bo
 
 
 def _ring(nbytes: float, n: int, bandwidth: float, all_reduce: bool) -> float:
-    if n <= 1:
+    return ring_bytes(nbytes, n, all_reduce) / bandwidth
+
+
+def ring_bytes(nbytes: float, n: int, all_reduce: bool) -> float:
+    """Bytes each of `n` ranks sends in a ring all-reduce (or all-gather / reduce-scatter)
+    of `nbytes`."""
+    return (2 if all_reduce else 1) * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def on_curve(curve: tuple[tuple[float, float], ...], sent: float) -> float:
+    """Seconds of a call whose ranks each send `sent` bytes, on a measured curve of
+    (bytes, seconds) points (GpuProfile.collective_curve): piecewise linear between them,
+    the last segment's slope beyond them, the first point's time below it (a call costs at
+    least that)."""
+    if sent <= curve[0][0]:
+        return curve[0][1]
+    for (b0, t0), (b1, t1) in zip(curve, curve[1:]):
+        if sent <= b1 or (b1, t1) == curve[-1]:
+            return max(curve[0][1], t0 + (t1 - t0) * (sent - b0) / (b1 - b0))
+    return curve[0][1]  # unreachable: a curve has at least two points
+
+
+def tp_calls_seconds(hw: GpuProfile, layout: Layout, act: float, collectives: int, calls: int,
+                     first: bool, last: bool, bandwidth: float) -> float:
+    """Seconds of one micro-batch's `calls` tensor-parallel collective calls (forward and
+    backward; `tp_calls`), `collectives` of which move the activation (`act` bytes) in an
+    all-reduce or, with sequence parallelism, in an all-gather + reduce-scatter pair.
+
+    Without a measured curve: each call's latency plus the collectives' bytes at
+    `bandwidth`. With one (CPU processes): each call at its own size on the curve (its
+    latency included): the activation's all-reduces, or all-gathers and reduce-scatters,
+    the first stage's embedding and the last stage's output projection two calls of them
+    alike; the other calls (norms' weight gradients, the loss's statistics) move next to
+    nothing."""
+    tp = layout.tp
+    if tp <= 1:
         return 0.0
-    factor = 2 * (n - 1) / n if all_reduce else (n - 1) / n
-    return factor * nbytes / bandwidth
+    scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
+    curve = hw.collective_curve
+    if not curve:
+        per_collective = _ring(act, tp, bandwidth, all_reduce=True)
+        if layout.sequence_parallel:  # an all-gather (half) and a reduce-scatter (half, or more)
+            per_collective *= (1 + scatter) / 2
+        return collectives * per_collective + calls * hw.collective_latency_s
+    if layout.sequence_parallel:
+        # An all-gather is an all-reduce's second half: half the time of an all-reduce whose
+        # ring sends twice its bytes (gloo on the project's machine: all-gathers of 4-64 KB
+        # took 0.4-0.6 ms, all-reduces of them 0.9-2.2 ms).
+        big = 2 * collectives
+        gather = on_curve(curve, 2 * ring_bytes(act, tp, False)) / 2
+        each = (gather + on_curve(curve, scatter * ring_bytes(act, tp, False))) / 2
+    else:
+        big, each = collectives, on_curve(curve, ring_bytes(act, tp, True))
+    big += 2 * first + 2 * last
+    return big * each + max(0, calls - big) * curve[0][1]
 
 
 def _size_efficiency(k: float) -> float:
@@ -314,16 +365,13 @@ def estimate_step(
     # Tensor parallel: per block, two all-reduces forward and two backward (or the equal-volume
     # all-gather + reduce-scatter pairs of sequence parallelism), not overlapped.
     tp_bw = intra if tp <= hw.gpus_per_node else inter
-    scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
-    per_collective = _ring(layout.micro_batch * seq_len / cp * m.d_model * act_bytes, tp, tp_bw,
-                           all_reduce=True)
-    if layout.sequence_parallel:  # an all-gather (half) and a reduce-scatter (half, or more)
-        per_collective *= (1 + scatter) / 2
     # MoE layers have attention's two only (their MLP is not split).
     collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
     lat = hw.collective_latency_s
     calls = tp_calls(layout, layers, stage.moe_layers, 0 in ids, n_stages - 1 in ids)
-    tp_comm = micro_batches * (collectives * per_collective + calls * lat) * (1 + recompute)
+    per_mb = tp_calls_seconds(hw, layout, layout.micro_batch * seq_len / cp * m.d_model * act_bytes,
+                              collectives, calls, 0 in ids, n_stages - 1 in ids, tp_bw)
+    tp_comm = micro_batches * per_mb * (1 + recompute)
     tp_syncs = calls * (1 + recompute) if tp > 1 else 0
 
     # Context parallel: every layer's exchange in the forward, the backward and a
@@ -378,7 +426,11 @@ def estimate_step(
     elif not fsdp_active(layout):
         dp_bw = intra if layout.dp * cp * tp <= hw.gpus_per_node else inter
         buckets = max(1, math.ceil(grad_bytes / (DDP_BUCKET_MB * 2**20)))
-        raw = _ring(grad_bytes, layout.dp * cp, dp_bw, all_reduce=True) + buckets * lat
+        if hw.collective_curve:  # each bucket at its size on the measured curve
+            raw = buckets * on_curve(hw.collective_curve,
+                                     ring_bytes(grad_bytes / buckets, layout.dp * cp, True))
+        else:
+            raw = _ring(grad_bytes, layout.dp * cp, dp_bw, all_reduce=True) + buckets * lat
         hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
         if dp_overlap is None and hw.device_type == "cpu":
             hide = CPU_OVERLAP
@@ -389,6 +441,7 @@ def estimate_step(
         dp_comm = max(0.0, raw - hide * t_mb * 2 / 3)  # the last micro-batch's backward
     else:
         gathers, scatters = fsdp_calls(layout.zero, micro_batches)
+        scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
         raw = (gathers * (_ring(act_bytes * dense, shard_group, shard_bw, all_reduce=False)
                           + _ring(act_bytes * experts, expert_group, expert_bw, all_reduce=False))
                + scatters * scatter * (

@@ -4,12 +4,13 @@ SWEEP.json`, the JSON of `tessel scale --measure --json`, e.g. taken on a real c
 One measured run fixes one unknown: the matmul efficiency, fitted on the sweep's first
 measured point (its smallest world, where communication weighs least). The other points
 fix the communication: one factor that stretches every collective's time (the link
-bandwidths' efficiency divided by it, each call's latency and the ranks' drift multiplied by
-it) is fitted so that the planner's predictions of those points are, in the geometric mean,
-what they measured. Each point is predicted for its own run's config and layout, which the sweep's
-JSON records (`config`, the resolved config as `tessel config` prints it). A sweep measured
-on CPU processes carries the profile it measured (`measurement.profile`); one taken on GPUs
-is fitted on the profile the command names (--gpu).
+bandwidths' efficiency divided by it, each call's latency, the measured curve of a call's
+time and the ranks' drift multiplied by it) is fitted so that the planner's predictions of
+those points are, in the geometric mean, what they measured. Each point is predicted for its
+own run's config and layout, which the sweep's JSON records (`config`, the resolved config
+as `tessel config` prints it). A sweep measured on CPU processes carries the profile it
+measured (`measurement.profile`); one taken on GPUs is fitted on the profile the command
+names (--gpu).
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def _stretched(hw: GpuProfile, factor: float) -> GpuProfile:
     return dataclasses.replace(hw, comm_efficiency=hw.comm_efficiency / factor,
                                collective_latency_s=hw.collective_latency_s * factor,
                                sync_drift=hw.sync_drift * factor,
-                               sync_skew=hw.sync_skew * factor)
+                               sync_skew=hw.sync_skew * factor,
+                               collective_curve=tuple((b, t * factor)
+                                                      for b, t in hw.collective_curve))
 
 
 def fit(hw: GpuProfile, sweep: Sweep,

@@ -57,13 +57,15 @@ def _memory_bandwidth(seconds: float = 0.3) -> float:
 
 
 def machine_profile(nproc: int, threads: int | None = 1, model: ModelConfig | None = None,
-                    sequence_parallel: bool = True) -> tuple[GpuProfile, dict[str, Any]]:
+                    sequence_parallel: bool = True, drift_model: ModelConfig | None = None
+                    ) -> tuple[GpuProfile, dict[str, Any]]:
     """This CPU as the planner's device, for `nproc` local processes of `threads` threads
     each (None: torch's default); also what was measured, for the output. With `model`, the
     host time a tensor-parallel block of its architecture adds over `nproc` processes is
-    measured too (`tessel.scaling.tp_cost`; 0 without)."""
+    measured too (`tessel.scaling.tp_cost`; 0 without); with `drift_model`, the ranks' drift
+    is measured on that architecture's operators (`tessel.scaling.gloo.drift`)."""
     from tessel.bench import measure_matmul_peak
-    from tessel.scaling.gloo import measure_gloo
+    from tessel.scaling.gloo import curve, measure_gloo
 
     before = torch.get_num_threads()
     if threads is not None:
@@ -76,7 +78,8 @@ def machine_profile(nproc: int, threads: int | None = 1, model: ModelConfig | No
     gloo = None
     if nproc > 1:
         gloo = measure_gloo(nproc, tp_model=None if model is None else model.model_dump(),
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel,
+                            drift_model=None if drift_model is None else drift_model.model_dump())
     # Collectives between local processes: the fitted bus bandwidth is what they reach, so
     # the link is that and comm_efficiency 1.
     link_gbps = gloo["bandwidth_Bps"] / 1e9 if gloo else 1.0
@@ -92,11 +95,14 @@ def machine_profile(nproc: int, threads: int | None = 1, model: ModelConfig | No
         tp_block_overhead_s=float((gloo or {}).get("tp_block_overhead_s", 0.0)),
         tp_block_optimizer_s=float((gloo or {}).get("tp_block_optimizer_s", 0.0)),
         sync_drift=float((gloo or {}).get("sync_drift", 0.0)),
-        sync_skew=float((gloo or {}).get("sync_skew", 0.0)), device_type="cpu")
+        sync_skew=float((gloo or {}).get("sync_skew", 0.0)),
+        collective_curve=curve([(s["bytes"], s["seconds"]) for s in gloo["samples"]], nproc)
+        if gloo else (), device_type="cpu")
     measured = {"matmul_flops": matmul["flops"], "matmul": f"{matmul['dtype']} {matmul['n']}^3",
                 "memory_bandwidth_Bps": memory_bps, "threads": threads,
                 "gloo": None if gloo is None else {
-                    k: gloo[k] for k in ("nproc", "latency_s", "bandwidth_Bps", "sync_drift",
+                    k: gloo[k] for k in ("nproc", "latency_s", "bandwidth_Bps", "samples",
+                                         "sync_drift", "drift_piece",
                                          "sync_skew", "drift_samples", "tp_block_overhead_s",
                                          "tp_block_optimizer_s")
                     if k in gloo}}

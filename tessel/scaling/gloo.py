@@ -3,19 +3,30 @@ bandwidth, for calibrating the planner's communication model on a CPU machine.
 
 `measure_gloo(nproc, sizes)` starts `nproc` Python processes (rendezvous through a file in a
 private temporary directory: no port to race for), which all-reduce float32 tensors of each
-size a few times; rank 0's median time per size is fitted as
+size in runs of calls one after another, as training issues them; the time per call (each
+run's total over its calls: a run holds what one call leaves to the next, such as the ranks
+leaving it at different moments), the median over the rounds, averaged over the ranks, is
+one sample per size. The samples are the planner's curve of a call's time against its
+bytes (`GpuProfile.collective_curve`), and they are fitted as
 
     t(size) = latency + 2 (n - 1) / n * bytes / bandwidth
 
 (the ring all-reduce's bytes per rank, the convention of the planner's `_ring` and of
-nccl-tests' "bus bandwidth"), by least squares over the sizes.
+nccl-tests' "bus bandwidth"), by least squares over the sizes, for what prices collectives
+off the curve. The curve is not a line on a CPU machine: on the project's 2-core virtual
+machine a call of 1-4 KB took 0.6-1.5 ms, one of 64 KB-2 MB 1.6-2.5 ms and one of 16 MB
+11.7-12.1 ms, where the line's latency said 0.4-0.5 ms (an earlier probe timed one call
+after a barrier: 0.4 ms at 4 KB).
 
 The same processes then measure how far they drift apart in training-like use (the
-profile's `sync_drift` and `sync_skew`): every rank runs the same matmuls for a segment of L
-seconds, then a one-number all-reduce, then a second one at once. The first waits for the
-slowest rank; the second, which starts with the ranks together, is the call alone: their
-difference, averaged over the segments and the ranks, is what a collective waits for after
-L seconds of compute.
+profile's `sync_drift` and `sync_skew`): every rank runs the same work for a segment of L
+seconds (the config's model, one block deep at its own width, forward and backward on a
+few tokens, when the sweep gives one; matmuls otherwise), then a one-number all-reduce,
+then a second one at once. The first waits for the slowest rank; the second, which starts
+with the ranks together, is the call alone: their difference, each rank's median over its
+segments averaged over the ranks, is what a collective waits for after L seconds of
+compute. A model's operators drift apart more than matmuls do: after ~130 ms of the demo
+model's (on 128 tokens), 1.1-6.2 ms against 0-0.9 ms.
 It is measured within each segment, so that a change of the machine's speed between two
 timed loops does not enter it (the method before subtracted the times of the same segments
 timed alone and then synchronised; on the project's noisy machine neither is steady between
@@ -38,31 +49,41 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tessel.errors import TesselError
 
-DEFAULT_SIZES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
-"""Message sizes in bytes: from latency-bound to bandwidth-bound on loopback (the largest
-near a small model's one DDP bucket of gradients)."""
+DEFAULT_SIZES = (1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20)
+"""Message sizes in bytes: from latency-bound to bandwidth-bound on loopback (a norm's
+weight gradient, a loss statistic, a tensor-parallel activation, up to a small model's one
+DDP bucket of gradients)."""
 WARMUP = 2
 """Untimed rounds over the sizes (connection set-up, allocator)."""
-REPEATS = 15
-"""Timed all-reduces per size; the median is kept."""
+REPEATS = 9
+"""Timed rounds; the median time per call of each size is kept."""
+RUN_SECONDS = 0.02
+"""Seconds of calls one after another in each round's run of a size (2 to 20 calls)."""
 WORKER = "from tessel.scaling.gloo import worker_main; worker_main()"
 DRIFT_SEGMENTS_S = (0.008, 0.032, 0.128)
 """Compute between the all-reduces of the drift measurement, seconds: the pieces of a
 tensor-parallel block to a small model's step."""
 DRIFT_SECONDS = 0.4
 """Seconds of segments per length (at least 6 segments)."""
+DRIFT_TOKENS = 128
+"""Tokens of one piece of a model's segments (`_model_piece`): one sequence of a short
+context. With 16 the operators were so small that their host work set the pace, and the
+waits after 128 ms (3-64 ms, one rank ~30% slower for a second at a time) were 1-10x those
+of the model's own step (~3.5 ms after a demo model's micro-batch of 170 ms)."""
 
 
 def ring_bytes(nbytes: float, nproc: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of `nbytes`."""
-    return 2 * (nproc - 1) / nproc * nbytes
+    """Bytes each rank sends in a ring all-reduce of `nbytes` (the planner's convention)."""
+    from tessel.planner.speed import ring_bytes as planner_ring_bytes
+
+    return planner_ring_bytes(nbytes, nproc, all_reduce=True)
 
 
 def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
@@ -88,10 +109,27 @@ def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
     return {"latency_s": latency if latency > 0 else ts[small], "bandwidth_Bps": 1 / slope}
 
 
+def curve(samples: Sequence[tuple[float, float]], nproc: int) -> tuple[tuple[float, float], ...]:
+    """The planner's curve (GpuProfile.collective_curve) from (bytes, seconds) samples of
+    all-reduces between `nproc` processes: (ring bytes per rank, seconds), ascending, made
+    non-decreasing by pooling neighbours that fall (a larger message is not faster; a
+    smaller one that read slower was noise, shared out over both)."""
+    points = sorted((ring_bytes(b, nproc), t) for b, t in samples)
+    pools: list[list[float]] = []  # [sum of times, count] per run of pooled points
+    for _, t in points:
+        pools.append([t, 1.0])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    times = [total / count for total, count in pools for _ in range(int(count))]
+    return tuple((b, t) for (b, _), t in zip(points, times))
+
+
 def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                  timeout_s: float = 120.0, tp_model: dict[str, Any] | None = None,
-                 sequence_parallel: bool = True, slow_last_rank: float = 0.0
-                 ) -> dict[str, object]:
+                 sequence_parallel: bool = True, slow_last_rank: float = 0.0,
+                 drift_model: dict[str, Any] | None = None) -> dict[str, object]:
     """Latency (s) and bus bandwidth (bytes/s) of a gloo all-reduce between `nproc` local
     processes, with the per-size medians they were fitted to:
     {"nproc", "latency_s", "bandwidth_Bps", "samples": [{"bytes", "seconds"}, ...]}; with
@@ -101,7 +139,8 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     (`tessel.scaling.tp_cost`). `slow_last_rank`: a fire drill for the drift measurement,
     the last rank sleeps this many times its own compute in each segment (a rank that much
     slower: its peers wait for it), so the drill's wait grows with the segment as the noise
-    of a loaded machine does."""
+    of a loaded machine does. `drift_model` (a ModelConfig's fields): the drift's segments
+    run that architecture's operators (`drift`) instead of matmuls."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise TesselError(f"an all-reduce needs at least 2 processes (got {nproc!r})")
     if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 4
@@ -111,7 +150,7 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         spec = json.dumps({"world": nproc, "store": str(Path(tmp) / "store"),
                            "sizes": list(sizes), "tp_model": tp_model,
                            "sequence_parallel": sequence_parallel,
-                           "slow_last_rank": slow_last_rank})
+                           "slow_last_rank": slow_last_rank, "drift_model": drift_model})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), spec], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -140,29 +179,65 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
             "samples": [{"bytes": int(b), "seconds": t} for b, t in samples],
             "sync_drift": found["sync_drift"], "sync_skew": found["sync_skew"],
             "drift_samples": found["drift_samples"],
+            "drift_piece": "model" if drift_model is not None else "matmul",
             **extra}
 
 
-def drift(slow_last_rank: float = 0.0) -> tuple[float, float, list[dict[str, float]]]:
+def _model_piece(model_fields: dict[str, Any]) -> Callable[[], None]:
+    """One forward + backward of `model_fields`' architecture, one block deep at its own
+    width, on DRIFT_TOKENS (what a rank of that model runs between two collectives: its
+    matmuls, norms, activations, allocations and autograd, whose times vary more than a
+    matmul's: after ~130 ms of the demo model's, ranks waited 1.1-6.2 ms, after as long of
+    matmuls 0-0.9 ms)."""
+    import torch
+
+    from tessel.config import ModelConfig
+    from tessel.models.loss import token_loss_sum
+    from tessel.models.transformer import Transformer
+    from tessel.parallel.apply import materialise
+
+    cfg = ModelConfig.model_validate(model_fields).model_copy(update=dict(
+        n_layers=1, init_from=None, dropout=0.0,
+        max_seq_len=max(DRIFT_TOKENS, model_fields.get("max_seq_len") or 0)))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    materialise(model, torch.device("cpu"), seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, DRIFT_TOKENS + 1),
+                           generator=torch.Generator().manual_seed(0))
+
+    def piece() -> None:
+        token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+
+    return piece
+
+
+def drift(slow_last_rank: float = 0.0, model_fields: dict[str, Any] | None = None
+          ) -> tuple[float, float, list[dict[str, float]]]:
     """(sync_drift, sync_skew, the samples they were fitted to: [{"segment_s", "wait_s"}]),
     measured by the ranks of the default process group together (module docstring). The
-    segment's length and the wait are means over the segments and the ranks (the trainer's
-    exposed communication is a mean over the ranks too). `slow_last_rank`: measure_gloo's."""
+    segment's length is the mean over the segments and the ranks, the wait each rank's
+    median over its segments, averaged over the ranks (the trainer's exposed communication
+    is a mean over the ranks too). `slow_last_rank`: measure_gloo's;
+    `model_fields`: the segments run that model's operators (`_model_piece`), else matmuls
+    of a small model's MLP."""
     import torch
     import torch.distributed as dist
 
-    # A transformer block's shapes (a small model's MLP on 512 tokens): activations larger
-    # than a core's cache, so the segments meet the memory traffic training does.
-    torch.manual_seed(0)
-    x, up, down = torch.randn(512, 192), torch.randn(192, 768), torch.randn(768, 192)
     flag = torch.zeros(1)
     slow = slow_last_rank if dist.get_rank() == dist.get_world_size() - 1 else 0.0
+    if model_fields is not None:
+        piece = _model_piece(model_fields)
+    else:
+        # A transformer block's shapes (a small model's MLP on 512 tokens): activations
+        # larger than a core's cache, so the segments meet the memory traffic training does.
+        torch.manual_seed(0)
+        x, up, down = torch.randn(512, 192), torch.randn(192, 768), torch.randn(768, 192)
 
-    def piece() -> None:
-        torch.mm(torch.mm(x, up), down)
+        def piece() -> None:
+            torch.mm(torch.mm(x, up), down)
 
-    def segments(n: int, reps: int) -> tuple[float, float]:
-        lengths, waits = [], []
+    def segments(n: int, reps: int, lengths: list[float], waits: list[float]) -> None:
         dist.barrier()
         dist.all_reduce(flag)
         for _ in range(n):
@@ -177,24 +252,37 @@ def drift(slow_last_rank: float = 0.0) -> tuple[float, float, list[dict[str, flo
             dist.all_reduce(flag)  # the ranks together: the call alone
             alone = time.perf_counter() - waited
             lengths.append(computed - start)
-            waits.append(waited - computed - alone)  # unclipped: the mean keeps no bias
-        return statistics.fmean(lengths), max(0.0, statistics.fmean(waits))
+            # Unclipped; each rank's median of them counts, not the mean: a burst of load
+            # from elsewhere holds one rank for tens of ms now and then (a 128-ms length
+            # once read 34 ms where the others read 2-4), and with 6 segments one such burst
+            # would be the whole figure.
+            waits.append(waited - computed - alone)
 
-    # One piece's time, rank 0's for all: every rank runs the same segments.
-    for _ in range(5):
+    # One piece's time, rank 0's for all: every rank runs the same segments. Timed over up
+    # to 20 pieces or 0.1 s, whichever comes first (a large model's piece is long).
+    for _ in range(2):
         piece()
-    start = time.perf_counter()
-    for _ in range(20):
+    start, pieces = time.perf_counter(), 0
+    while pieces < 20 and (pieces == 0 or time.perf_counter() - start < 0.1):
         piece()
-    one = torch.tensor([(time.perf_counter() - start) / 20], dtype=torch.float64)
+        pieces += 1
+    one = torch.tensor([(time.perf_counter() - start) / pieces], dtype=torch.float64)
     dist.broadcast(one, 0)
+    found: list[tuple[list[float], list[float]]] = [([], []) for _ in DRIFT_SEGMENTS_S]
+    # Each length's segments in a row. Taking them in rounds over the lengths instead (as the
+    # sizes above) read 2-17x larger waits after 128 ms on the project's machine (a median of
+    # 17 ms in 16 runs, against 4 in a row), one rank ~30% slower than the other for a second
+    # at a time; the cause was not found (not Python's garbage collector).
+    for target, (lengths, waits) in zip(DRIFT_SEGMENTS_S, found):
+        segments(max(6, round(DRIFT_SECONDS / target)), max(1, round(target / one.item())),
+                 lengths, waits)
     samples = []
-    for target in DRIFT_SEGMENTS_S:
-        pair = torch.tensor(segments(max(6, round(DRIFT_SECONDS / target)),
-                                     max(1, round(target / one.item()))), dtype=torch.float64)
+    for lengths, waits in found:
+        pair = torch.tensor([statistics.fmean(lengths), statistics.median(waits)],
+                            dtype=torch.float64)
         dist.all_reduce(pair)
         length, wait = (pair / dist.get_world_size()).tolist()
-        samples.append({"segment_s": length, "wait_s": wait})
+        samples.append({"segment_s": length, "wait_s": max(0.0, wait)})
     # wait = sync_drift x sqrt(L), least squares over the lengths
     den = sum(x["segment_s"] for x in samples)
     value = sum(x["wait_s"] * x["segment_s"] ** 0.5 for x in samples) / den if den else 0.0
@@ -217,24 +305,39 @@ def worker_main() -> None:
     try:
         tensors = [torch.ones(size // 4, dtype=torch.float32) for size in spec["sizes"]]
         times: list[list[float]] = [[] for _ in tensors]
+        calls = [2] * len(tensors)  # per run, sized on the warm-up rounds (rank 0's, for all)
         # Rounds over every size, not every round of one size: a burst of load from elsewhere
         # on the machine then spreads over the sizes instead of bending one of them.
         for i in range(WARMUP + REPEATS):
-            for x, kept in zip(tensors, times):
-                dist.barrier()  # every rank starts together: the time is the collective's
+            for j, (x, kept) in enumerate(zip(tensors, times)):
+                dist.barrier()  # every rank starts the run together
                 start = time.perf_counter()
-                dist.all_reduce(x)
-                if i >= WARMUP:
-                    kept.append(time.perf_counter() - start)
-        found: dict[str, Any] = {"seconds": [statistics.median(t) for t in times]}
+                for _ in range(calls[j]):
+                    dist.all_reduce(x)
+                kept.append((time.perf_counter() - start) / calls[j])
+            if i == WARMUP - 1:
+                one = torch.tensor([t[-1] for t in times], dtype=torch.float64)
+                dist.broadcast(one, 0)
+                calls = [min(20, max(2, round(RUN_SECONDS / max(t, 1e-6))))
+                         for t in one.tolist()]
+                times = [[] for _ in tensors]
+        per_call = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+        dist.all_reduce(per_call)  # the ranks' mean: each leaves a call at its own moment
+        found: dict[str, Any] = {"seconds": (per_call / spec["world"]).tolist()}
         found["sync_drift"], found["sync_skew"], found["drift_samples"] = drift(
-            float(spec["slow_last_rank"]))
+            float(spec["slow_last_rank"]), spec.get("drift_model"))
         if spec.get("tp_model") is not None:
+            from tessel.planner.hardware import GpuProfile
             from tessel.scaling.tp_cost import block_overhead
 
-            latency = fit(list(zip(map(float, spec["sizes"]), found["seconds"])),
-                          spec["world"])["latency_s"]
-            tp = block_overhead(spec["tp_model"], bool(spec["sequence_parallel"]), latency)
+            measured = list(zip(map(float, spec["sizes"]), found["seconds"]))
+            line = fit(measured, spec["world"])
+            calls = GpuProfile("gloo", 1.0, None, 1.0, line["bandwidth_Bps"] / 1e9,
+                               line["bandwidth_Bps"] / 1e9, spec["world"], comm_efficiency=1.0,
+                               collective_latency_s=line["latency_s"],
+                               collective_curve=curve(measured, spec["world"]),
+                               device_type="cpu")
+            tp = block_overhead(spec["tp_model"], bool(spec["sequence_parallel"]), calls)
             found["tp_block_overhead_s"] = tp["pass_s"]
             found["tp_block_optimizer_s"] = tp["optimizer_s"]
         if rank == 0:

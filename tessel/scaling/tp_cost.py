@@ -11,7 +11,7 @@ The planner takes two figures per block, one per micro-batch's forward + backwar
 measurement (`tessel.scaling.gloo`), on their process group:
 
     pass overhead = (block time under tensor parallelism - the same block on one process)
-                    - the block's collective calls x the measured latency
+                    - what the planner charges for the block's collective calls
     optimizer overhead = the same difference for the optimizer phase (clipping, AdamW)
 
 where a block's time is the difference between models of 3 and 1 blocks (the embedding,
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tessel.config import ModelConfig
+from tessel.planner.hardware import GpuProfile
 
 LAYERS = (1, 5)
 """The two depths whose difference is two blocks."""
@@ -93,18 +94,20 @@ def _seconds(model: torch.nn.Module, tokens: torch.Tensor, parallel: bool
 
 
 def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
-                   latency_s: float) -> dict[str, float]:
+                   calls: GpuProfile) -> dict[str, float]:
     """Seconds of host work one tensor-parallel block adds, on the default process group as
-    one tensor-parallel group: {"pass_s": per micro-batch (forward + backward) beyond its
-    collectives' latency, "optimizer_s": per optimizer phase}; each >= 0 (a noisy machine
-    can make a difference negative)."""
+    one tensor-parallel group: {"pass_s": per micro-batch (forward + backward) beyond what
+    `calls` (a profile of the measured latency, bandwidth and curve) prices its collective
+    calls at in the planner, "optimizer_s": per optimizer phase}; each >= 0 (a noisy
+    machine can make a difference negative). Subtracting the planner's own price keeps the
+    two consistent: the block's calls and its host work add up to what was measured."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from tessel.models.transformer import Transformer
     from tessel.parallel.apply import materialise
     from tessel.parallel.tensor import apply_tensor_parallel
     from tessel.planner.layout import Layout
-    from tessel.planner.speed import tp_calls
+    from tessel.planner.speed import tp_calls, tp_calls_seconds
 
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
@@ -127,6 +130,8 @@ def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
         return (deep[part] - shallow[part]) / blocks
 
     one_block = Layout(1, 1, tp, 1, 1, 0, TOKENS[0], sequence_parallel=sequence_parallel)
-    calls = tp_calls(one_block, 1, 0, first=False, last=False)
-    return {"pass_s": max(0.0, per_block(True, 0) - per_block(False, 0) - calls * latency_s),
+    act = TOKENS[0] * TOKENS[1] * tiny_model(base, tp, 1).d_model * 4  # fp32 activations
+    priced = tp_calls_seconds(calls, one_block, act, 4, tp_calls(one_block, 1, 0, False, False),
+                              False, False, calls.intra_node_gbps * 1e9 * calls.comm_efficiency)
+    return {"pass_s": max(0.0, per_block(True, 0) - per_block(False, 0) - priced),
             "optimizer_s": max(0.0, per_block(True, 1) - per_block(False, 1))}

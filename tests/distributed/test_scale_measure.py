@@ -83,6 +83,12 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
     assert profile["collective_latency_us"] == pytest.approx(gloo["latency_s"] * 1e6)
     assert profile.get("sync_drift", 0.0) == pytest.approx(gloo["sync_drift"])
     assert profile.get("sync_skew", 0.0) == pytest.approx(gloo["sync_skew"])
+    assert gloo["drift_piece"] == "model"  # the ranks' drift on the config's own operators
+    # a call's measured time against its bytes, ascending and never falling, in the profile
+    curve = profile["collective_curve_us"]
+    sizes = [s["bytes"] for s in gloo["samples"]]
+    assert [b for b, _ in curve] == [pytest.approx(4 / 3 * b) for b in sizes]  # ring, 3 ranks
+    assert all(0 < a[1] <= b[1] for a, b in zip(curve, curve[1:]))
     (tmp_path / "sweep.json").write_text(out.stdout)
     plan = subprocess.run(
         [sys.executable, "-m", "tessel", "plan", str(ROOT / "configs/tiny.toml"), "--gpus", "2",

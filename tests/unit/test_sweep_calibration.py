@@ -121,6 +121,56 @@ def test_gloo_runs_a_reduce_scatter_as_a_whole_all_reduce():
             == pytest.approx(scatters))
 
 
+def test_a_measured_curve_prices_each_call_at_its_size():
+    """A CPU profile's measured curve of a call's time against the bytes each rank sends
+    (collective_curve) replaces latency + bytes / bandwidth for the tensor-parallel calls and
+    DDP's buckets: piecewise linear, the last slope beyond it, the first point below it; an
+    all-gather costs half an all-reduce of twice its ring bytes (its second half)."""
+    from tessel.planner.speed import on_curve, ring_bytes
+
+    curve = ((1000.0, 1e-3), (2000.0, 2e-3), (4000.0, 3e-3))
+    assert on_curve(curve, 10.0) == 1e-3  # a call costs at least the smallest one's time
+    assert on_curve(curve, 1500.0) == pytest.approx(1.5e-3)
+    assert on_curve(curve, 3000.0) == pytest.approx(2.5e-3)
+    assert on_curve(curve, 8000.0) == pytest.approx(5e-3)  # the last slope onwards
+
+    m = ModelConfig(preset="gpt2-124m")  # 12 blocks
+    cpu = dataclasses.replace(H100, device_type="cpu", collective_latency_s=0.0)
+    flat = dataclasses.replace(cpu, collective_curve=((1.0, 1e-3), (1e12, 1e-3)))
+    micro_batches = 8
+    for sp in (False, True):
+        layout = lay(2, dp_shard=1, tp=2, sequence_parallel=sp)
+        calls = tp_calls(layout, 12, 0, first=True, last=True)
+        got = estimate_step(m, layout, flat, 1024, 8, "bf16").tp_comm_s
+        # every call 1 ms, but with sequence parallelism the all-gathers (one per block's
+        # activation collective, and the embedding's and output's one) half of it
+        gathers = 4 * 12 + 2 if sp else 0
+        assert got == pytest.approx(micro_batches * (calls - gathers / 2) * 1e-3)
+        doubled = dataclasses.replace(flat, collective_curve=((1.0, 2e-3), (1e12, 2e-3)))
+        assert estimate_step(m, layout, doubled, 1024, 8, "bf16").tp_comm_s == pytest.approx(
+            2 * got)
+    # DDP: each 25-MiB bucket at its size on the curve (dp_overlap 0: nothing hidden)
+    sloped = dataclasses.replace(cpu, collective_curve=((1.0, 1e-3), (1e9, 1.001)))
+    ddp = lay(2)
+    grads = 4.0 * rank_parameters(m, ddp, 0).total
+    buckets = math.ceil(grads / (DDP_BUCKET_MB * 2**20))
+    assert estimate_step(m, ddp, sloped, 1024, 8, "bf16", dp_overlap=0.0).dp_comm_s == (
+        pytest.approx(buckets * on_curve(sloped.collective_curve,
+                                         ring_bytes(grads / buckets, 2, True))))
+    # a GPU profile has no curve: its prediction is the line's, as before
+    assert H100.collective_curve == ()
+
+
+def test_the_probes_curve_never_falls_and_counts_ring_bytes():
+    from tessel.scaling.gloo import curve
+
+    got = curve([(16384, 5e-4), (1024, 1.37e-3), (1 << 20, 1.8e-3), (262144, 1.0e-3)], 2)
+    # ascending bytes; the 1-KB call that read slower than the 16-KB one is pooled with it
+    assert [b for b, _ in got] == [1024, 16384, 262144, 1 << 20]
+    assert [t for _, t in got] == pytest.approx([9.35e-4, 9.35e-4, 1.0e-3, 1.8e-3])
+    assert [b for b, _ in curve([(1024, 1e-3), (4096, 2e-3)], 4)] == [1536, 6144]
+
+
 def test_a_tensor_parallel_block_adds_the_profiles_host_time():
     m = ModelConfig(preset="gpt2-124m")  # 12 blocks
     host = dataclasses.replace(H100, tp_block_overhead_s=1e-3, tp_block_optimizer_s=2e-4)
@@ -210,14 +260,20 @@ def test_the_planners_ddp_buckets_are_the_trainers():
 def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
     cpu = dataclasses.replace(H100, name="cpu-x", collective_latency_s=5.5e-4, device_type="cpu",
                               matmul_efficiency=0.001234567, tp_block_overhead_s=0.0123,
-                              tp_block_optimizer_s=0.0045, sync_drift=0.0151, sync_skew=0.047)
+                              tp_block_optimizer_s=0.0045, sync_drift=0.0151, sync_skew=0.047,
+                              collective_curve=((1024.0, 9e-4), (1.5e6, 2e-3), (2.4e7, 0.011)))
     table = json.loads(json.dumps(profile_table(cpu)))  # as a sweep's JSON carries it
+    assert table["collective_curve_us"] == [[1024.0, pytest.approx(900.0)],
+                                            [1.5e6, pytest.approx(2000.0)],
+                                            [2.4e7, pytest.approx(11000.0)]]
+    assert "collective_curve_us" not in profile_table(H100)  # none for a GPU
     assert table["sync_drift"] == pytest.approx(0.0151)
     assert table["sync_skew"] == pytest.approx(0.047)
     assert table["collective_latency_us"] == pytest.approx(550.0)
     assert table["tp_block_overhead_us"] == pytest.approx(12300.0)
     assert table["tp_block_optimizer_us"] == pytest.approx(4500.0)
     assert profile_from_table("cpu-x", table) == cpu  # full precision, device type kept
+    assert profile_from_table("cpu-x", {**table, "collective_curve_us": []}).collective_curve == ()
     for key, value, needle in [("collective_latency_us", -1, "collective_latency_us must be"),
                                ("collective_latency_us", float("nan"), "collective_latency_us"),
                                ("tp_block_overhead_us", -3, "tp_block_overhead_us must be"),
@@ -229,7 +285,16 @@ def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
                                ("device_type", "tpu", "device_type must be"),
                                ("bf16_tflops", "fast", "bf16_tflops must be a number"),
                                ("hbm_gbps", float("inf"), "hbm_gbps must be a positive"),
-                               ("device_names", "H100", "device_names must be a list")]:
+                               ("device_names", "H100", "device_names must be a list"),
+                               ("collective_curve_us", [[1024, 900]], "at least 2 \\[bytes"),
+                               ("collective_curve_us", [[2048, 900], [1024, 950]],
+                                "in ascending bytes"),
+                               ("collective_curve_us", [[1024, -1], [2048, 950]], "microseconds"),
+                               ("collective_curve_us", [[0, 1], [2048, 950]], "bytes > 0"),
+                               ("collective_curve_us", [[1024, "1 ms"], [2048, 9]], "pairs"),
+                               ("collective_curve_us", [[1024, True], [2048, 9]], "pairs"),
+                               ("collective_curve_us", [[1024, 9, 1], [2048, 9]], "pairs"),
+                               ("collective_curve_us", "fast", "must be a list")]:
         with pytest.raises(TesselError, match=needle):
             profile_from_table("cpu-x", {**table, key: value})
     with pytest.raises(TesselError, match="not a table"):
@@ -279,6 +344,10 @@ def sweep_record(truth, points: list[tuple[int, Config]], profile=None) -> dict:
             "gpu": {"name": "cpu-measured"}}
 
 
+CURVE = ((1024.0, 9e-4), (262144.0, 1.4e-3), (1 << 20, 2e-3), (16 << 20, 1.2e-2))
+"""A measured curve of a gloo call's time (shaped like the project's machine's)."""
+
+
 @pytest.fixture(scope="module")
 def cpu_truth():
     """A CPU-like machine: slow matmuls, slow links, gloo's latency."""
@@ -286,7 +355,7 @@ def cpu_truth():
         H100, name="cpu-measured", bf16_flops=1.4e11, intra_node_gbps=1.0, inter_node_gbps=1.0,
         gpus_per_node=2, hbm_gbps=8.0, memory_gib=12.0, comm_efficiency=1.0,
         collective_latency_s=5e-4, device_type="cpu", matmul_efficiency=0.9, sync_drift=0.01,
-        sync_skew=0.04)
+        sync_skew=0.04, collective_curve=CURVE)
 
 
 def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path: Path):
@@ -296,7 +365,8 @@ def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path
     slower = dataclasses.replace(cpu_truth, comm_efficiency=1.0 / 3,
                                  collective_latency_s=3 * 5e-4, matmul_efficiency=0.7,
                                  hbm_gbps=cpu_truth.hbm_gbps / 3, sync_drift=3 * 0.01,
-                                 sync_skew=3 * 0.04)
+                                 sync_skew=3 * 0.04,
+                                 collective_curve=tuple((b, 3 * t) for b, t in CURVE))
     points = [(1, tiny(1)), (2, tiny(2, dp_shard=1, tp=2)), (2, tiny(2, dp_shard=1, pp=2))]
     record = sweep_record(slower, points, profile=cpu_truth)
     sweep = sweep_fit.read_sweep(record, "sweep.json")
@@ -309,6 +379,8 @@ def test_a_sweep_fixes_the_matmul_rate_and_the_communication(cpu_truth, tmp_path
     assert tuned.comm_efficiency == pytest.approx(1 / 3, rel=1e-3)
     assert tuned.sync_drift == pytest.approx(0.03, rel=1e-3)
     assert tuned.sync_skew == pytest.approx(0.12, rel=1e-3)
+    assert [t for _, t in tuned.collective_curve] == pytest.approx([3 * t for _, t in CURVE],
+                                                                   rel=1e-3)
     for world, cfg in points:
         lay_ = Layout.from_config(cfg, world)
         assert predict(cfg, lay_, tuned, "cpu") == pytest.approx(
