@@ -210,12 +210,12 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         if hw is None:
             return 0
     else:
-        # The host time of a tensor-parallel block is measured only for a sweep that has
+        # What a tensor-parallel block adds is measured only for a sweep that has
         # tensor-parallel points (it takes a few seconds).
         tp_model = base.model if args.over == "tp" and max(nprocs) > 1 else None
         hw, machine = compare.machine_profile(
             max(nprocs), model=tp_model, sequence_parallel=base.parallel.sequence_parallel,
-            drift_model=base.model)
+            drift_model=base.model, tokens=(base.train.micro_batch_size, base.train.seq_len))
     mode = scaling.WEAK if args.weak else scaling.STRONG
 
     def said(point) -> None:  # noqa: ANN001

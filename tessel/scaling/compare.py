@@ -57,12 +57,13 @@ def _memory_bandwidth(seconds: float = 0.3) -> float:
 
 
 def machine_profile(nproc: int, threads: int | None = 1, model: ModelConfig | None = None,
-                    sequence_parallel: bool = True, drift_model: ModelConfig | None = None
-                    ) -> tuple[GpuProfile, dict[str, Any]]:
+                    sequence_parallel: bool = True, drift_model: ModelConfig | None = None,
+                    tokens: tuple[int, int] = (8, 128)) -> tuple[GpuProfile, dict[str, Any]]:
     """This CPU as the planner's device, for `nproc` local processes of `threads` threads
     each (None: torch's default); also what was measured, for the output. With `model`, the
-    host time a tensor-parallel block of its architecture adds over `nproc` processes is
-    measured too (`tessel.scaling.tp_cost`; 0 without); with `drift_model`, the ranks' drift
+    time a tensor-parallel block of it adds over `nproc` processes beyond its share of the
+    compute, per micro-batch of `tokens` (sequences, positions), is measured too
+    (`tessel.scaling.tp_cost`; 0 without); with `drift_model`, the ranks' drift
     is measured on that architecture's operators (`tessel.scaling.gloo.drift`)."""
     from tessel.bench import measure_matmul_peak
     from tessel.scaling.gloo import curve, measure_gloo
@@ -78,6 +79,7 @@ def machine_profile(nproc: int, threads: int | None = 1, model: ModelConfig | No
     gloo = None
     if nproc > 1:
         gloo = measure_gloo(nproc, tp_model=None if model is None else model.model_dump(),
+                            tp_tokens=tokens,
                             sequence_parallel=sequence_parallel,
                             drift_model=None if drift_model is None else drift_model.model_dump())
     # Collectives between local processes: the fitted bus bandwidth is what they reach, so

@@ -32,12 +32,12 @@ timed loops does not enter it (the method before subtracted the times of the sam
 timed alone and then synchronised; on the project's noisy machine neither is steady between
 sweeps: 0.004-0.052 for this one in 27 sweeps of an hour). It is fitted as
 sync_drift x sqrt(L) (independent noise in each rank's operators adds up like a random walk)
-over segments of 8, 32 and 128 ms, the pieces of a tensor-parallel block to a small model's
-step. On the project's 2-core machine the wait was 1.1-1.7 ms after 9-12 ms of compute,
-1.3-3.6 after 27-51, 4.7-12.5 after 136-147 and 13-30 after 313-357: faster than sqrt(L)
-beyond ~50 ms, in proportion to L (as if one rank's core ran steadily slower). The
-longest segment's wait over its length is therefore kept too (sync_skew), and the planner
-charges the larger of the two laws.
+over segments of 8 and 32 ms, the pieces of a tensor-parallel block, and measured after
+128 ms too, a small model's step. On the project's 2-core machine the wait was 1.1-1.7
+ms after 9-12 ms of compute, 1.3-3.6 after 27-51, 4.7-12.5 after 136-147 and 13-30 after
+313-357 (matmuls): faster than sqrt(L) beyond ~50 ms, in proportion to L (as if one
+rank's core ran steadily slower). The longest segment's wait over its length is therefore
+kept too (sync_skew), and the planner charges the larger of the two laws.
 """
 
 from __future__ import annotations
@@ -128,18 +128,20 @@ def curve(samples: Sequence[tuple[float, float]], nproc: int) -> tuple[tuple[flo
 
 def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                  timeout_s: float = 120.0, tp_model: dict[str, Any] | None = None,
+                 tp_tokens: tuple[int, int] = (8, 128),
                  sequence_parallel: bool = True, slow_last_rank: float = 0.0,
                  drift_model: dict[str, Any] | None = None) -> dict[str, object]:
     """Latency (s) and bus bandwidth (bytes/s) of a gloo all-reduce between `nproc` local
     processes, with the per-size medians they were fitted to:
     {"nproc", "latency_s", "bandwidth_Bps", "samples": [{"bytes", "seconds"}, ...]}; with
     `tp_model` (a ModelConfig's fields) also "tp_block_overhead_s" and
-    "tp_block_optimizer_s", the host time a tensor-parallel block of that architecture adds
-    over the `nproc` processes per micro-batch and per optimizer phase
-    (`tessel.scaling.tp_cost`). `slow_last_rank`: a fire drill for the drift measurement,
-    the last rank sleeps this many times its own compute in each segment (a rank that much
-    slower: its peers wait for it), so the drill's wait grows with the segment as the noise
-    of a loaded machine does. `drift_model` (a ModelConfig's fields): the drift's segments
+    "tp_block_optimizer_s", the time a tensor-parallel block of that model adds over the
+    `nproc` processes beyond its share of the compute, per micro-batch of `tp_tokens`
+    (sequences, positions) and per optimizer phase (`tessel.scaling.tp_cost`).
+    `slow_last_rank`: a fire drill for the drift measurement, the last rank sleeps this
+    many times its own compute in each segment (a rank that much slower: its peers wait
+    for it), so the drill's wait grows with the segment as the noise of a loaded machine
+    does. `drift_model` (a ModelConfig's fields): the drift's segments
     run that architecture's operators (`drift`) instead of matmuls."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise TesselError(f"an all-reduce needs at least 2 processes (got {nproc!r})")
@@ -149,6 +151,7 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     with tempfile.TemporaryDirectory(prefix="tessel-gloo-") as tmp:
         spec = json.dumps({"world": nproc, "store": str(Path(tmp) / "store"),
                            "sizes": list(sizes), "tp_model": tp_model,
+                           "tp_tokens": list(tp_tokens),
                            "sequence_parallel": sequence_parallel,
                            "slow_last_rank": slow_last_rank, "drift_model": drift_model})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -283,9 +286,12 @@ def drift(slow_last_rank: float = 0.0, model_fields: dict[str, Any] | None = Non
         dist.all_reduce(pair)
         length, wait = (pair / dist.get_world_size()).tolist()
         samples.append({"segment_s": length, "wait_s": max(0.0, wait)})
-    # wait = sync_drift x sqrt(L), least squares over the lengths
-    den = sum(x["segment_s"] for x in samples)
-    value = sum(x["wait_s"] * x["segment_s"] ** 0.5 for x in samples) / den if den else 0.0
+    # wait = sync_drift x sqrt(L), least squares over the shorter lengths, where that law
+    # holds (the longest one's wait grows in proportion to it: fitted into sqrt(L) it made
+    # the drift of a tensor-parallel step's ~3-ms pieces 1.3-3x what the shorter ones say)
+    short = samples[:-1]
+    den = sum(x["segment_s"] for x in short)
+    value = sum(x["wait_s"] * x["segment_s"] ** 0.5 for x in short) / den if den else 0.0
     # wait = sync_skew x L, from the longest
     longest = samples[-1]
     skew = longest["wait_s"] / longest["segment_s"] if longest["segment_s"] > 0 else 0.0
@@ -327,17 +333,10 @@ def worker_main() -> None:
         found["sync_drift"], found["sync_skew"], found["drift_samples"] = drift(
             float(spec["slow_last_rank"]), spec.get("drift_model"))
         if spec.get("tp_model") is not None:
-            from tessel.planner.hardware import GpuProfile
             from tessel.scaling.tp_cost import block_overhead
 
-            measured = list(zip(map(float, spec["sizes"]), found["seconds"]))
-            line = fit(measured, spec["world"])
-            calls = GpuProfile("gloo", 1.0, None, 1.0, line["bandwidth_Bps"] / 1e9,
-                               line["bandwidth_Bps"] / 1e9, spec["world"], comm_efficiency=1.0,
-                               collective_latency_s=line["latency_s"],
-                               collective_curve=curve(measured, spec["world"]),
-                               device_type="cpu")
-            tp = block_overhead(spec["tp_model"], bool(spec["sequence_parallel"]), calls)
+            tp = block_overhead(spec["tp_model"], bool(spec["sequence_parallel"]),
+                                tuple(spec["tp_tokens"]))
             found["tp_block_overhead_s"] = tp["pass_s"]
             found["tp_block_optimizer_s"] = tp["optimizer_s"]
         if rank == 0:

@@ -122,10 +122,11 @@ def test_a_pipeline_point_is_measured_with_its_bubble(tmp_path: Path):
 
 @pytest.mark.budget(30)
 def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes():
-    """`tessel scale --over tp` measures what a DTensor block costs the host beyond its
-    collectives' latency (tessel.scaling.tp_cost) in the gloo measurement's workers: real
-    tensor parallelism (tessel's plan, sequence parallel) of the config's architecture on 2
-    processes, against the same blocks on one. DTensor's dispatch makes it positive."""
+    """`tessel scale --over tp` measures what a DTensor block costs beyond a tp-th of the
+    same block's compute (tessel.scaling.tp_cost) in the gloo measurement's workers: real
+    tensor parallelism (tessel's plan, sequence parallel) of the config's model on 2
+    processes over PyTorch's fake process group (its collectives are priced elsewhere),
+    against the same blocks on one. DTensor's dispatch makes it positive."""
     from tessel.checkpoint.init_from import load_config
     from tessel.scaling.gloo import measure_gloo
 
@@ -143,7 +144,8 @@ def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes()
     assert len(samples) == 3 and 0.002 < lengths[0] < 0.03
     assert lengths[1] > 2 * lengths[0] and lengths[2] > 2 * lengths[1]
     assert all(s["wait_s"] >= 0 for s in samples)
-    fitted = sum(s["wait_s"] * s["segment_s"] ** 0.5 for s in samples) / sum(lengths)
+    # the random walk's law fitted on the two shorter lengths, the steady one on the longest
+    fitted = sum(s["wait_s"] * s["segment_s"] ** 0.5 for s in samples[:2]) / sum(lengths[:2])
     assert found["sync_drift"] == pytest.approx(fitted)
     assert found["sync_skew"] == pytest.approx(samples[2]["wait_s"] / lengths[2])
 
@@ -168,5 +170,6 @@ def test_the_drift_measurement_reads_a_rank_that_is_made_slower():
     for sample in samples:
         assert sample["wait_s"] > 0.6 * share * sample["segment_s"], samples
     lengths = [s["segment_s"] for s in samples]
-    assert found["sync_drift"] > 0.6 * share * sum(x ** 1.5 for x in lengths) / sum(lengths)
+    assert found["sync_drift"] > 0.6 * share * sum(x ** 1.5 for x in lengths[:2]) / sum(
+        lengths[:2])
     assert found["sync_skew"] > 0.6 * share

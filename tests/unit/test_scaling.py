@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tessel.checkpoint.init_from import load_config
 from tessel.errors import TesselError
@@ -214,21 +215,21 @@ def test_gloo_refuses_what_it_cannot_measure():
 
 
 @pytest.mark.parametrize("preset", ["demo", "tiny-llama", "tiny-moe"])
-def test_the_tensor_parallel_probe_keeps_the_architecture_at_a_tiny_width(preset):
-    """tessel.scaling.tp_cost measures blocks of the config's own architecture (their
-    operators are what cost host time), shrunk so that compute and bytes cost nothing, and
-    shardable over the processes."""
+def test_the_tensor_parallel_probe_times_the_configs_own_blocks(preset):
+    """tessel.scaling.tp_cost times blocks of the config's own model (its width and
+    operators are what cost time beyond a tp-th of the compute), dense (MoE layers are not
+    split by tensor parallelism), with room for the micro-batch's positions."""
     from tessel.config import ModelConfig
     from tessel.models.transformer import Transformer
-    from tessel.scaling.tp_cost import tiny_model
+    from tessel.scaling.tp_cost import probe_model
 
     model = ModelConfig(preset=preset)
-    for tp in (2, 4):
-        small = tiny_model(model, tp, layers=3)
-        assert small.n_layers == 3 and small.moe_experts == 0 and small.d_model <= 64 * tp
-        assert small.n_heads % tp == 0 and small.n_kv_heads % tp == 0
-        assert small.padded_vocab_size % tp == 0 and small.ffn_hidden % tp == 0
-        assert (small.n_kv_heads < small.n_heads) == (model.n_kv_heads < model.n_heads)
-        for field in ("norm", "mlp", "position", "bias", "qk_norm", "tie_embeddings"):
-            assert getattr(small, field) == getattr(model, field)
-        Transformer(small)  # a valid model
+    probe = probe_model(model, layers=3, seq_len=4 * model.max_seq_len)
+    assert probe.n_layers == 3 and probe.moe_experts == 0 and probe.dropout == 0.0
+    assert probe.max_seq_len == 4 * model.max_seq_len and probe.init_from is None
+    for field in ("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "norm", "mlp",
+                  "position", "bias", "qk_norm", "tie_embeddings"):
+        assert getattr(probe, field) == getattr(model, field)
+    assert probe_model(model, 1, 8).max_seq_len == model.max_seq_len  # never shorter
+    with torch.device("meta"):
+        Transformer(probe)  # a valid model
