@@ -43,8 +43,9 @@ not used: each count is searched.
                       split, exposed communication) beside the planner's
                       prediction of that run. On CPU the planner's device is this machine,
                       measured first (matmul and memory rate of one process, gloo's
-                      all-reduce; with --over tp the host time a tensor-parallel block
-                      adds); its matmul efficiency and its optimizer's memory rate are
+                      calls at six sizes, the ranks' drift on the config's model; with
+                      --over tp what a tensor-parallel block adds beyond its share of
+                      the compute); its matmul efficiency and its optimizer's memory rate are
                       calibrated on the first point, so the others' errors are the
                       planner's errors in scaling. Inside a SLURM allocation of several
                       nodes (sbatch, salloc) each count's processes are spread over its

@@ -79,12 +79,13 @@ class GpuProfile:
     collective_latency_s: float = COLLECTIVE_LATENCY_S
     """Seconds every collective call costs beyond its bytes' time (TOML: collective_latency_us)."""
     tp_block_overhead_s: float = 0.0
-    """Host seconds one tensor-parallel block's forward + backward of one micro-batch adds
-    beyond its matmuls and its collectives' bytes and latency: DTensor's sharding
-    propagation, redistribution and wrapping (TOML: tp_block_overhead_us). Measured on CPU
-    processes by `tessel scale --measure`, where it adds to the step; 0 in the built-in GPU
-    profiles, where the host issues kernels ahead of the GPU and the time hides behind them
-    (torch.compile removes most of it)."""
+    """Seconds one tensor-parallel block's forward + backward of one micro-batch adds beyond
+    a tp-th of the block's compute and its collectives: DTensor's sharding propagation,
+    redistribution (with its copies) and wrapping, and the sharded matmuls' lower rate
+    (TOML: tp_block_overhead_us). Measured on CPU processes by `tessel scale --measure`
+    (the config's blocks over a fake process group, whose collectives move nothing), where
+    it adds to the step; 0 in the built-in GPU profiles, where the host issues kernels ahead
+    of the GPU and the time hides behind them (torch.compile removes most of it)."""
     tp_block_optimizer_s: float = 0.0
     """Host seconds one tensor-parallel block's parameters add to each optimizer phase
     (gradient clipping and the multi-tensor update dispatched through DTensor; TOML:

@@ -79,7 +79,10 @@ ASSUMPTIONS = (
     "pipeline sends are exposed; every call also costs the profile's collective latency "
     f"(calls: a DDP bucket of {DDP_BUCKET_MB} MiB, an FSDP unit's gather or reduce-scatter, "
     "a tensor-parallel block's 4 (10 with sequence parallelism), a pipeline send, a "
-    "context-parallel layer's 2 (Ulysses 4), an expert dispatch's 2)",
+    "context-parallel layer's 2 (Ulysses 4), an expert dispatch's 2); a profile measured on "
+    "CPU processes prices tensor-parallel calls and DDP buckets instead at their sizes on its "
+    "measured curve of a call's time (collective_curve; an all-gather at half an all-reduce "
+    "of twice its bytes)",
     "context parallelism: each rank computes its 1/cp of every sequence's causal attention "
     "(head-tail chunks balance it; contiguous pieces cost the last rank (2cp-1)/cp of the "
     "mean). allgather: per layer the whole sequence's keys and values, 2 x micro_batch x "
@@ -96,7 +99,8 @@ ASSUMPTIONS = (
     "reduce-scatter, and DDP's first bucket of the step waits for the slowest rank the larger "
     "of sync_drift x sqrt(L) and sync_skew x L, L the compute seconds since the previous "
     "collective; a micro-batch's compute is spread evenly between its collectives",
-    "tensor parallelism's host work (DTensor) per block and micro-batch: the profile's "
+    "tensor parallelism's cost beyond a tp-th of a block's compute (DTensor's host work, "
+    "its copies, the sharded matmuls' rate) per block and micro-batch: the profile's "
     "tp_block_overhead_s, added to compute, and per block and optimizer step "
     "tp_block_optimizer_s (measured on CPU processes; 0 for GPUs, where the host runs ahead "
     "of the kernels)",
