@@ -21,8 +21,8 @@ after a barrier: 0.4 ms at 4 KB).
 The same processes then measure how far they drift apart in training-like use (the
 profile's `sync_drift` and `sync_skew`): every rank runs the same work for a segment of L
 seconds (the config's model, one block deep at its own width, forward and backward on a
-few tokens, when the sweep gives one; matmuls otherwise), then a one-number all-reduce,
-then a second one at once. The first waits for the slowest rank; the second, which starts
+sequence of 128 tokens, when the sweep gives one; matmuls otherwise), then a one-number
+all-reduce, then a second one at once. The first waits for the slowest rank; the second, which starts
 with the ranks together, is the call alone: their difference, each rank's median over its
 segments averaged over the ranks, is what a collective waits for after L seconds of
 compute. A model's operators drift apart more than matmuls do: after ~130 ms of the demo
