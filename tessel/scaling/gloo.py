@@ -81,7 +81,7 @@ of the model's own step (~3.5 ms after a demo model's micro-batch of 170 ms)."""
 
 def ring_bytes(nbytes: float, nproc: int) -> float:
     """Bytes each rank sends in a ring all-reduce of `nbytes` (the planner's convention)."""
-    from tessel.planner.speed import ring_bytes as planner_ring_bytes
+    from tessel.planner.calls import ring_bytes as planner_ring_bytes
 
     return planner_ring_bytes(nbytes, nproc, all_reduce=True)
 

@@ -17,6 +17,7 @@ from tessel.config import Config, ModelConfig
 from tessel.errors import TesselError
 from tessel.parallel.fsdp import DDP_BUCKET_MB as TRAINER_BUCKET_MB
 from tessel.planner import search, sweep_fit
+from tessel.planner.calls import tp_calls
 from tessel.planner.hardware import get_profile, profile_from_table, profile_table
 from tessel.planner.layout import Layout
 from tessel.planner.speed import (
@@ -25,7 +26,6 @@ from tessel.planner.speed import (
     FSDP_OVERLAP,
     estimate_step,
     rank_parameters,
-    tp_calls,
 )
 from tessel.scaling.measure import default_layout, layout_over
 
@@ -126,7 +126,7 @@ def test_a_measured_curve_prices_each_call_at_its_size():
     (collective_curve) replaces latency + bytes / bandwidth for the tensor-parallel calls and
     DDP's buckets: piecewise linear, the last slope beyond it, the first point below it; an
     all-gather costs half an all-reduce of twice its ring bytes (its second half)."""
-    from tessel.planner.speed import on_curve, ring_bytes
+    from tessel.planner.calls import on_curve, ring_bytes
 
     curve = ((1000.0, 1e-3), (2000.0, 2e-3), (4000.0, 3e-3))
     assert on_curve(curve, 10.0) == 1e-3  # a call costs at least the smallest one's time
@@ -192,7 +192,7 @@ def test_the_ranks_drift_makes_each_synchronising_collective_wait():
     """sync_drift x sqrt(the compute since the previous collective), per collective: a
     tensor-parallel micro-batch's compute spread over its calls; DDP's one wait after the
     step's whole compute; nothing without collectives; nothing for the built-in GPUs (0)."""
-    from tessel.planner.speed import tp_calls
+    from tessel.planner.calls import tp_calls
 
     m = ModelConfig(preset="gpt2-124m")
     drifting = dataclasses.replace(H100, sync_drift=0.02)
@@ -216,7 +216,8 @@ def test_the_ranks_drift_makes_each_synchronising_collective_wait():
 def test_a_steady_difference_in_speed_counts_where_it_exceeds_the_drift():
     """sync_skew x L, where larger than sync_drift x sqrt(L): DDP's one wait after a step's
     whole compute takes it; a tensor-parallel block's short pieces keep the drift."""
-    from tessel.planner.speed import sync_wait, tp_calls
+    from tessel.planner.calls import tp_calls
+    from tessel.planner.speed import sync_wait
 
     m = ModelConfig(preset="gpt2-124m")
     drifting = dataclasses.replace(H100, sync_drift=0.002)
