@@ -28,6 +28,7 @@ width under the fake group reads ~8 ms, and a tp=2 step with every collective ma
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -45,12 +46,24 @@ REPEATS = 5
 """Timed passes of each model; the median is kept."""
 
 
-def probe_model(model: ModelConfig, layers: int, seq_len: int) -> ModelConfig:
+def _up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def probe_model(model: ModelConfig, layers: int, seq_len: int, tp: int = 1) -> ModelConfig:
     """`model` as the probe times it: `layers` blocks, dense (MoE layers are not split by
-    tensor parallelism), fresh, without dropout, positions for `seq_len`."""
+    tensor parallelism), fresh, without dropout, positions for `seq_len`; its heads, MLP
+    width and vocabulary rows rounded up to multiples of `tp` where they do not split (the
+    nearest shape `tp` processes can run: the sweep's largest count need not divide the
+    model, whose point then fails on its own, while the smaller ones still want the
+    figure)."""
+    kv = _up(model.n_kv_heads, tp)
+    heads = kv * -(-model.n_heads // model.n_kv_heads)  # the same heads per key/value head
     return model.model_copy(update=dict(
         n_layers=layers, moe_experts=0, init_from=None, dropout=0.0,
-        max_seq_len=max(seq_len, model.max_seq_len)))
+        max_seq_len=max(_up(seq_len, tp), model.max_seq_len), n_heads=heads, n_kv_heads=kv,
+        ffn_hidden=_up(model.ffn_hidden, tp),
+        vocab_pad_to=math.lcm(model.vocab_pad_to, tp)))
 
 
 def _seconds(model: torch.nn.Module, tokens: torch.Tensor, parallel: bool
@@ -108,14 +121,14 @@ def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
     fake = dist.new_group(list(range(tp)), backend="fake")
     mesh = DeviceMesh.from_group(fake, "cpu", mesh_dim_names=("tp",))
     base = ModelConfig.model_validate(model_fields)
-    sequences, positions = tokens
+    sequences, positions = tokens[0], _up(tokens[1], tp)  # sequence parallelism splits them
     torch.manual_seed(0)
     batch = torch.randint(0, base.vocab_size, (sequences, positions))
     per_depth: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for parallel in (False, True):
         for layers in LAYERS:
             with torch.device("meta"):
-                model = Transformer(probe_model(base, layers, positions))
+                model = Transformer(probe_model(base, layers, positions, tp))
             if parallel:
                 apply_tensor_parallel(model, mesh, sequence_parallel)
             materialise(model, torch.device("cpu"), seed=0)

@@ -233,3 +233,16 @@ def test_the_tensor_parallel_probe_times_the_configs_own_blocks(preset):
     assert probe_model(model, 1, 8).max_seq_len == model.max_seq_len  # never shorter
     with torch.device("meta"):
         Transformer(probe)  # a valid model
+    # a count that does not split the model: the nearest shape it does split
+    for tp in (2, 4, 3):
+        split = probe_model(model, 1, 100, tp)
+        assert split.n_heads % tp == 0 and split.n_kv_heads % tp == 0
+        assert split.n_heads % split.n_kv_heads == 0 and split.ffn_hidden % tp == 0
+        assert split.padded_vocab_size % tp == 0 and split.max_seq_len >= 100
+        assert split.n_heads // split.n_kv_heads == -(-model.n_heads // model.n_kv_heads)
+        assert model.n_kv_heads <= split.n_kv_heads < model.n_kv_heads + tp
+        assert split.d_model == model.d_model and split.head_dim == model.head_dim
+        if model.n_heads % tp == 0 and model.n_kv_heads % tp == 0:
+            assert (split.n_heads, split.n_kv_heads) == (model.n_heads, model.n_kv_heads)
+        with torch.device("meta"):
+            Transformer(split)
