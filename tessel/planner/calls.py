@@ -1,7 +1,7 @@
 """What a collective call costs the planner: the bytes each rank sends in a ring, a measured
 curve of a call's time against them (CPU processes), and tensor parallelism's calls per
-micro-batch (`tessel.planner.speed` puts them in the step; `tessel.scaling.tp_cost` and
-the gloo probe use the same conventions)."""
+micro-batch (`tessel.planner.speed` puts them in the step; the gloo probe,
+`tessel.scaling.gloo`, measures the curve in the same ring bytes)."""
 
 from __future__ import annotations
 

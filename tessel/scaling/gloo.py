@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from tessel.errors import TesselError
+from tessel.planner.calls import ring_bytes
 
 DEFAULT_SIZES = (1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20)
 """Message sizes in bytes: from latency-bound to bandwidth-bound on loopback (a norm's
@@ -79,13 +80,6 @@ waits after 128 ms (3-64 ms, one rank ~30% slower for a second at a time) were 1
 of the model's own step (~3.5 ms after a demo model's micro-batch of 170 ms)."""
 
 
-def ring_bytes(nbytes: float, nproc: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of `nbytes` (the planner's convention)."""
-    from tessel.planner.calls import ring_bytes as planner_ring_bytes
-
-    return planner_ring_bytes(nbytes, nproc, all_reduce=True)
-
-
 def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
     """{"latency_s", "bandwidth_Bps"} from (bytes, seconds) samples: the line through (ring
     bytes, seconds) with the least squared *relative* error (weights 1/t^2), so that the
@@ -93,7 +87,7 @@ def fit(samples: Sequence[tuple[float, float]], nproc: int) -> dict[str, float]:
     noisy machine bends the line below zero the figures are what the samples show directly:
     a negative latency becomes the smallest message's time; when larger messages were not
     slower, the bandwidth is the largest one's ring bytes over its time."""
-    xs = [ring_bytes(b, nproc) for b, _ in samples]
+    xs = [ring_bytes(b, nproc, all_reduce=True) for b, _ in samples]
     ts = [t for _, t in samples]
     ws = [1 / t**2 if t > 0 else 0.0 for t in ts]
     total = sum(ws)
@@ -114,7 +108,7 @@ def curve(samples: Sequence[tuple[float, float]], nproc: int) -> tuple[tuple[flo
     all-reduces between `nproc` processes: (ring bytes per rank, seconds), ascending, made
     non-decreasing by pooling neighbours that fall (a larger message is not faster; a
     smaller one that read slower was noise, shared out over both)."""
-    points = sorted((ring_bytes(b, nproc), t) for b, t in samples)
+    points = sorted((ring_bytes(b, nproc, all_reduce=True), t) for b, t in samples)
     pools: list[list[float]] = []  # [sum of times, count] per run of pooled points
     for _, t in points:
         pools.append([t, 1.0])
@@ -196,15 +190,11 @@ def _model_piece(model_fields: dict[str, Any]) -> Callable[[], None]:
 
     from tessel.config import ModelConfig
     from tessel.models.loss import token_loss_sum
-    from tessel.models.transformer import Transformer
-    from tessel.parallel.apply import materialise
+    from tessel.models.transformer import build_model
+    from tessel.scaling.tp_cost import probe_model
 
-    cfg = ModelConfig.model_validate(model_fields).model_copy(update=dict(
-        n_layers=1, init_from=None, dropout=0.0,
-        max_seq_len=max(DRIFT_TOKENS, model_fields.get("max_seq_len") or 0)))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    materialise(model, torch.device("cpu"), seed=0)
+    cfg = probe_model(ModelConfig.model_validate(model_fields), 1, DRIFT_TOKENS, dense=False)
+    model = build_model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (1, DRIFT_TOKENS + 1),
                            generator=torch.Generator().manual_seed(0))
 

@@ -50,9 +50,11 @@ def _up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def probe_model(model: ModelConfig, layers: int, seq_len: int, tp: int = 1) -> ModelConfig:
-    """`model` as the probe times it: `layers` blocks, dense (MoE layers are not split by
-    tensor parallelism), fresh, without dropout, positions for `seq_len`; its heads, MLP
+def probe_model(model: ModelConfig, layers: int, seq_len: int, tp: int = 1,
+                dense: bool = True) -> ModelConfig:
+    """`model` as the probe times it: `layers` blocks, dense unless `dense` is False (MoE
+    layers are not split by tensor parallelism; the drift probe, `tessel.scaling.gloo`, keeps
+    them), fresh, without dropout, positions for `seq_len`; its heads, MLP
     width and vocabulary rows rounded up to multiples of `tp` where they do not split (the
     nearest shape `tp` processes can run: the sweep's largest count need not divide the
     model, whose point then fails on its own, while the smaller ones still want the
@@ -60,7 +62,8 @@ def probe_model(model: ModelConfig, layers: int, seq_len: int, tp: int = 1) -> M
     kv = _up(model.n_kv_heads, tp)
     heads = kv * -(-model.n_heads // model.n_kv_heads)  # the same heads per key/value head
     return model.model_copy(update=dict(
-        n_layers=layers, moe_experts=0, init_from=None, dropout=0.0,
+        n_layers=layers, moe_experts=0 if dense else model.moe_experts, init_from=None,
+        dropout=0.0,
         max_seq_len=max(_up(seq_len, tp), model.max_seq_len), n_heads=heads, n_kv_heads=kv,
         ffn_hidden=_up(model.ffn_hidden, tp),
         vocab_pad_to=math.lcm(model.vocab_pad_to, tp)))

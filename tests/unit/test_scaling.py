@@ -16,8 +16,9 @@ import torch
 
 from tessel.checkpoint.init_from import load_config
 from tessel.errors import TesselError
+from tessel.planner.calls import ring_bytes
 from tessel.scaling import MeasuredPoint, measure_sweep
-from tessel.scaling.gloo import fit, measure_gloo, ring_bytes
+from tessel.scaling.gloo import fit, measure_gloo
 from tessel.scaling.measure import point_name, run_overrides
 from tessel.scaling.points import error_line, summarize, with_efficiency
 
@@ -198,7 +199,7 @@ def test_a_failed_killed_hung_or_short_point_is_reported_and_the_sweep_goes_on(t
 
 def test_the_gloo_fit_recovers_latency_and_bandwidth():
     lat, bw = 2e-4, 5e8
-    samples = [(b, lat + ring_bytes(b, 4) / bw) for b in (4096, 65536, 1 << 20)]
+    samples = [(b, lat + ring_bytes(b, 4, True) / bw) for b in (4096, 65536, 1 << 20)]
     got = fit(samples, 4)
     assert got["latency_s"] == pytest.approx(lat) and got["bandwidth_Bps"] == pytest.approx(bw)
     # noise that bends the line: what the samples show, never a negative figure
