@@ -78,13 +78,14 @@ def build_parser() -> Parser:
 def check_before_launch(cfg: Config, nproc: int) -> None:
     """`--nproc N`: what every worker would refuse at start-up, checked once here, so that bad
     input is one line and exit code 2 rather than N workers' lines and torchrun's traceback:
-    the layout (on this machine's device type), alert delivery, lm_eval (its layout, every
-    task loaded). What needs a worker's own GPU (memory, bf16, fp8) stays with the workers:
-    this process, which waits for torchrun the whole run, never starts CUDA."""
+    the layout (on this machine's device type), alert delivery, TESSEL_FAULT, lm_eval (its
+    layout, every task loaded). What needs a worker's own GPU (memory, bf16, fp8) stays with
+    the workers: this process, which waits for torchrun the whole run, never starts CUDA."""
     from tessel.observe.alerts import check_alerts
     from tessel.parallel.check import check_layout
     from tessel.parallel.dims import ParallelDims, resolved
     from tessel.train.device import pick_device
+    from tessel.train.faults import check_faults
     from tessel.train.harness_check import check_lm_eval
 
     dims = ParallelDims.from_config(cfg.parallel, nproc)
@@ -95,6 +96,7 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
         check_layout(resolved(cfg)[0], dims, pick_device(cfg.train.device).type,
                      cfg.train.precision)
     check_alerts(cfg.alerts, cfg.notify)
+    check_faults(nproc, cfg.train.steps)
     check_lm_eval(cfg)
 
 

@@ -83,6 +83,7 @@ class Trainer:
         refuse_if_too_big(cfg, self.device, proc.world_size, force, say)
         check_fp8(cfg, self.device)
         check_alerts(cfg.alerts, cfg.notify)
+        self.faults = Faults(proc.rank, world_size=proc.world_size, steps=cfg.train.steps)
         self.lm_eval_tasks = check_lm_eval(cfg)  # unknown task names: refused now, not in an hour
         self.cfg = cfg
         if proc.is_main and resume and self.run.path.is_dir():
@@ -153,7 +154,6 @@ class Trainer:
                                 beat=lambda what: self.watchdog.beat(self.step, what))
                         if cfg.lm_eval.enabled else None)
         self.scoring_failure: str | None = None  # set once scoring fails: no more of it
-        self.faults = Faults(proc.rank)
         self.recovery = Recovery(cfg.recovery, SkipList(
             self.run.skipped_batches, cfg.recovery.skip_batches, writer=proc.is_main))
         self.control = StopControl(proc.distributed, self.device.type, self.watchdog.phase)
