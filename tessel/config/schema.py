@@ -149,8 +149,9 @@ class TrainConfig(Section):
     eval_interval: int = Field(100, ge=0)
     """Evaluate on the validation split every N steps and at the end (0: only at the end)."""
     eval_iters: int = Field(10, gt=0)
-    """Validation micro-batches per evaluation, counted over all data-parallel ranks (rounded
-    up to whole micro-batches per rank, and to whole steps under pipeline parallelism)."""
+    """Validation micro-batches per evaluation, over all data-parallel ranks: the split's first
+    eval_iters, as one process evaluates them, in every layout (a rank with fewer of them runs
+    as many forward passes as the others; the extra ones count nothing)."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0 disables clipping)."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

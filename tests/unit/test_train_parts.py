@@ -98,7 +98,7 @@ def test_evaluator_is_the_token_mean_over_the_validation_batches():
     batches = _batches(3, cfg.model.vocab_size, seed=5)
 
     class Val:
-        n_samples, mbs = 6, 2
+        n_samples, mbs, dp_rank, dp_size = 6, 2, 0, 1
 
         def reset(self):
             self.i = 0
