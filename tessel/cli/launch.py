@@ -109,7 +109,7 @@ def cmd_launch(argv: list[str]) -> int:
     # every world size an elastic job may have.
     per_node = args.gpus_per_node or args.nproc_per_node or 1
     if span.elastic:
-        check_node_counts(cfg, per_node, span.counts())
+        check_node_counts(cfg, per_node, span.counts(), "--nodes")
     else:
         ParallelDims.from_config(cfg.parallel, span.high * per_node).validate(cfg)
     check_lm_eval_layout(cfg)  # (its tasks are the cluster's files: checked by the job)

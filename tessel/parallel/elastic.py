@@ -9,7 +9,8 @@ size found, `micro_batch_for`; the trainer then checks memory for it as for any 
 checkpoint reshards on load (torch.distributed.checkpoint).
 
 Refused at launch (`check_node_counts`): a layout whose fixed degrees (tp, pp, cp, ep,
-dp_replicate) do not fit every node count of MIN:MAX, in one line naming the counts that fit.
+dp_replicate) do not fit every node count of MIN:MAX, in one line naming the counts that fit
+(found arithmetically, so that a range of a billion counts is answered at once).
 """
 
 from __future__ import annotations
@@ -76,18 +77,36 @@ def fits(cfg: Config, world: int) -> str | None:
     return None
 
 
-def check_node_counts(cfg: Config, nproc: int, counts: range) -> None:
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def candidate_counts(cfg: Config, nproc: int, counts: range) -> list[int]:
+    """The node counts of `counts` that may fit `cfg`'s layout, found arithmetically (a range
+    may be 1:1000000000): the data-parallel size is the world over cp x tp x pp, and it must
+    divide the global batch, so a world that fits is a divisor of the global batch times
+    cp x tp x pp. Every other count fails `fits`."""
+    p = cfg.parallel
+    per_dp = p.cp * p.tp * p.pp
+    worlds = (d * per_dp for d in _divisors(cfg.train.global_batch_size))
+    return sorted({w // nproc for w in worlds if w % nproc == 0 and w // nproc in counts})
+
+
+def check_node_counts(cfg: Config, nproc: int, counts: range, flag: str = "--nnodes") -> None:
     """Refuse, in one line, a layout that does not fit every node count of `counts` (nodes of
-    `nproc` processes), naming the counts it fits."""
-    why = {n: fits(cfg, n * nproc) for n in counts}
-    bad = [n for n, reason in why.items() if reason is not None]
-    if not bad:
+    `nproc` processes), naming the counts it fits; `flag` is the option the user gave the
+    range with (`tessel launch` calls it --nodes)."""
+    good = [n for n in candidate_counts(cfg, nproc, counts) if fits(cfg, n * nproc) is None]
+    if len(good) == len(counts):
         return
-    good = [n for n, reason in why.items() if reason is None]
-    first = bad[0]
-    allowed = (f"node counts allowed for this layout in {counts.start}:{counts.stop - 1}: "
-               f"{', '.join(map(str, good))}" if good else
-               f"no node count in {counts.start}:{counts.stop - 1} fits this layout")
-    raise TesselError(f"--nnodes {counts.start}:{counts.stop - 1}: the layout cannot run on "
-                      f"{first} node(s) x {nproc} processes ({why[first]}); {allowed}; "
-                      "narrow --nnodes or change the parallel degrees")
+    # the first count that does not fit: at most len(good) + 1 counts from the start
+    first = next(n for n in counts if n not in good)
+    span = f"{counts.start}:{counts.stop - 1}"
+    shown = ", ".join(map(str, good[:20])) + (f" (and {len(good) - 20} more)"
+                                                if len(good) > 20 else "")
+    allowed = (f"node counts allowed for this layout in {span}: {shown}" if good else
+               f"no node count in {span} fits this layout")
+    raise TesselError(f"{flag} {span}: the layout cannot run on {first} node(s) x {nproc} "
+                      f"processes ({fits(cfg, first * nproc)}); {allowed}; narrow {flag} or "
+                      "change the parallel degrees")

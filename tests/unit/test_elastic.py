@@ -271,3 +271,49 @@ def test_a_users_own_store_setting_reaches_torchrun(monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     env = torchrun_env(NodeRange(2, 2))
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0" and ELASTIC_ENV not in env
+
+
+def _counted_fits(monkeypatch) -> list[int]:
+    """The world sizes `fits` is asked about; more than a thousand fails the test at once (the
+    old check tried every node count of the range, a billion of them)."""
+    from tessel.parallel import elastic
+
+    real, worlds = elastic.fits, []
+
+    def fits(cfg, world):
+        worlds.append(world)
+        if len(worlds) > 1000:
+            pytest.fail("the node counts are checked one by one")
+        return real(cfg, world)
+
+    monkeypatch.setattr(elastic, "fits", fits)
+    return worlds
+
+
+def test_a_huge_node_range_is_answered_without_trying_every_count(capsys, launched, monkeypatch):
+    worlds = _counted_fits(monkeypatch)
+    err = one_line_error(capsys, ["train", CONFIG, "--nnodes", "1:1000000000",
+                                  "--rdzv-endpoint", "127.0.0.1:29500"])
+    assert "--nnodes 1:1000000000: the layout cannot run on 3 node(s) x 1 processes" in err
+    assert "node counts allowed for this layout in 1:1000000000: 1, 2, 4, 8, 16;" in err
+    assert launched == [] and len(worlds) < 20
+    # `tessel launch` names the option its user typed, --nodes
+    err = one_line_error(capsys, ["launch", "slurm", CONFIG, "--gpus-per-node", "0",
+                                  "--nodes", "1:1000000000"])
+    assert err.startswith("tessel: error: --nodes 1:1000000000: the layout cannot run on 3 ")
+    assert "narrow --nodes" in err and "--nnodes" not in err
+
+
+@pytest.mark.parametrize("overrides, nproc", [
+    ({}, 1), ({"parallel.tp": 2}, 1), ({"parallel.pp": 2}, 3), ({"parallel.tp": 2}, 2),
+    ({"parallel.tp": 4, "train.global_batch_size": 24, "train.micro_batch_size": 4}, 3),
+    ({"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2}, 2),
+])
+def test_the_counts_found_arithmetically_are_the_ones_that_fit(overrides, nproc):
+    from tessel.parallel.elastic import candidate_counts, fits
+
+    cfg = Config.load(CONFIG, overrides)
+    counts = range(1, 61)
+    tried = [n for n in candidate_counts(cfg, nproc, counts) if fits(cfg, n * nproc) is None]
+    assert tried == [n for n in counts if fits(cfg, n * nproc) is None]
+
