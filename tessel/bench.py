@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tessel.config import Config
+from tessel.config.monitoring import COMM_CONDITIONS
 from tessel.errors import TesselError
 from tessel.models import flops_per_token, param_count
 from tessel.observe.mfu import device_peak_flops
@@ -39,8 +40,11 @@ GIB = 2**30
 
 def bench_config(cfg: Config, run_dir: str) -> Config:
     """The benchmark's run: synthetic tokens, no checkpoints, evaluations, samples or
-    profiled steps (metrics.comm_sample_interval: a profiled step is not a plain one)."""
-    return cfg.with_overrides({
+    profiled steps (metrics.comm_sample_interval: a profiled step is not a plain one), so no
+    communication alert rules (they would never fire: refused by the config)."""
+    data = cfg.to_dict()
+    data["alerts"] = [a for a in data.get("alerts", []) if a["when"] not in COMM_CONDITIONS]
+    return Config.from_dict(data, {
         "data.source": "synthetic", "checkpoint.interval": 0, "train.eval_interval": 0,
         "metrics.comm_sample_interval": 0,
         "metrics.tensorboard": False, "run.dir": run_dir, "run.sample_tokens": 0,

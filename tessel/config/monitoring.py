@@ -88,12 +88,34 @@ class AlertConfig(Section):
         if self.when.endswith(".above") or self.when == "step_time.stall":
             if self.threshold is None:
                 raise ValueError(f"alert {self.name!r}: when={self.when!r} needs a threshold")
+        if self.when == "comm_exposed_share.above" and (self.threshold or 0) >= 1:
+            raise ValueError(
+                f"alert {self.name!r}: comm_exposed_share is a share of the step (0 to 1), so "
+                f"threshold={self.threshold:g} can never be passed; use a threshold below 1 "
+                "(e.g. 0.3), or time_comm_exposed_s.above for seconds")
         if self.when == "step_time.stall" and self.action != "continue":
             raise ValueError(
                 f"alert {self.name!r}: a stalled step cannot checkpoint; use action='continue' "
                 "(the watchdog ends a hung job)"
             )
         return self
+
+
+COMM_CONDITIONS = ("comm_exposed_share.above", "time_comm_exposed_s.above")
+"""The alert conditions judged on the profiled steps' communication figures."""
+
+
+def check_comm_alerts(alerts: list[AlertConfig], metrics: MetricsConfig) -> None:
+    """Refuse (ValueError, for the config's validation) a communication rule that can never
+    fire because no step is profiled for communication."""
+    if metrics.comm_sample_interval:
+        return
+    for a in alerts:
+        if a.when in COMM_CONDITIONS:
+            raise ValueError(
+                f"alert {a.name!r}: when={a.when!r} can never fire with "
+                "metrics.comm_sample_interval = 0 (no step is profiled for communication); "
+                "set metrics.comm_sample_interval (e.g. 20) or drop the rule")
 
 
 class NotifyConfig(Section):

@@ -26,6 +26,7 @@ from tessel.config.monitoring import (
     NotifyConfig,
     RecoveryConfig,
     WatchdogConfig,
+    check_comm_alerts,
 )
 from tessel.config.optim import OptimConfig
 
@@ -392,6 +393,7 @@ class Config(BaseModel):
                     f"{for_model(m).hf_class} has no place for, so its copies would route "
                     "tokens to other experts; set checkpoint.hf_export_drop_expert_bias = true "
                     "to export without it, or checkpoint.hf_export_interval = 0")
+        check_comm_alerts(self.alerts, self.metrics)
         if self.lora.enabled and t.fp8:
             # float8 training swaps the projections for Float8Linear modules: the adapters
             # and their hooks would be dropped

@@ -87,6 +87,29 @@ def test_rules_that_cannot_work_are_refused(bad):
         rule(**bad)
 
 
+@pytest.mark.parametrize(("alert", "metrics", "needle"), [
+    ({"when": "comm_exposed_share.above", "threshold": 1.5}, {},
+     "comm_exposed_share is a share of the step (0 to 1), so threshold=1.5 can never be passed"),
+    ({"when": "comm_exposed_share.above", "threshold": 1}, {}, "threshold=1 can never be passed"),
+    ({"when": "comm_exposed_share.above", "threshold": 0.3}, {"comm_sample_interval": 0},
+     "can never fire with metrics.comm_sample_interval = 0"),
+    ({"when": "time_comm_exposed_s.above", "threshold": 2.0}, {"comm_sample_interval": 0},
+     "set metrics.comm_sample_interval (e.g. 20) or drop the rule"),
+])
+def test_alert_rules_that_can_never_fire_are_refused_by_the_config(alert, metrics, needle):
+    from tessel.bench import bench_config
+    from tessel.config import Config, ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({"alerts": [{"name": "comm", **alert}], "metrics": metrics})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    # what can fire is kept; `tessel bench` profiles no step, so it drops the comm rules
+    ok = Config.from_dict({"alerts": [{"name": "comm", **alert, "threshold": 0.9},
+                                      {"name": "loss", "when": "loss.above", "threshold": 9.0}]})
+    assert [a.name for a in ok.alerts] == ["comm", "loss"]
+    assert [a.name for a in bench_config(ok, "bench").alerts] == ["loss"]
+
+
 def test_spike_detector_judges_against_the_window():
     d = SpikeDetector(RecoveryConfig(spike_sigma=6.0, min_history=3, window=5))
     for v in (3.0, 2.9, 3.1):
