@@ -38,6 +38,12 @@ class TrainerReplicas:
         self._position: tuple[dict[str, Any], int] | None = None
         self._discards = 0  # steps discarded in a row
         self.group = ReplicaGroup(ft, tr.device, tr.step, self.state_dict, self.load_state_dict)
+        if tr.data.val is not None:
+            # Training takes the group's share of every global batch; evaluation does not:
+            # every group evaluates the split's first eval_iters micro-batches, as one process
+            # does, so groups with equal weights log the same val_loss.
+            val = tr.data.val
+            val.dp_rank, val.dp_size = val.dp_rank - ft.replica_id * tr.dims.dp, tr.dims.dp
         tr.display.print(f"tessel: fault tolerance: replica group {ft.replica_id} of "
                          f"{ft.group_size} (torchft; a step commits with at least "
                          f"{ft.min_replica_size})")

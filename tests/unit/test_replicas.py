@@ -268,3 +268,19 @@ def test_a_peers_state_is_read_without_running_code(tiny_config, lighthouse, tmp
         sender.shutdown(wait=False)
         ours.shutdown(wait=False)
         trainer.replicas.close()
+
+
+def test_every_group_evaluates_the_single_process_validation_batches(tiny_config, lighthouse):
+    # Each group trains on its own share of every global batch, but its val_loss is the
+    # single-process figure (the split's first eval_iters micro-batches): groups with equal
+    # weights log the same value.
+    want = Trainer(tiny_config("plain"), console=False).evaluate()
+    for replica in (0, 1):
+        cfg = tiny_config(f"group{replica}", **{**FT, "fault_tolerance.replica_id": replica,
+                                                "fault_tolerance.lighthouse": lighthouse(1),
+                                                "fault_tolerance.timeout_s": 1})
+        trainer = Trainer(cfg, console=False)
+        try:
+            assert trainer.evaluate() == want, replica
+        finally:
+            trainer.replicas.close()
