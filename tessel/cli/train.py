@@ -78,15 +78,18 @@ def build_parser() -> Parser:
 def check_before_launch(cfg: Config, nproc: int) -> None:
     """`--nproc N`: what every worker would refuse at start-up, checked once here, so that bad
     input is one line and exit code 2 rather than N workers' lines and torchrun's traceback:
-    the layout (on this machine's device type), alert delivery, TESSEL_FAULT, lm_eval (its
-    layout, every task loaded). What needs a worker's own GPU (memory, bf16, fp8) stays with
-    the workers: this process, which waits for torchrun the whole run, never starts CUDA."""
+    the layout (on this machine's device type), alert delivery, TESSEL_FAULT, Muon's forced
+    parameters, lm_eval (its layout, every task loaded). What needs a worker's own GPU
+    (memory, bf16, fp8) stays with the workers: this process, which waits for torchrun the
+    whole run, never starts CUDA."""
     from tessel.observe.alerts import check_alerts
     from tessel.parallel.check import check_layout
     from tessel.parallel.dims import ParallelDims, resolved
     from tessel.train.device import pick_device
     from tessel.train.faults import check_faults
     from tessel.train.harness_check import check_lm_eval
+    from tessel.train.optim import check_muon_force
+    from tessel.train.run_dir import RunDir
 
     dims = ParallelDims.from_config(cfg.parallel, nproc)
     if cfg.parallel.auto:  # each worker chooses the layout
@@ -97,6 +100,8 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
                      cfg.train.precision)
     check_alerts(cfg.alerts, cfg.notify)
     check_faults(nproc, cfg.train.steps)
+    if not RunDir(cfg.run.dir).holds_run():  # a new run (a resumed one keeps its patterns)
+        check_muon_force(cfg)
     check_lm_eval(cfg)
 
 

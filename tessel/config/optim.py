@@ -37,8 +37,9 @@ class OptimConfig(Section):
     AdamW trains instead of Muon. Vectors (norms, biases) are always AdamW's."""
     muon_force: list[str] = Field(default_factory=list)
     """`muon`: parameter-name patterns Muon trains even where `muon_adamw` names them (e.g.
-    ["output.weight"]); each must name matrices (2-D, or an MoE layer's stack of expert
-    matrices), or the run is refused."""
+    ["output.weight"]); each must name at least one parameter of the model, and only matrices
+    (2-D, or an MoE layer's stack of expert matrices), or the run is refused before it
+    starts."""
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     """`muon`: momentum of the Muon matrices (Nesterov)."""
     muon_ns_steps: int = Field(5, gt=0, le=20)

@@ -3,6 +3,7 @@ and the learning-rate schedule."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
@@ -10,7 +11,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from tessel.config import OptimConfig
+from tessel.config import Config, OptimConfig
 from tessel.errors import TesselError
 
 WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -42,6 +43,34 @@ def muon_trains(name: str, p: torch.Tensor, cfg: OptimConfig) -> bool:
                 "matrices only (2-D, or an MoE expert stack); narrow the pattern")
         return True
     return matrix and not any(fnmatchcase(name, pat) for pat in cfg.muon_adamw)
+
+
+def check_muon_force(cfg: Config) -> None:
+    """Refuse (one line, TesselError) an `optim.muon_force` pattern that names no parameter of
+    the model (a typo would train exactly as without it), or names one Muon cannot train.
+    Checked on the whole model built on the meta device, before anything is written: a
+    pipeline stage alone holds only some of the names."""
+    if cfg.optim.name != "muon" or not cfg.optim.muon_force:
+        return
+    from tessel.models import build_model
+
+    model = build_model(cfg.model, "meta")
+    model.tie_weights()  # a tied output layer is the embedding: its own name is gone
+    params = dict(model.named_parameters())
+    for pattern in cfg.optim.muon_force:
+        hits = [name for name in params if fnmatchcase(name, pattern)]
+        if not hits:
+            near = difflib.get_close_matches(pattern, params, n=3, cutoff=0.6)
+            if cfg.model.tie_embeddings and fnmatchcase("output.weight", pattern):
+                hint = "model.tie_embeddings: the output layer is tok_embeddings.weight"
+            elif near:
+                hint = f"did you mean {', '.join(near)}?"
+            else:
+                hint = f"names look like {', '.join(list(params)[1:3])}"
+            raise TesselError(f"optim.muon_force pattern {pattern!r} names no parameter of this "
+                              f"model ({hint}); fix or drop the pattern (fnmatch over names)")
+        for name in hits:
+            muon_trains(name, params[name], cfg.optim)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

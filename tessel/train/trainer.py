@@ -46,7 +46,7 @@ from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
 from tessel.train.harness import Harness
 from tessel.train.harness_check import check_lm_eval
-from tessel.train.optim import build_optimizer, lr_at
+from tessel.train.optim import build_optimizer, check_muon_force, lr_at
 from tessel.train.precision import resolve_precision
 from tessel.train.recovery import Recovery, RecoveryGaveUp, SkipList, TrainingDiverged, check_finite
 from tessel.train.replicas import replicas_for
@@ -84,6 +84,8 @@ class Trainer:
         check_fp8(cfg, self.device)
         check_alerts(cfg.alerts, cfg.notify)
         self.faults = Faults(proc.rank, world_size=proc.world_size, steps=cfg.train.steps)
+        if not resume:  # a resumed run keeps its patterns (optim.muon_force is frozen)
+            check_muon_force(cfg)
         self.lm_eval_tasks = check_lm_eval(cfg)  # unknown task names: refused now, not in an hour
         self.cfg = cfg
         if proc.is_main and resume and self.run.path.is_dir():

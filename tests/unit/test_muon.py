@@ -198,3 +198,31 @@ def test_a_muon_run_trains_and_resumes_only_with_muon(tiny_config):
             Trainer(Config.load(run / "config.toml", change), resume=True, console=False)
         assert "\n" not in str(err.value)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+UNTIED = {"model.tie_embeddings": False}  # the tiny preset's output layer is its embedding
+
+
+@pytest.mark.parametrize(("force", "model", "needle"), [
+    (["ouptut.weight"], UNTIED, "pattern 'ouptut.weight' names no parameter of this model (did "
+                                "you mean output.weight"),
+    (["output.weight", "layers.*.attn.*"], UNTIED, "'layers.*.attn.*' names no parameter"),
+    (["output.weight"], {}, "(model.tie_embeddings: the output layer is tok_embeddings.weight)"),
+])
+def test_a_muon_force_pattern_that_names_no_parameter_is_refused_before_the_run(
+        tiny_config, force, model, needle):
+    """A typo once trained exactly as without the pattern; now it is one line, before the run
+    directory exists (also from `tessel train --nproc`, before torchrun), and the fixed
+    config trains."""
+    from tessel.cli.train import check_before_launch
+    from tessel.train import Trainer
+
+    cfg = tiny_config(**{"optim.name": "muon", "optim.muon_force": force, "train.steps": 2,
+                         "checkpoint.interval": 0, **model})
+    for check in (lambda: Trainer(cfg, console=False), lambda: check_before_launch(cfg, 2)):
+        with pytest.raises(TesselError) as err:
+            check()
+        assert needle in str(err.value) and "\n" not in str(err.value)
+        assert not Path(cfg.run.dir).exists()
+    fixed = cfg.with_overrides({"optim.muon_force": ["output.weight"], **UNTIED})
+    assert Trainer(fixed, console=False).train().exit_code == 0
