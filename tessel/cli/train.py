@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 EXIT_CODES = """\
 exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad input,
-            3 a collective failed or timed out, or the watchdog saw no progress,
+            3 a collective failed or timed out, the rendezvous failed (--rdzv-timeout),
+              or the watchdog saw no progress,
             4 paused by an alert (checkpoint written; --resume continues),
             5 stopped by an alert (checkpoint written), 6 spike recovery gave up
             (recovery.max_rollbacks), 7 finished with its final checkpoint, but lm_eval
@@ -72,6 +73,10 @@ def build_parser() -> Parser:
     multi.add_argument("--max-restarts", type=int, metavar="R",
                        help="restarts of the workers after a failure or a lost node before "
                             "the run gives up (default: 3)")
+    multi.add_argument("--rdzv-timeout", type=int, metavar="S",
+                       help="seconds to reach the rendezvous and for the nodes to join before "
+                            "the command gives up with one line, exit 3 (default: torchrun's, "
+                            "60 to reach it, 600 to join)")
     return p
 
 

@@ -80,7 +80,7 @@ def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
     torchrun is run as a module of this Python so it is the torch tessel was installed with,
     whatever is on PATH; --standalone gives a private rendezvous on a free local port.
     """
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    return [sys.executable, "-m", "tessel.parallel.torchrun", "--standalone",
             "--nproc-per-node", str(nproc), "-m", "tessel", "train", *train_args]
 
 
@@ -91,8 +91,9 @@ def run_local(nproc: int, train_args: list[str]) -> int:
     each worker sees exactly one SIGINT (torchrun forwards what it gets to the workers, which
     save a checkpoint). SIGINT and SIGTERM sent to us are passed on to that group.
 
-    torchrun itself exits 1 with a traceback after forwarding a signal, whatever the workers
-    did; after a Ctrl-C we return 130 instead, as `tessel train` does in one process.
+    torchrun runs inside tessel (tessel.parallel.torchrun), which ends with the workers' own
+    exit code rather than torchrun's traceback and exit 1; after a Ctrl-C we return 130 if
+    that code is not 0, as `tessel train` does in one process.
     """
     return run_torchrun(torchrun_command(nproc, train_args))
 

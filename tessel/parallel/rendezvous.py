@@ -82,6 +82,9 @@ class Rendezvous:
     endpoint: str
     run_id: str = "tessel"
     max_restarts: int = 3
+    timeout_s: int | None = None
+    """--rdzv-timeout: seconds to reach the endpoint and for the nodes to join (None:
+    torchrun's 60 and 600)."""
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.endpoint.rpartition(":")
@@ -92,7 +95,8 @@ class Rendezvous:
         return host, int(port)
 
 
-TAKEN = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
+TAKEN = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
+         "--rdzv-timeout")
 """The launch options `tessel train` takes out before the workers get the other arguments."""
 
 
@@ -134,8 +138,12 @@ def rendezvous_from(taken: dict[str, str]) -> Rendezvous | None:
     run_id = taken.get("--rdzv-id", "tessel")
     if not run_id or not all(c.isalnum() or c in "._-" for c in run_id):
         raise TesselError(f"--rdzv-id {run_id!r} must be letters, digits, '.', '_' or '-'")
+    timeout = taken.get("--rdzv-timeout")
+    if timeout is not None and (not timeout.isdigit() or int(timeout) < 1):
+        raise TesselError(f"--rdzv-timeout needs whole seconds >= 1 (got {timeout!r}), e.g. "
+                          "--rdzv-timeout 120")
     rdzv = Rendezvous(NodeRange.parse(taken["--nnodes"]), taken["--rdzv-endpoint"], run_id,
-                      int(restarts))
+                      int(restarts), None if timeout is None else int(timeout))
     rdzv.host_port()  # checked now
     return rdzv
 
@@ -177,14 +185,18 @@ def torchrun_env(nodes: NodeRange) -> dict[str, str]:
 def multinode_command(nproc: int, rdzv: Rendezvous, train_args: list[str]) -> list[str]:
     """torchrun for this node's `nproc` workers of the run (the module of this Python, like
     `launch.torchrun_command`). PET_RDZV_CONF (torchrun's own variable for --rdzv-conf) may
-    add rendezvous settings; tessel adds is_host and a short last call."""
+    add rendezvous settings; tessel adds is_host, a short last call and --rdzv-timeout. It is
+    run through tessel.parallel.torchrun, which ends with the workers' exit code and says in
+    one line why a rendezvous failed."""
     host, port = rdzv.host_port()
     conf = {"last_call_timeout": str(LAST_CALL_S)}
     for item in filter(None, os.environ.get("PET_RDZV_CONF", "").split(",")):
         key, _, value = item.partition("=")
         conf[key.strip()] = value.strip()
+    if rdzv.timeout_s is not None:
+        conf["read_timeout"] = conf["join_timeout"] = str(rdzv.timeout_s)
     conf["is_host"] = "1" if is_local(host) else "0"
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(rdzv.nodes),
+    return [sys.executable, "-m", "tessel.parallel.torchrun", "--nnodes", str(rdzv.nodes),
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", rdzv.endpoint, "--rdzv-id", rdzv.run_id,
             "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()),

@@ -64,7 +64,7 @@ def k8s_expand(arg: str) -> str:
 
 def test_torchrun_command_runs_tessel_train_with_the_arguments_unchanged():
     assert launch.torchrun_command(4, ["cfg.toml", "--train.steps", "5"]) == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        sys.executable, "-m", "tessel.parallel.torchrun", "--standalone", "--nproc-per-node", "4",
         "-m", "tessel", "train", "cfg.toml", "--train.steps", "5",
     ]
 
