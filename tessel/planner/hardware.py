@@ -32,17 +32,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tessel.errors import TesselError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from tessel.fileio import read_toml
 
 # Matmul efficiency: fitted to published runs (tessel/planner/validation.py; docs/planning.md's
 # table). Communication efficiency: an assumption (bus bandwidth ~75% of the link's).
@@ -171,32 +166,68 @@ SOURCES = {
               "Gb/s per GPU assumed",
 }
 
-_FIELDS = {"bf16_tflops", "fp8_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps",
-           "gpus_per_node", "hbm_gbps", "host_memory_gib", "matmul_efficiency", "comm_efficiency",
-           "collective_latency_us", "tp_block_overhead_us", "tp_block_optimizer_us",
-           "sync_drift", "sync_skew", "collective_curve_us", "device_names", "device_type"}
-_DRIFT = {"sync_drift": "seconds per square root of a second",
-          "sync_skew": "a fraction of the compute"}
-"""The ranks' drift keys (TOML and field alike) -> their unit, for the one-line error."""
-_MICROSECONDS = {"collective_latency_us": "collective_latency_s",
-                 "tp_block_overhead_us": "tp_block_overhead_s",
-                 "tp_block_optimizer_us": "tp_block_optimizer_s"}
-"""TOML keys in microseconds -> the profile's fields in seconds."""
+_POSITIVE = {"bf16_tflops": (1e6, "TFLOP/s"), "fp8_tflops": (1e6, "TFLOP/s; 0 for none"),
+             "memory_gib": (1e6, "GiB"), "host_memory_gib": (1e9, "GiB"),
+             "intra_node_gbps": (1e6, "GB/s"), "inter_node_gbps": (1e6, "GB/s"),
+             "hbm_gbps": (1e6, "GB/s")}
+"""TOML keys that must be > 0 -> (the largest value taken, the unit): beyond it, a typo."""
+_NON_NEGATIVE = {"collective_latency_us": (1e9, "microseconds"),
+                 "tp_block_overhead_us": (1e9, "microseconds"),
+                 "tp_block_optimizer_us": (1e9, "microseconds"),
+                 "sync_drift": (1e3, "seconds per square root of a second"),
+                 "sync_skew": (1e3, "a fraction of the compute")}
+"""TOML keys that may be 0 -> (the largest value taken, the unit)."""
+_FIELD_OF = {"bf16_tflops": "bf16_flops", "fp8_tflops": "fp8_flops",
+             "collective_latency_us": "collective_latency_s",
+             "tp_block_overhead_us": "tp_block_overhead_s",
+             "tp_block_optimizer_us": "tp_block_optimizer_s"}
+"""TOML keys whose profile field has another name (and unit: FLOP/s, seconds)."""
+FITTED_CEILING = 100.0
+"""The largest efficiency of a CPU profile, where calibration fits factors, not fractions."""
+CALIBRATION_LIMITS = {"cuda": (0.05, 1.0), "cpu": (1e-4, FITTED_CEILING)}
+"""The range calibration fits a matmul efficiency in, by device type (see `calibrate`)."""
+MAX_GPUS_PER_NODE = 65536
+_FIELDS = {*_POSITIVE, *_NON_NEGATIVE, "gpus_per_node", "matmul_efficiency", "comm_efficiency",
+           "collective_curve_us", "device_names", "device_type"}
 
 
-def _non_negative(name: str, key: str, value: object, unit: str) -> float:
-    """`value` as a float, or one line saying that `key` of profile `name` must be >= 0."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value < 0):
-        raise TesselError(f"hardware profile {name!r}: {key} must be a number >= 0 ({unit})")
-    return float(value)
+def as_number(value: object) -> float | None:
+    """A TOML or JSON number as a float (a huge integer as inf); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def shown(value: object) -> str:
+    """A value read from a file, short, for a one-line error: 1e+300, not 301 digits."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    number = as_number(value)
+    if number is not None:
+        return f"{number:g}"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else "a long text"
+    return {list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _in_range(name: str, key: str, value: object, rule: str, low: float, high: float,
+              open_low: bool = True) -> float:
+    """`value` as a float within its range, or one line naming the key and its rule."""
+    x = as_number(value)
+    if x is None or not (low < x if open_low else low <= x) or not x <= high:  # nan: neither
+        raise TesselError(f"hardware profile {name!r}: {key} must be {rule}, not {shown(value)}")
+    return x
 
 
 def _curve(name: str, value: object) -> tuple[tuple[float, float], ...]:
     """collective_curve_us's [[bytes, microseconds], ...] as (bytes, seconds) pairs, or one
     line saying what it must be."""
     def number(x: object) -> bool:
-        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+        n = as_number(x)
+        return n is not None and math.isfinite(n)
 
     if (not isinstance(value, (list, tuple)) or len(value) == 1
             or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(number, p))
@@ -206,6 +237,51 @@ def _curve(name: str, value: object) -> tuple[tuple[float, float], ...]:
                           "at least 2 [bytes > 0, microseconds >= 0] pairs in ascending bytes, "
                           "or []")
     return tuple((float(b), float(us) / 1e6) for b, us in value)
+
+
+def _field(name: str, key: str, value: object) -> dict[str, object]:
+    """The profile field that the TOML key `key` sets, checked: one line naming the key and
+    its range otherwise."""
+    if key == "fp8_tflops" and as_number(value) == 0:
+        return {"fp8_flops": None}  # no FP8 tensor cores
+    if key in _POSITIVE or key in _NON_NEGATIVE:
+        high, unit = _POSITIVE.get(key) or _NON_NEGATIVE[key]
+        rule = (f"a positive number at most {high:g} ({unit})" if key in _POSITIVE
+                else f"a number >= 0 and at most {high:g} ({unit})")
+        x = _in_range(name, key, value, rule, 0.0, high, open_low=key in _POSITIVE)
+        return {_FIELD_OF.get(key, key): x * 1e12 if key.endswith("_tflops")
+                else x / 1e6 if key.endswith("_us") else x}
+    if key == "gpus_per_node":
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 1 <= value <= MAX_GPUS_PER_NODE:
+            raise TesselError(f"hardware profile {name!r}: gpus_per_node must be a whole number "
+                              f"from 1 to {MAX_GPUS_PER_NODE}, not {shown(value)}")
+    elif key == "device_type" and value not in ("cuda", "cpu"):
+        raise TesselError(f"hardware profile {name!r}: device_type must be \"cuda\" or \"cpu\"")
+    elif key == "device_names":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
+            raise TesselError(f"hardware profile {name!r}: device_names must be a list of text")
+        value = tuple(value)
+    elif key == "collective_curve_us":
+        return {"collective_curve": _curve(name, value)}
+    return {key: value}  # the efficiencies: checked on the whole profile (its device type)
+
+
+def efficiency_ceiling(profile: GpuProfile) -> float:
+    """The largest efficiency a profile may have: 1 on a GPU (a fraction of its peak or link),
+    FITTED_CEILING on CPU processes, where calibration fits factors (the planner's model of
+    a step is a GPU's)."""
+    return FITTED_CEILING if profile.device_type == "cpu" else 1.0
+
+
+def _efficiencies(profile: GpuProfile) -> None:
+    """Each efficiency in (0, efficiency_ceiling]; one line naming it otherwise."""
+    high = efficiency_ceiling(profile)
+    for key, what in (("matmul_efficiency", "a fraction of the peak"),
+                      ("comm_efficiency", "a fraction of the link bandwidth")):
+        what = "a fitted factor on CPU processes" if high > 1 else what
+        _in_range(profile.name, key, getattr(profile, key), f"a number in (0, {high:g}] ({what})",
+                  0.0, high)
 
 
 def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuProfile:
@@ -218,29 +294,7 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
     values = dataclasses.asdict(base) if base is not None else {}
     values["name"] = name
     for key, value in table.items():
-        if key in ("bf16_tflops", "fp8_tflops") and value and (
-                isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise TesselError(f"hardware profile {name!r}: {key} must be a number")
-        if key == "device_type" and value not in ("cuda", "cpu"):
-            raise TesselError(f"hardware profile {name!r}: device_type must be \"cuda\" or "
-                              "\"cpu\"")
-        if key == "device_names" and (not isinstance(value, (list, tuple))
-                                      or not all(isinstance(n, str) for n in value)):
-            raise TesselError(f"hardware profile {name!r}: device_names must be a list of text")
-        if key == "bf16_tflops":
-            values["bf16_flops"] = float(value) * 1e12
-        elif key == "fp8_tflops":
-            values["fp8_flops"] = float(value) * 1e12 if value else None
-        elif key == "device_names":
-            values["device_names"] = tuple(value)
-        elif key in _MICROSECONDS:
-            values[_MICROSECONDS[key]] = _non_negative(name, key, value, "microseconds") / 1e6
-        elif key in _DRIFT:
-            values[key] = _non_negative(name, key, value, _DRIFT[key])
-        elif key == "collective_curve_us":
-            values["collective_curve"] = _curve(name, value)
-        else:
-            values[key] = value
+        values.update(_field(name, key, value))
     needed = {"bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
     missing = needed - set(values)
     if missing:
@@ -250,18 +304,8 @@ def _profile_from_table(name: str, table: dict, base: GpuProfile | None) -> GpuP
             "gpus_per_node"
         )
     values.setdefault("fp8_flops", None)
-    try:
-        profile = GpuProfile(**values)
-    except TypeError as exc:
-        raise TesselError(f"hardware profile {name!r}: {exc}") from None
-    for key in ("bf16_flops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "hbm_gbps",
-                "host_memory_gib", "matmul_efficiency", "comm_efficiency"):
-        value = getattr(profile, key)
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not math.isfinite(value) or value <= 0):
-            raise TesselError(f"hardware profile {name!r}: {key} must be a positive number")
-    if not isinstance(profile.gpus_per_node, int) or profile.gpus_per_node < 1:
-        raise TesselError(f"hardware profile {name!r}: gpus_per_node must be a whole number >= 1")
+    profile = GpuProfile(**values)
+    _efficiencies(profile)
     return profile
 
 
@@ -273,12 +317,7 @@ def load_profiles(path: str | Path | None = None) -> dict[str, GpuProfile]:
     if not source:
         return profiles
     file = Path(source)
-    try:
-        data = tomllib.loads(file.read_text())
-    except FileNotFoundError:
-        raise TesselError(f"hardware file {str(file)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise TesselError(f"hardware file {str(file)!r} is not valid TOML: {exc}") from None
+    data = read_toml(file, "hardware file")
     tables = data.get("gpu")
     if not isinstance(tables, dict) or not tables:
         raise TesselError(f"hardware file {str(file)!r} has no [gpu.NAME] tables")
@@ -321,6 +360,16 @@ def calibrate(profile: GpuProfile, predict: Callable[[GpuProfile], float],
     at = lambda eff: predict(dataclasses.replace(profile, matmul_efficiency=eff))  # noqa: E731
     return dataclasses.replace(
         profile, matmul_efficiency=_solve(at, measured_tokens_per_s, floor, ceiling, rising=True))
+
+
+def limit_note(value: float, slow_end: float, fast_end: float, label: str = "") -> str:
+    """' (at the limit X: ...)' when a fit stopped at an end of its range (`slow_end`: where a
+    measurement slower than the model can explain leaves it), else ''."""
+    for end, side in ((slow_end, "slower"), (fast_end, "faster")):
+        if math.isclose(value, end, rel_tol=1e-3):
+            return (f" (at the limit {label}{end:.4g}: the measurement is {side} than the model "
+                    "can explain)")
+    return ""
 
 
 def _solve(at: Callable[[float], float], target: float, lo: float, hi: float,
@@ -371,10 +420,11 @@ def profile_table(profile: GpuProfile) -> dict[str, object]:
         hbm_gbps=profile.hbm_gbps, host_memory_gib=profile.host_memory_gib,
         matmul_efficiency=profile.matmul_efficiency, comm_efficiency=profile.comm_efficiency,
         collective_latency_us=profile.collective_latency_s * 1e6)
-    for key, field in _MICROSECONDS.items():
-        if key != "collective_latency_us" and getattr(profile, field):
-            table[key] = getattr(profile, field) * 1e6
-    table.update({key: getattr(profile, key) for key in _DRIFT if getattr(profile, key)})
+    for key in ("tp_block_overhead_us", "tp_block_optimizer_us"):
+        if getattr(profile, _FIELD_OF[key]):
+            table[key] = getattr(profile, _FIELD_OF[key]) * 1e6
+    table.update({key: getattr(profile, key) for key in ("sync_drift", "sync_skew")
+                  if getattr(profile, key)})
     if profile.collective_curve:
         table["collective_curve_us"] = [[b, t * 1e6] for b, t in profile.collective_curve]
     if profile.device_names:
@@ -392,7 +442,8 @@ def profile_from_table(name: str, table: object) -> GpuProfile:
 
 
 def profile_toml(profile: GpuProfile) -> str:
-    """A `[gpu.NAME]` table that load_profiles reads back to the same profile."""
+    """A `[gpu.NAME]` table that load_profiles reads back to the same profile (a NAME with
+    dots, spaces or quotes quoted: `[gpu."my.gpu"]`)."""
     import tomli_w
 
-    return f"[gpu.{profile.name}]\n" + tomli_w.dumps(profile_table(profile))
+    return tomli_w.dumps({"gpu": {profile.name: profile_table(profile)}})  # the name quoted

@@ -284,7 +284,7 @@ def test_a_profile_round_trips_through_its_table_and_bad_values_are_one_line():
                                ("sync_skew", -0.01, "sync_skew must be a number >= 0"),
                                ("sync_skew", "5%", "sync_skew must be a number >= 0"),
                                ("device_type", "tpu", "device_type must be"),
-                               ("bf16_tflops", "fast", "bf16_tflops must be a number"),
+                               ("bf16_tflops", "fast", "bf16_tflops must be a positive number"),
                                ("hbm_gbps", float("inf"), "hbm_gbps must be a positive"),
                                ("device_names", "H100", "device_names must be a list"),
                                ("collective_curve_us", [[1024, 900]], "at least 2 \\[bytes"),
