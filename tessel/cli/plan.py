@@ -142,11 +142,18 @@ def calibrated(hw: GpuProfile, path: Path) -> GpuProfile:
         print(f"calibrated {base.name}{whose} on the sweep {path}: {said}", file=sys.stderr)
         return tuned
     run = read_measured(path)
-    layout = Layout.from_config(run.config, run.world_size)
+    try:
+        layout = Layout.from_config(run.config, run.world_size)
+    except TesselError as exc:
+        raise TesselError(f"--calibrate {run.source!r}: the run's config on its world_size "
+                          f"{run.world_size}: {exc}") from None
     predict = lambda profile: search.evaluate(run.config, layout, profile).tokens_per_s  # noqa: E731
     predicted = predict(hw)
-    tuned = hardware.calibrate(hw, predict, run.tokens_per_s)
+    floor, ceiling = hardware.CALIBRATION_LIMITS[hw.device_type]
+    tuned = hardware.calibrate(hw, predict, run.tokens_per_s, floor, ceiling)
     print(f"calibrated {hw.name}: matmul efficiency {hw.matmul_efficiency:.3f} -> "
-          f"{tuned.matmul_efficiency:.3f} (measured {run.tokens_per_s:,.0f} tokens/s, predicted "
-          f"{predicted:,.0f}, from {run.source})", file=sys.stderr)
+          f"{tuned.matmul_efficiency:.3f}"
+          f"{hardware.limit_note(tuned.matmul_efficiency, floor, ceiling)} (measured "
+          f"{run.tokens_per_s:,.0f} tokens/s, predicted {predicted:,.0f}, from {run.source})",
+          file=sys.stderr)
     return tuned

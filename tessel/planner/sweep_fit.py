@@ -24,12 +24,16 @@ from typing import Any
 from tessel.config import Config, with_saved_defaults
 from tessel.errors import TesselError
 from tessel.planner.hardware import (
+    CALIBRATION_LIMITS,
     GpuProfile,
     calibrate,
     calibrate_optimizer,
+    efficiency_ceiling,
+    limit_note,
     profile_from_table,
 )
 from tessel.planner.layout import Layout
+from tessel.planner.measured import checked_rate, checked_world
 from tessel.planner.search import Plan
 
 COMM_FACTORS = (0.05, 20.0)
@@ -73,19 +77,17 @@ def read_sweep(data: dict[str, Any], where: str) -> Sweep:
     profile = None
     if m.get("profile") is not None:
         name = data.get("gpu", {}).get("name") if isinstance(data.get("gpu"), dict) else None
-        profile = profile_from_table(str(name or "measured"), m["profile"])
+        try:
+            profile = profile_from_table(str(name or "measured"), m["profile"])
+        except TesselError as exc:
+            raise TesselError(f"{where}: measurement.profile: {exc}") from None
     runs = []
     for i, point in enumerate(data["points"]):
         measured = point.get("measured") if isinstance(point, dict) else None
         if not isinstance(measured, dict) or measured.get("tokens_per_s") is None:
             continue  # a point that failed or was not measured
-        tps, world = measured.get("tokens_per_s"), point.get("gpus")
-        if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not math.isfinite(tps) \
-                or tps <= 0:
-            raise TesselError(f"{where}: points[{i}].measured.tokens_per_s must be a positive "
-                              "number")
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise TesselError(f"{where}: points[{i}].gpus must be a whole number >= 1")
+        tps = checked_rate(measured["tokens_per_s"], where, f"points[{i}].measured.tokens_per_s")
+        world = checked_world(point.get("gpus"), where, f"points[{i}].gpus")
         if not isinstance(point.get("config"), dict):
             raise TesselError(f"{where}: points[{i}] has no 'config' (the run's resolved "
                               "config); measure the sweep again with this tessel version")
@@ -93,11 +95,16 @@ def read_sweep(data: dict[str, Any], where: str) -> Sweep:
             cfg = Config.from_dict(with_saved_defaults(point["config"]))
         except TesselError as exc:
             raise TesselError(f"{where}: points[{i}].config: {exc}") from None
+        try:
+            Layout.from_config(cfg, world)
+        except TesselError as exc:
+            raise TesselError(f"{where}: points[{i}]: the run's config on its {world} processes: "
+                              f"{exc}") from None
         split = measured.get("split")
         opt = split.get("optimizer") if isinstance(split, dict) else None
         usable = (isinstance(opt, (int, float)) and not isinstance(opt, bool)
                   and math.isfinite(opt) and opt > 0)
-        runs.append(SweepRun(cfg, world, float(tps), float(opt) if usable else None))
+        runs.append(SweepRun(cfg, world, tps, float(opt) if usable else None))
     if not runs:
         raise TesselError(f"{where}: no point of the sweep measured a throughput; nothing "
                           "to calibrate on")
@@ -105,7 +112,8 @@ def read_sweep(data: dict[str, Any], where: str) -> Sweep:
 
 
 def _stretched(hw: GpuProfile, factor: float) -> GpuProfile:
-    return dataclasses.replace(hw, comm_efficiency=hw.comm_efficiency / factor,
+    return dataclasses.replace(hw, comm_efficiency=min(hw.comm_efficiency / factor,
+                                                       efficiency_ceiling(hw)),
                                collective_latency_s=hw.collective_latency_s * factor,
                                sync_drift=hw.sync_drift * factor,
                                sync_skew=hw.sync_skew * factor,
@@ -132,9 +140,11 @@ def fit(hw: GpuProfile, sweep: Sweep,
             hw, lambda h: plan(first.config, first_layout, h, sweep.device_type)
             .step.optimizer_s, first.optimizer_s)
         optimizer_said = f", optimizer memory rate {hw.hbm_gbps:.4g} GB/s"
+    floor, ceiling = CALIBRATION_LIMITS[sweep.device_type]
     hw = calibrate(hw, lambda h: predict(first.config, first_layout, h, sweep.device_type),
-                   first.tokens_per_s, **({"floor": 1e-4, "ceiling": 100.0} if cpu else {}))
-    said = (f"matmul efficiency {hw.matmul_efficiency:.4g} (from {first.world} process(es): "
+                   first.tokens_per_s, floor, ceiling)
+    said = (f"matmul efficiency {hw.matmul_efficiency:.4g}"
+            f"{limit_note(hw.matmul_efficiency, floor, ceiling)} (from {first.world} process(es): "
             f"{first.tokens_per_s:,.0f} tokens/s{optimizer_said})")
     others = [(r, Layout.from_config(r.config, r.world)) for r in runs[1:] if r.world > 1]
     if not others:
@@ -147,20 +157,27 @@ def fit(hw: GpuProfile, sweep: Sweep,
         return sum(math.log(predict(r.config, lay, h, sweep.device_type) / r.tokens_per_s)
                    for r, lay in others) / len(others)
 
-    lo, hi = COMM_FACTORS
-    if log_error(lo) <= 0:
-        factor = lo  # even with communication this fast the predictions are too low
-    elif log_error(hi) >= 0:
-        factor = hi
-    else:
-        for _ in range(SEARCH_STEPS):
-            mid = (lo * hi) ** 0.5
-            if log_error(mid) > 0:
-                lo = mid
-            else:
-                hi = mid
-        factor = (lo * hi) ** 0.5
+    fastest = max(COMM_FACTORS[0],  # (a GPU's comm efficiency stays <= 1: its links' rate)
+                  hw.comm_efficiency / efficiency_ceiling(hw))
+    factor = _root(log_error, fastest, COMM_FACTORS[1])
     tuned = _stretched(hw, float(f"{factor:.4g}"))
-    return tuned, (said + f"; communication x{factor:.3g} (comm efficiency "
+    note = limit_note(factor, COMM_FACTORS[1], fastest, "x")
+    return tuned, (said + f"; communication x{factor:.3g}{note} (comm efficiency "
                    f"{tuned.comm_efficiency:.4g}, {tuned.collective_latency_s * 1e6:.4g} us per "
                    f"collective; from {len(others)} multi-process point(s))")
+
+
+def _root(log_error: Callable[[float], float], lo: float, hi: float) -> float:
+    """The factor in [lo, hi] where the falling `log_error` crosses 0, clamped to the ends;
+    geometric bisection."""
+    if log_error(lo) <= 0:
+        return lo  # even with communication this fast the predictions are too low
+    if log_error(hi) >= 0:
+        return hi
+    for _ in range(SEARCH_STEPS):
+        mid = (lo * hi) ** 0.5
+        if log_error(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
