@@ -16,7 +16,9 @@ identical.
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -149,10 +151,41 @@ class StateAdamW(torch.optim.AdamW):
         return loss
 
 
+class TorchaoImportNoise(logging.Filter):
+    """What importing torchao logs that says nothing about the run: each of its compiled
+    extensions (`torchao/_C*.so`: mxfp8, CUTLASS kernels) that does not load on this machine
+    ("Failed to load ..."; the 8-bit AdamW runs without them), and PyTorch's deprecation
+    notice for the enum torchao registers. Everything else still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        extension = msg.startswith("Failed to load ") and "torchao" in msg and "_C" in msg
+        return not (extension or "is an Enum subclass and is now natively supported" in msg)
+
+
+def import_adamw_8bit() -> Any:
+    """torchao's AdamW8bit class, imported with TorchaoImportNoise on the two loggers that
+    import writes to (once per process: the import runs once). Its first compiled step's
+    UserWarning that the state's tensor subclass has no stable cache hash (PyTorch's AOT
+    cache then skips it) is left out too."""
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message="OptimState8bit does not implement _stable_hash_for_caching")
+    noise = TorchaoImportNoise()
+    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+    for logger in loggers:
+        logger.addFilter(noise)
+    try:
+        from torchao.optim import AdamW8bit
+    finally:
+        for logger in loggers:
+            logger.removeFilter(noise)
+    return AdamW8bit
+
+
 def adamw_8bit(groups: list[dict], **kw: Any) -> torch.optim.Optimizer:
     """torchao's AdamW8bit (blockwise-quantised moments, 256 per float32 scale)."""
     try:
-        from torchao.optim import AdamW8bit
+        AdamW8bit = import_adamw_8bit()  # noqa: N806
     except ImportError:
         raise TesselError("optim.state_dtype = 'int8' is torchao's 8-bit AdamW, and torchao "
                           "is not installed: pip install 'tessel[lowbit]', or choose "

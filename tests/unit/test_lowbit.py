@@ -3,6 +3,8 @@ Muon's bfloat16 state against their float32 selves, torchao's 8-bit AdamW, the r
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -117,6 +119,30 @@ def test_int8_state_is_torchaos_adamw8bit():
     _train(b, ref, 3)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.budget(40)  # seconds on the reference machine: a fresh process imports torchao
+def test_int8_state_prints_none_of_torchaos_import_noise():
+    """torchao's import logged a "Failed to load .../torchao/_C_mxfp8...so" line for each
+    compiled extension this machine cannot load (the 8-bit AdamW needs none), and its first
+    step a cache warning: a fresh process, as `tessel train` is, builds and steps it."""
+    pytest.importorskip("torchao.optim")
+    code = ("import torch\n"
+            "from tessel.config import ModelConfig, OptimConfig\n"
+            "from tessel.models import build_model\n"
+            "from tessel.train.optim import build_optimizer\n"
+            "model = build_model(ModelConfig(preset='tiny-llama'), seed=0)\n"
+            "opt = build_optimizer(model, OptimConfig(state_dtype='int8'), torch.device('cpu'))\n"
+            "for _ in range(2):\n"
+            "    model(torch.randint(0, 512, (2, 8))).float().pow(2).mean().backward()\n"
+            "    opt.step()\n"
+            "print('trained')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout == "trained\n", proc.stderr
+    noise = [line for line in proc.stderr.splitlines()
+             if "torchao" in line or "OptimState8bit" in line or "Enum subclass" in line]
+    assert noise == [], proc.stderr
 
 
 def test_int8_state_without_torchao_is_refused_in_one_line(monkeypatch):
