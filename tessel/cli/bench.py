@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tessel.cli.args import Parser, add_config_arguments, parse_config_args, toml_str
 from tessel.errors import TesselError
+from tessel.numbers import whole_number
 
 _NOT_TRAIN = ("tessel bench takes no --resume, --quiet, --auto-resume or --force "
               "(see tessel bench --help)")
@@ -36,10 +37,10 @@ def cmd_bench(argv: list[str]) -> int:
     args, overrides = parse_config_args(
         build_parser(), argv, refused=dict.fromkeys(
             ("--resume", "--quiet", "--auto-resume", "--force"), _NOT_TRAIN))
-    for flag in ("warmup", "steps"):
-        value = getattr(args, flag)
-        if not value.isdigit():
-            raise TesselError(f"--{flag} takes a whole number, not {value!r}")
+    counts = {flag: whole_number(getattr(args, flag)) for flag in ("warmup", "steps")}
+    for flag, count in counts.items():
+        if count is None:
+            raise TesselError(f"--{flag} takes a whole number, not {getattr(args, flag)!r}")
     # bench's own flags are config fields; explicit --section.key overrides win over them.
     flags = [f"--train.precision={toml_str(args.precision)}"] if args.precision is not None else []
     flags += ["--train.compile=true"] * args.compile + ["--train.fp8=true"] * args.fp8
@@ -50,7 +51,7 @@ def cmd_bench(argv: list[str]) -> int:
     from tessel.checkpoint.init_from import load_config
 
     cfg = load_config(args.config, [*flags, *overrides])
-    result = run_bench(cfg, warmup=int(args.warmup), steps=int(args.steps), matmul=args.matmul)
+    result = run_bench(cfg, warmup=counts["warmup"], steps=counts["steps"], matmul=args.matmul)
     print(report(result))
     write_json(result, Path(args.json))
     print(f"wrote {args.json}")

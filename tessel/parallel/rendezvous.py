@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 
 from tessel.errors import TesselError
+from tessel.numbers import whole_number
 
 ELASTIC_ENV = "TESSEL_NNODES"
 """Set (to MIN:MAX) in the workers of an elastic run: they re-plan the micro-batch for the
@@ -54,10 +55,7 @@ class NodeRange:
     @classmethod
     def parse(cls, text: str, flag: str = "--nnodes") -> NodeRange:
         low, _, high = text.partition(":")
-        try:
-            lo, hi = int(low), int(high or low)
-        except ValueError:
-            lo = hi = 0
+        lo, hi = whole_number(low) or 0, whole_number(high or low) or 0
         if lo < 1 or hi < lo:
             raise TesselError(f"{flag} needs N or MIN:MAX with 1 <= MIN <= MAX (got {text!r}), "
                               f"e.g. {flag} 2 or {flag} 1:4")
@@ -87,12 +85,12 @@ class Rendezvous:
     torchrun's 60 and 600)."""
 
     def host_port(self) -> tuple[str, int]:
-        host, sep, port = self.endpoint.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        host, sep, text = self.endpoint.rpartition(":")
+        host, port = host.strip("[]"), whole_number(text)
+        if not sep or not host or port is None or not 1 <= port <= 65535:
             raise TesselError(f"--rdzv-endpoint needs HOST:PORT (got {self.endpoint!r}), "
                               "e.g. --rdzv-endpoint 10.0.0.1:29500 (an address of the first node)")
-        return host, int(port)
+        return host, port
 
 
 TAKEN = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
@@ -132,18 +130,20 @@ def rendezvous_from(taken: dict[str, str]) -> Rendezvous | None:
     if "--nnodes" not in taken or "--rdzv-endpoint" not in taken:
         raise TesselError("a multi-node run needs --nnodes N (or MIN:MAX) and --rdzv-endpoint "
                           f"HOST:PORT together (got {', '.join(multi)})")
-    restarts = taken.get("--max-restarts", "3")
-    if not restarts.isdigit():
-        raise TesselError(f"--max-restarts needs a whole number >= 0 (got {restarts!r})")
+    restarts = whole_number(taken.get("--max-restarts", "3"))
+    if restarts is None:
+        raise TesselError("--max-restarts needs a whole number >= 0 (got "
+                          f"{taken['--max-restarts']!r})")
     run_id = taken.get("--rdzv-id", "tessel")
     if not run_id or not all(c.isalnum() or c in "._-" for c in run_id):
         raise TesselError(f"--rdzv-id {run_id!r} must be letters, digits, '.', '_' or '-'")
     timeout = taken.get("--rdzv-timeout")
-    if timeout is not None and (not timeout.isdigit() or int(timeout) < 1):
+    seconds = None if timeout is None else whole_number(timeout)
+    if timeout is not None and (seconds is None or seconds < 1):
         raise TesselError(f"--rdzv-timeout needs whole seconds >= 1 (got {timeout!r}), e.g. "
                           "--rdzv-timeout 120")
     rdzv = Rendezvous(NodeRange.parse(taken["--nnodes"]), taken["--rdzv-endpoint"], run_id,
-                      int(restarts), None if timeout is None else int(timeout))
+                      restarts, seconds)
     rdzv.host_port()  # checked now
     return rdzv
 

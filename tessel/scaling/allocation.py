@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tessel.errors import TesselError
+from tessel.numbers import whole_number
 from tessel.scaling.measure import CommandFor
 
 
@@ -64,8 +65,8 @@ def command_for(alloc: Allocation, gpus: bool = False, python: str | None = None
     def command(nproc: int, train_args: list[str]) -> list[str]:
         k = nodes_for(nproc, len(alloc.hosts))
         per_node = nproc // k
-        port = 20000 + (int(alloc.job_id) * 64 + nproc) % 40000 if alloc.job_id.isdigit() \
-            else 29500 + nproc % 1000
+        job = whole_number(alloc.job_id)
+        port = 20000 + (job * 64 + nproc) % 40000 if job is not None else 29500 + nproc % 1000
         return ["srun", f"--nodes={k}", f"--ntasks={k}", "--ntasks-per-node=1",
                 f"--nodelist={','.join(alloc.hosts[:k])}", "--kill-on-bad-exit=1",
                 f"--cpus-per-task={per_node}",  # under CPU binding one core per process

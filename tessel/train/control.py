@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tessel.errors import Stopped
+from tessel.numbers import whole_number
 from tessel.observe.alerts import ACTIONS
 from tessel.parallel.node import STOPPED_EXIT_ENV
 
@@ -95,8 +96,8 @@ def exit_code_for(stopped_by: str | None) -> int:
     if stopped_by in ("SIGTERM", "SIGUSR1"):
         # 0 (checkpoint saved), or what tessel's node launcher asks for in its workers'
         # environment, so that it can tell a run stopped early from one that finished
-        value = os.environ.get(STOPPED_EXIT_ENV, "")
-        return int(value) if value.isdigit() and 0 < int(value) < 126 else 0
+        code = whole_number(os.environ.get(STOPPED_EXIT_ENV, ""))
+        return code if code is not None and 0 < code < 126 else 0
     return {"SIGINT": EXIT_INTERRUPTED, "pause": EXIT_PAUSED,
             "stop": EXIT_STOPPED}.get(stopped_by or "", 0)
 

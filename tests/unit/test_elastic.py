@@ -65,6 +65,12 @@ def test_node_ranges():
     (["--nnodes", "2", "--rdzv-endpoint", "host"], "--rdzv-endpoint needs HOST:PORT"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "-1"], "--max-restarts"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-id", "a b"], "--rdzv-id"),
+    # Unicode digits pass str.isdigit() and crashed int()
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:²"], "--rdzv-endpoint needs HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--max-restarts", "²"],
+     "--max-restarts needs a whole number >= 0 (got '²')"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "²"], "--rdzv-timeout needs"),
+    (["--nnodes", "٢", "--rdzv-endpoint", "h:1"], "--nnodes needs N or MIN:MAX"),
 ])
 def test_bad_multinode_options_are_one_line(capsys, launched, argv, needle):
     assert needle in one_line_error(capsys, ["train", CONFIG, *argv])
