@@ -9,6 +9,7 @@ from pathlib import Path
 from tessel.cli.args import Parser, add_config_arguments, parse_config_args, toml_str
 from tessel.cli.plan import add_hardware_arguments, calibrated, hardware_profile
 from tessel.errors import TesselError
+from tessel.numbers import whole_number
 
 _NOT_TRAIN = ("tessel scale takes a config and overrides, not train's flags; to predict a "
               "run's scaling, pass RUN_DIR/config.toml")
@@ -91,10 +92,11 @@ def parse_counts(text: str, flag: str = "--gpus", what: str = "GPU") -> list[int
     example = "8,64,512" if flag == "--gpus" else "1,2,4"
     for word in text.split(","):
         word = word.strip().replace("_", "")
-        if not word.isdigit() or int(word) < 1:
+        count = whole_number(word)
+        if count is None or count < 1:
             raise TesselError(f"{flag} {text!r}: {word!r} is not a {what} count; give positive "
                               f"whole numbers separated by commas, e.g. {flag} {example}")
-        counts.append(int(word))
+        counts.append(count)
     if counts != sorted(set(counts)):
         raise TesselError(f"{flag} {text!r}: give each {what} count once, in increasing order "
                           "(the first is the baseline of the efficiency)")
@@ -173,9 +175,10 @@ def cmd_scale(argv: list[str]) -> int:
 
 
 def _whole(flag: str, value: str, least: int) -> int:
-    if not value.isdigit() or int(value) < least:
+    count = whole_number(value)
+    if count is None or count < least:
         raise TesselError(f"--{flag} takes a whole number >= {least}, not {value!r}")
-    return int(value)
+    return count
 
 
 def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
