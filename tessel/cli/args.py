@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from tessel.errors import TesselError
@@ -96,3 +98,24 @@ def toml_str(text: str) -> str:
     """`text` as a TOML basic string, for an override value (a JSON string is one)."""
     return json.dumps(text)
 
+
+
+def output_file(flag: str, text: str) -> Path:
+    """FLAG's output file, checked before any work (a page or profile written after minutes
+    of runs must not fail then): not a directory, and in an existing directory where this
+    process can create a file (one is made and removed there)."""
+    path = Path(text)
+    if path.is_dir():
+        raise TesselError(f"{flag} {text!r} is a directory; pass a file name in it, e.g. "
+                          f"{path / ('out' + (path.suffix or '.txt'))}")
+    if not path.parent.is_dir():
+        raise TesselError(f"{flag} {text!r}: no directory {str(path.parent)!r} to write it in; "
+                          "create it or pass another path")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise TesselError(f"{flag} {text!r}: cannot write in {str(path.parent)!r} "
+                          f"({exc.strerror or exc}); pass a path in a directory you can write"
+                          ) from None
+    return path

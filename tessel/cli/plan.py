@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tessel.cli.args import Parser, add_config_arguments, parse_config_args
+from tessel.cli.args import Parser, add_config_arguments, output_file, parse_config_args
 from tessel.errors import TesselError
 
 if TYPE_CHECKING:
@@ -85,6 +85,8 @@ def cmd_plan(argv: list[str]) -> int:
         return 0
     if args.gpus is None or args.gpus < 1:
         raise TesselError("tessel plan needs --gpus N (N >= 1), the number of GPUs of the job")
+    if args.save_hardware:  # writable before the calibration's work, not only after it
+        output_file("--save-hardware", args.save_hardware)
     cfg = load_config(args.config, overrides)
     if args.calibrate:
         hw = calibrated(hw, Path(args.calibrate))

@@ -6,7 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-from tessel.cli.args import Parser, add_config_arguments, parse_config_args, toml_str
+from tessel.cli.args import (
+    Parser,
+    add_config_arguments,
+    output_file,
+    parse_config_args,
+    toml_str,
+)
 from tessel.cli.plan import add_hardware_arguments, calibrated, hardware_profile
 from tessel.errors import TesselError
 from tessel.numbers import whole_number
@@ -104,15 +110,25 @@ def parse_counts(text: str, flag: str = "--gpus", what: str = "GPU") -> list[int
 
 
 def _html_path(text: str | None) -> Path | None:
-    """--html FILE, checked before any work: a file name in an existing directory."""
-    html = Path(text) if text else None
-    if html is not None and html.is_dir():
-        raise TesselError(f"--html {text!r} is a directory; pass a file name, e.g. "
-                          f"{html / 'scale.html'}")
-    if html is not None and not html.parent.is_dir():
-        raise TesselError(f"--html {text!r}: no directory {str(html.parent)!r} to write "
-                          "it in; create it or pass another path")
-    return html
+    """--html FILE, checked before any work: a file we can write, in an existing directory."""
+    return None if not text else output_file("--html", text)
+
+
+def _write_page(html: Path | None, sweep) -> None:  # noqa: ANN001
+    """The --html page, after the results were printed: a page that cannot be written then
+    (the disk filled up) loses nothing printed, and its error names FILE, not the temporary
+    file beside it."""
+    if html is None:
+        return
+    from tessel.fileio import write_text_atomic
+    from tessel.planner.scaling_page import render
+
+    try:
+        write_text_atomic(html, render(sweep))
+    except OSError as exc:
+        raise TesselError(f"--html {str(html)!r}: cannot write it ({exc.strerror or exc}); the "
+                          "results are printed above") from None
+    print(f"wrote {html}", file=sys.stderr)
 
 
 def cmd_scale(argv: list[str]) -> int:
@@ -162,15 +178,9 @@ def cmd_scale(argv: list[str]) -> int:
             print(f"tessel scale: searching {n:,} GPUs ...", file=sys.stderr, flush=True)
 
     sweep = scaling.run_sweep(points, hw, mode, args.config, progress)
-    if html is not None:
-        from tessel.fileio import write_text_atomic
-        from tessel.planner.scaling_page import render
-
-        write_text_atomic(html, render(sweep))
     print(json.dumps(scaling.as_json(sweep), indent=1) if args.json else scaling.text(sweep),
-          end="\n" if args.json else "")
-    if html is not None:
-        print(f"wrote {html}", file=sys.stderr)
+          end="\n" if args.json else "", flush=True)
+    _write_page(html, sweep)
     return 0
 
 
@@ -190,7 +200,7 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
     from tessel.checkpoint.init_from import load_config
     from tessel.planner import scaling
     from tessel.scaling import allocation, compare, measure_sweep
-    from tessel.scaling.measure import layout_over
+    from tessel.scaling.measure import check_counts, check_sweep, layout_over
     from tessel.scaling.points import profiled_steps
 
     if not args.measure or args.nproc is None:
@@ -209,6 +219,11 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         f"scale-{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     html = _html_path(args.html)
     cuda = torch.cuda.is_available()
+    alloc = allocation.current()
+    # Before the machine's probe (which starts max(nprocs) processes) and any run: counts
+    # that cannot run, an output directory that holds an earlier sweep or cannot be made.
+    check_counts(base, nprocs, args.over, strong=not args.weak, local=alloc is None and not cuda)
+    check_sweep(nprocs, warmup, steps, out)
     if cuda:
         hw = hardware_profile(args)
         if hw is None:
@@ -226,7 +241,6 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         what = (f"{point.tokens_per_s:,.0f} tokens/s" if point.ok else point.error)
         print(f"tessel scale: {point.nproc} process(es): {what}", file=sys.stderr, flush=True)
 
-    alloc = allocation.current()
     command_for = None
     if alloc is not None:
         command_for = allocation.command_for(alloc, gpus=cuda)
@@ -254,11 +268,6 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
                                  "job_id": alloc.job_id, "hosts": list(alloc.hosts),
                                  "nodes": {str(n): allocation.nodes_for(n, len(alloc.hosts))
                                            for n in nprocs}}}
-    if html is not None:
-        from tessel.fileio import write_text_atomic
-        from tessel.planner.scaling_page import render
-
-        write_text_atomic(html, render(sweep))
     if args.json:
         print(json.dumps(record, indent=1))
     else:
@@ -268,6 +277,6 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
               "calibrated on the first point"
               + (f": matmul efficiency {fitted:.4g}" if fitted is not None else "") + "):")
         print(compare.comparison(sweep), end="")
-    if html is not None:
-        print(f"wrote {html}", file=sys.stderr)
+    sys.stdout.flush()
+    _write_page(html, sweep)
     return 0 if all(p.ok for p in points) else 1

@@ -42,8 +42,10 @@ kept too (sync_skew), and the planner charges the larger of the two laws.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -149,20 +151,26 @@ def measure_gloo(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                            "sequence_parallel": sequence_parallel,
                            "slow_last_rank": slow_last_rank, "drift_model": drift_model})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), spec], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank in range(nproc)]
+        procs: list[subprocess.Popen[str]] = []
         outs = []
         try:
+            # One process group of their own (the first's): whatever ends this measurement (a
+            # failed start, a timeout, our Ctrl-C) kills every one started, none is left over.
+            for rank in range(nproc):
+                group = {"process_group": 0} if not procs else {"process_group": procs[0].pid}
+                procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(rank), spec],
+                                              env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, **group))
             for p in procs:
                 outs.append(p.communicate(timeout=timeout_s))
         except subprocess.TimeoutExpired:
             raise TesselError(f"the gloo measurement did not finish in {timeout_s:g} s") from None
         finally:
+            if procs and any(p.poll() is None for p in procs):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(procs[0].pid, signal.SIGKILL)
             for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+                p.wait()
     failed = [(p.returncode, err) for p, (_, err) in zip(procs, outs) if p.returncode]
     if failed:
         code, err = failed[0]

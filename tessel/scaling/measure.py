@@ -20,9 +20,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessel.errors import TesselError
 from tessel.scaling.points import (
@@ -33,6 +35,9 @@ from tessel.scaling.points import (
     summarize,
     with_efficiency,
 )
+
+if TYPE_CHECKING:
+    from tessel.config import Config
 
 LayoutFor = Callable[[int], Mapping[str, object]]
 """N -> the parallel.* settings of the point with N processes ({"parallel.tp": 2, ...})."""
@@ -58,6 +63,55 @@ STOP_GRACE_S = 30.0
 """After SIGTERM, how long a stopped run's processes get to exit before SIGKILL."""
 LOG_TAIL_BYTES = 65536
 """How much of a failed run's log is searched for its error line."""
+
+
+PROCESSES_PER_CORE = 4
+"""Local CPU processes a sweep may start per core: beyond that a point measures the scheduler
+sharing the cores out, not the run (and 1,000 processes exhaust the machine's memory)."""
+PROCESS_BYTES = 512 * 2**20
+"""What one local CPU process takes at least (Python, torch, a tiny model: ~0.4 GiB)."""
+
+
+def check_counts(cfg: Config, nprocs: Sequence[int], over: str, strong: bool,
+                 local: bool) -> None:
+    """Refuse, in one line and before anything starts (the machine's probe starts max(nprocs)
+    processes too), counts no point can run: more data-parallel ranks than the global batch
+    has sequences (strong scaling over dp or ep), expert parallelism on a model without
+    experts, and, for processes all on this machine (`local`), more than its cores
+    (PROCESSES_PER_CORE each) or its available memory (PROCESS_BYTES each) hold."""
+    most = max(nprocs)
+    if over == "ep" and most > 1 and not cfg.model.moe_experts:
+        raise TesselError("--over ep spreads the processes over the experts, and this model has "
+                          "none (model.moe_experts = 0, a dense model); choose --over dp, tp, pp "
+                          "or cp, or an MoE model")
+    if local:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        limit = PROCESSES_PER_CORE * (cores or 1)
+        available = _available_memory()
+        if available is not None:
+            limit = min(limit, max(1, available // PROCESS_BYTES))
+        if most > limit:
+            memory = "" if available is None else f" and {available / 2**30:.1f} GiB available"
+            raise TesselError(f"--nproc {most}: too many processes for this machine ({cores} cores"
+                              f"{memory}: at most {limit}); give counts up to {limit}, or measure "
+                              "inside a SLURM allocation of several nodes")
+    batch = cfg.train.global_batch_size
+    if strong and over in ("dp", "ep") and most > batch:
+        raise TesselError(f"--nproc {most}: strong scaling over {over} splits the global batch "
+                          f"of {batch} sequences over {most} data-parallel ranks; give counts "
+                          f"up to {batch}, raise train.global_batch_size, or pass --weak")
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def default_layout(nproc: int) -> dict[str, object]:
@@ -136,6 +190,15 @@ def check_sweep(nprocs: Sequence[int], warmup: int, steps: int, out_dir: Path) -
             if path.exists():
                 raise TesselError(f"{str(path)!r} exists (an earlier sweep's); choose another "
                                   "output directory or remove it")
+    # where the output directory will be made: writable now, not only after the probing
+    base = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+    try:
+        if not base.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        tempfile.TemporaryDirectory(dir=base, prefix=".tessel-check-").cleanup()
+    except OSError as exc:
+        raise TesselError(f"cannot create the output directory {str(out_dir)!r}: {str(base)!r}: "
+                          f"{exc.strerror or exc}; choose another (--out DIR)") from None
 
 
 def measure_sweep(config_path: Path, overrides: Sequence[str], nprocs: Sequence[int],
