@@ -649,7 +649,7 @@ def _copy_run(src: Path, dst: Path, step: int) -> None:
 @pytest.mark.budget(70)  # seconds on the reference machine: measured, +~40%
 def test_a_hung_rank_ends_the_job_with_a_clear_message(refs, tmp_path: Path):
     spec = _spec(tmp_path, refs["corpus"], {"hang": {"parallel.timeout_s": 5}})
-    spec["hang"] = {"rank": 1, "step": 2}
+    spec["runs"][0]["fault"] = "hang:rank=1:step=2"  # once 2 steps are done
     proc = torchrun(2, spec, tmp_path, timeout=300)
     assert proc.returncode != 0
     assert "did not complete within parallel.timeout_s=5s" in proc.stderr, job_output(proc)
@@ -659,10 +659,10 @@ def test_a_hung_rank_ends_the_job_with_a_clear_message(refs, tmp_path: Path):
 
 def test_sigterm_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(refs, tmp_path: Path):
     spec = _spec(tmp_path, refs["corpus"], {"term": {"checkpoint.interval": 0}})
-    spec["sigterm"] = {"rank": 1, "step": 1}
+    spec["runs"][0]["fault"] = "term:rank=1:step=2"  # a preemption notice to rank 1 alone
     proc = torchrun(2, spec, tmp_path)
     assert proc.returncode == 0, job_output(proc)
-    # The signal reached rank 1 during step 2: both ranks finished it, saved, and stopped.
+    # The signal reached rank 1 alone, once 2 steps were done: both ranks saved, and stopped.
     assert [s for s, _ in list_checkpoints(tmp_path / "term/checkpoints")] == [2]
     steps = [r["step"] for r in read_metrics(tmp_path / "term/metrics.jsonl") if "loss" in r]
     assert steps == [1, 2]

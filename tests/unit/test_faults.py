@@ -67,3 +67,20 @@ def test_every_kind_in_its_documented_form_is_accepted():
     assert [f.kind for f in faults] == ["spike", "nan", "kill", "hang", "term", "killsync",
                                         "slow", "netdelay", "spike"]
     assert faults[6] == Fault("slow", step=2, seconds=0.1)
+
+
+def test_term_sends_this_process_sigterm_at_its_step_only(monkeypatch):
+    import signal
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        faults = Faults(0, "term:step=2;term:rank=1:step=1", world_size=2)
+        for step in range(4):
+            faults.at_step(step)
+        assert got == [signal.SIGTERM]  # step 2, this rank; rank 1's is not ours
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted job: no more
+        Faults(0, "term:step=2").at_step(2)
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
