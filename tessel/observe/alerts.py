@@ -49,6 +49,7 @@ class _RuleState:
         self.best = state.get("best")
         self.since_best = int(state.get("since_best", 0))
         self.armed = bool(state.get("armed", True))
+        self.history.clear()  # a rollback or a peer's state replaces what this rule holds
         self.history.extend(float(v) for v in state.get("history", []))
 
 

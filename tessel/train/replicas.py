@@ -2,10 +2,10 @@
 tessel.parallel.replicas): what a recovering peer receives, the quorum at every step, the
 timeline events of lost, returned and recovered groups, and a discarded step's data.
 
-A group's state for a peer is everything a resume from a checkpoint would restore: the
-weights, the optimizer state, the step (and with it the learning-rate schedule, a function of
-the step), the data position (the loader's place in the one global order), the batches drawn
-and the tokens seen. It travels over torchft's checkpoint transport; no checkpoint file is
+A group's state for a peer is everything a resume from a checkpoint restores: the weights,
+the optimizer state and the parts of tessel.train.state (the one list a checkpoint saves too:
+step, data position, batches drawn, tokens seen, training time, last validation loss, the
+alert rules' memory). It travels over torchft's checkpoint transport; no checkpoint file is
 read or written for it.
 """
 
@@ -18,6 +18,7 @@ import torch
 
 from tessel.errors import CollectiveTimeout, TesselError
 from tessel.parallel.replicas import ReplicaGroup
+from tessel.train.state import load_run_state, run_state
 
 if TYPE_CHECKING:
     from tessel.train.trainer import Trainer
@@ -54,9 +55,7 @@ class TrainerReplicas:
         tr = self.tr
         return {"model": [m.state_dict() for m in tr.model.inner],
                 "optim": [o.state_dict() for o in tr.optimizers],
-                "trainer": {"step": tr.step, "batches_drawn": tr.batches_drawn,
-                            "tokens_seen": tr.tokens_seen,
-                            "loader": tr.data.train.state_dict()}}
+                "trainer": run_state(tr)}  # what a checkpoint saves besides the two
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         tr = self.tr
@@ -66,10 +65,7 @@ class TrainerReplicas:
                 module.load_state_dict(weights)
             for opt, opt_state in zip(tr.optimizers, state["optim"], strict=True):
                 opt.load_state_dict(opt_state)
-            t = state["trainer"]
-            tr.data.train.load_state_dict(t["loader"])  # refuses other datasets, in one line
-            tr.step, tr.batches_drawn = int(t["step"]), int(t["batches_drawn"])
-            tr.tokens_seen = int(t["tokens_seen"])
+            load_run_state(tr, state["trainer"])  # refuses other datasets, in one line
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise TesselError(f"fault_tolerance: a peer's state does not fit this replica "

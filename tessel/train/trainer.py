@@ -53,6 +53,7 @@ from tessel.train.replicas import replicas_for
 from tessel.train.result import TrainResult
 from tessel.train.resume import check_tokenizer, resume_point
 from tessel.train.run_dir import RunDir
+from tessel.train.state import load_run_state, run_state
 from tessel.train.step import TrainStep
 from tessel.train.step_log import StepLogger, open_metrics
 
@@ -176,7 +177,8 @@ class Trainer:
             barrier_group=self.control.cpu_group)
         self.step = self.batches_drawn = self.tokens_seen = 0  # batches_drawn counts skipped ones
         self.world_before: int | None = None  # the resumed checkpoint's world size
-        self.elapsed_prev = 0.0
+        self.elapsed_prev = 0.0  # training time before this start's (tessel.train.state)
+        self.clock_start: float | None = None  # when this start's training began
         self.last_val_loss: float | None = None
         self._last_loss: float | None = None  # all-reduced by the spike check
         if resume_from is not None:
@@ -211,22 +213,16 @@ class Trainer:
             return data if data is not None else build()
 
     def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
+        """The run as checkpoint `ckpt` (with `state`, its state.json) saved it: the weights
+        and optimizer state, then the parts of tessel.train.state, which a recovering replica
+        group receives from its peer too."""
         self.checkpoints.restore(ckpt, self.device)
         try:
-            self.data.train.load_state_dict(state["loader"])
-            if self.precision.scaler is not None and state.get("scaler"):
-                self.precision.scaler.load_state_dict(state["scaler"])
-            self.step = self.checkpoints.last_saved_step = int(state["step"])
-            self.tokens_seen = int(state["tokens_seen"])
+            load_run_state(self, state)
         except KeyError as exc:
             raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {exc}; it is damaged") from None
-        self.elapsed_prev = float(state.get("elapsed_s", 0.0))
-        self.last_val_loss = state.get("val_loss")
-        self.batches_drawn = int(state.get("batches_drawn", self.step))
+        self.checkpoints.last_saved_step = self.step
         self.world_before = state.get("world_size")
-        self.recovery.load_state_dict(state.get("recovery", {}))
-        if self.alerts is not None:
-            self.alerts.rules.load_state_dict(state.get("alerts", []))
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -268,7 +264,7 @@ class Trainer:
                          if self.alerts is not None else None)
         self.control.install()
         loss = grad_norm = None
-        start = time.perf_counter()
+        start = self.clock_start = time.perf_counter()
         first_step = self.step
         window_start, window_steps = time.perf_counter(), 0
         self.display.start(self.step)
@@ -427,23 +423,13 @@ class Trainer:
                          self.checkpoints.last_saved_step, self.run_dir)
         self.watchdog.beat(self.step, "checkpoint save")
         state: dict[str, Any] = {
-            "tokens_seen": self.tokens_seen,
-            "elapsed_s": self.elapsed_prev + time.perf_counter() - start,
-            "loader": self.data.train.state_dict(),
-            "val_loss": self.last_val_loss,
+            **run_state(self),  # what a resume restores (tessel.train.state)
             "config": redact_config(self.cfg.to_dict()),  # no secret in a checkpoint
             "layout": self.dims.describe(),
-            "batches_drawn": self.batches_drawn,
             "world_size": self.proc.world_size,  # an elastic resume says when it changed
         }
         if self.lora_base is not None:
             state["lora_base"] = self.lora_base  # tessel.checkpoint.lora.FINGERPRINT_KEY
-        if self.recovery.enabled:
-            state["recovery"] = self.recovery.state_dict()
-        if self.alerts is not None:
-            state["alerts"] = self.alerts.rules.state_dict()
-        if self.precision.scaler is not None:
-            state["scaler"] = self.precision.scaler.state_dict()
         self.checkpoints.save(self.step, state, self.device)
         if self.checkpoints.pending is not None:
             self.control.save_written = False  # until all ranks say otherwise

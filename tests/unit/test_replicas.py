@@ -284,3 +284,32 @@ def test_every_group_evaluates_the_single_process_validation_batches(tiny_config
             assert trainer.evaluate() == want, replica
         finally:
             trainer.replicas.close()
+
+
+def test_a_peers_state_carries_what_a_checkpoint_restore_does(tiny_config, lighthouse):
+    # A group that heals from a peer must end up where a resume from the peer's checkpoint
+    # would: the step and data position, and also the training time, the last validation
+    # loss and the alert rules' memory (a plateau rule's best value, a drop rule's window).
+    rules = {"alerts": [AlertConfig(name="plateau", when="val_loss.no_improvement", patience=10),
+                        AlertConfig(name="slow", when="tokens_per_s.drop")]}
+    ft = {"fault_tolerance.enable": True, "fault_tolerance.group_size": 1,
+          "fault_tolerance.lighthouse": lighthouse(1), "fault_tolerance.timeout_s": 20}
+    peer_cfg = tiny_config("peer", **{**ft, "train.steps": 3, "train.eval_interval": 1}
+                           ).model_copy(update=rules)
+    peer = Trainer(peer_cfg, console=False)
+    peer.train()
+    resumed = Trainer(peer_cfg, resume=True, console=False)  # from the peer's checkpoint
+    healed = Trainer(tiny_config("healed", **ft).model_copy(update=rules), console=False)
+    try:
+        healed.replicas.load_state_dict(peer.replicas.state_dict())
+        healed.replicas.load_state_dict(peer.replicas.state_dict())  # a second time: the same
+        assert resumed.step == healed.step == 3 and healed.tokens_seen == resumed.tokens_seen
+        assert healed.batches_drawn == resumed.batches_drawn == 3
+        assert healed.data.train.state_dict() == resumed.data.train.state_dict()
+        assert healed.last_val_loss == resumed.last_val_loss is not None
+        assert healed.elapsed_prev >= resumed.elapsed_prev > 0  # the peer trained on since
+        assert healed.alerts.rules.state_dict() == resumed.alerts.rules.state_dict()
+        assert resumed.alerts.rules.state_dict()[0]["best"] == resumed.last_val_loss
+    finally:
+        resumed.replicas.close()
+        healed.replicas.close()
