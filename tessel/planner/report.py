@@ -26,6 +26,21 @@ def duration(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
+def profile_text(hw: GpuProfile, device_type: str) -> str:
+    """`989 TFLOP/s bf16, 80.0 GiB, 8 per node`; on CPU processes the profile's peak, not
+    bf16, which they do not run."""
+    rate = "bf16" if device_type == "cuda" else "peak"
+    return (f"{hw.bf16_flops / 1e12:.3g} TFLOP/s {rate}, {hw.memory_gib:.1f} GiB, "
+            f"{hw.gpus_per_node} per node")
+
+
+def columns(device_type: str) -> tuple[str, str]:
+    """The headings of the memory per rank and of the model FLOP/s over the peak: a GPU's
+    (MFU: against its dense BF16 peak), or per process and the profile's peak on CPU
+    processes."""
+    return ("GiB/GPU", "MFU") if device_type == "cuda" else ("GiB/proc", "of peak")
+
+
 def header(cfg: Config, gpus: int, hw: GpuProfile) -> str:
     t = cfg.train
     from tessel.models import active_param_count, param_count
@@ -34,20 +49,24 @@ def header(cfg: Config, gpus: int, hw: GpuProfile) -> str:
     active = f", {active_param_count(m) / 1e9:.2f}B active" if m.moe_experts else ""
     return (
         f"tessel plan: {m.preset or 'custom'} model ({param_count(m) / 1e9:.2f}B "
-        f"parameters{active}), {gpus} x {hw.name} ({hw.bf16_flops / 1e12:.3g} TFLOP/s bf16, "
-        f"{hw.memory_gib:.1f} GiB, {hw.gpus_per_node} per node), seq {t.seq_len}, global batch "
+        f"parameters{active}), {gpus} x {hw.name} ({profile_text(hw, hw.device_type)}), "
+        f"seq {t.seq_len}, global batch "
         f"{t.global_batch_size} ({t.global_batch_size * t.seq_len:,} tokens/step), "
         f"{precision_for(cfg, hw.device_type)}, {t.steps:,} steps"
     )
 
 
-TABLE_HEAD = (f"{'rank':>4}  {'layout':58s} {'GiB/GPU':>7} {'step s':>8} {'tokens/s':>12} "
-              f"{'MFU':>6}  {'to budget':>9}")
+def table_head(device_type: str) -> str:
+    memory, used = columns(device_type)
+    return (f"{'rank':>4}  {'layout':58s} {memory:>7} {'step s':>8} {'tokens/s':>12} "
+            f"{used:>6}  {'to budget':>9}")
 
 
-def plan_row(rank: int | str, p: Plan) -> str:
-    return (f"{rank!s:>4}  {p.layout.short():58s} {p.memory.total / GIB:7.1f} {p.step.total:8.3f} "
-            f"{p.tokens_per_s:12,.0f} {p.mfu:6.1%}  {duration(p.time_to_budget_s):>9}")
+def plan_row(rank: int | str, p: Plan, device_type: str = "cuda") -> str:
+    memory, used = (max(len(c), w) for c, w in zip(columns(device_type), (7, 6)))
+    return (f"{rank!s:>4}  {p.layout.short():58s} {p.memory.total / GIB:{memory}.1f} "
+            f"{p.step.total:8.3f} {p.tokens_per_s:12,.0f} {p.mfu:{used}.1%}  "
+            f"{duration(p.time_to_budget_s):>9}")
 
 
 def breakdown(p: Plan, hw: GpuProfile) -> str:
@@ -61,7 +80,7 @@ def breakdown(p: Plan, hw: GpuProfile) -> str:
              ("bubble", s.bubble_s),
              ("optimizer", s.optimizer_s), ("offload", s.offload_s)]
     host = f"; host {g['host']:.2f} GiB" if "host" in g else ""
-    return (f"      memory GiB/GPU (pipeline rank {p.memory.stage}): {parts}; total "
+    return (f"      memory {columns(hw.device_type)[0]} (pipeline rank {p.memory.stage}): {parts}; total "
             f"{g['total']:.2f} of {hw.memory_gib:.1f} ({verdict}){host}\n"
             "      step s: " + ", ".join(f"{k} {v:.3f}" for k, v in times if v or k == "compute"))
 
@@ -123,9 +142,10 @@ def search_text(cfg: Config, gpus: int, hw: GpuProfile, result: SearchResult, se
                 cfg_path: str | None, top: int) -> str:
     lines = [header(cfg, gpus, hw),
              f"evaluated {result.evaluated:,} valid layouts in {seconds:.1f} s; "
-             f"the {min(top, len(result.plans))} fastest that fit:", "", TABLE_HEAD]
+             f"the {min(top, len(result.plans))} fastest that fit:", "",
+             table_head(hw.device_type)]
     for i, p in enumerate(result.plans[:top], 1):
-        lines.append(plan_row(i, p))
+        lines.append(plan_row(i, p, hw.device_type))
         if i == 1:
             lines.append(breakdown(p, hw))
     if not result.plans:
@@ -138,9 +158,11 @@ def search_text(cfg: Config, gpus: int, hw: GpuProfile, result: SearchResult, se
 
 
 def single_text(cfg: Config, gpus: int, hw: GpuProfile, p: Plan, nearest: list[Plan]) -> str:
-    lines = [header(cfg, gpus, hw), "", TABLE_HEAD, plan_row("-", p), breakdown(p, hw)]
+    lines = [header(cfg, gpus, hw), "", table_head(hw.device_type),
+             plan_row("-", p, hw.device_type), breakdown(p, hw)]
     if nearest:
-        lines += ["", "nearest layouts that fit:"] + [plan_row("", q) for q in nearest]
+        lines += ["", "nearest layouts that fit:"] + [plan_row("", q, hw.device_type)
+                                                      for q in nearest]
     elif not p.fits:
         lines += ["", "no layout of this model fits on this many GPUs"]
     lines += ["", "assumptions:"] + [f"  - {a}" for a in ASSUMPTIONS]

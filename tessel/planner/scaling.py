@@ -24,7 +24,7 @@ from tessel.config import Config
 from tessel.errors import TesselError
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.memory import GIB
-from tessel.planner.report import ASSUMPTIONS, no_fit_headline
+from tessel.planner.report import ASSUMPTIONS, columns, no_fit_headline, profile_text
 from tessel.planner.search import Plan, candidates, precision_for, search
 from tessel.planner.speed import StepTime
 
@@ -227,24 +227,29 @@ def header(sweep: Sweep) -> str:
         what = "models " + ", ".join(models)
     batch = (f"global batch {first.train.global_batch_size:,} at every point"
              if sweep.mode == STRONG else
-             f"{first.train.global_batch_size / sweep.points[0].gpus:g} sequences per GPU")
+             f"{first.train.global_batch_size / sweep.points[0].gpus:g} sequences per "
+             f"{rank_word(sweep.device_type)}")
     return (f"tessel scale: {sweep.mode} scaling of {what} on {hw.name} "
-            f"({hw.bf16_flops / 1e12:.3g} TFLOP/s bf16, {hw.memory_gib:.1f} GiB, "
-            f"{hw.gpus_per_node} per node), seq {first.train.seq_len}, {batch}, "
+            f"({profile_text(hw, sweep.device_type)}), seq {first.train.seq_len}, {batch}, "
             f"{precision_for(first, sweep.device_type)}")
 
 
-def _closest_text(point: Point) -> str:
+def rank_word(device_type: str) -> str:
+    """What a point counts: GPUs, or processes on CPU processes."""
+    return "GPU" if device_type == "cuda" else "process"
+
+
+def _closest_text(point: Point, device_type: str) -> str:
     c = point.closest
     if c is None:
         return ""
-    return f" (closest: {c.layout.short()}, {short_by(c.shortfall_gib)})"
+    return f" (closest: {c.layout.short()}, {short_by(c.shortfall_gib, rank_word(device_type))})"
 
 
-def short_by(gib: float) -> str:
+def short_by(gib: float, rank: str = "GPU") -> str:
     """`1.4 GiB per GPU short`; two significant figures below 1 GiB, so that a near miss
     does not read `0.0`."""
-    return f"{gib:.1f} GiB per GPU short" if gib >= 1 else f"{gib:.2g} GiB per GPU short"
+    return f"{gib:.1f} GiB per {rank} short" if gib >= 1 else f"{gib:.2g} GiB per {rank} short"
 
 
 def seconds(value: float) -> str:
@@ -253,23 +258,11 @@ def seconds(value: float) -> str:
 
 
 def text(sweep: Sweep) -> str:
-    """The table `tessel scale` prints: one row per point, then the step split."""
-    efficiency = {p.gpus: sweep.efficiency(p) for p in sweep.points}
-    model = max(len(p.config.model.preset or "custom") for p in sweep.points)
-    layout = max([len(p.plan.layout.short()) for p in sweep.points if p.plan] + [6])
-    lines = [header(sweep), "",
-             f"{'GPUs':>6}  {'model':{model}s} {'batch':>7}  {'layout':{layout}s} {'GiB/GPU':>7} "
-             f"{'step s':>8} {'tokens/s/GPU':>12} {'MFU':>6} {'efficiency':>10}"]
-    for p in sweep.points:
-        head = (f"{p.gpus:>6,}  {p.config.model.preset or 'custom':{model}s} "
-                f"{p.config.train.global_batch_size:>7,}  ")
-        if p.plan is None:
-            lines.append(head + f"- {p.reason}{_closest_text(p)}")
-            continue
-        q = p.plan
-        lines.append(head + f"{q.layout.short():{layout}s} {q.memory.total / GIB:7.1f} "
-                            f"{seconds(q.step.total):>8} {q.tokens_per_s / p.gpus:12,.0f} "
-                            f"{q.mfu:6.1%} {efficiency[p.gpus]:10.2f}")
+    """The table `tessel scale` prints: one row per point, then the step split; on CPU
+    processes per process and against the profile's peak (not per GPU, not MFU)."""
+    cuda = sweep.device_type == "cuda"
+    count = "GPUs" if cuda else "procs"
+    lines = [header(sweep), "", *_rows(sweep, count)]
     planned = [(p.gpus, p.plan.step) for p in sweep.points if p.plan is not None]
     if planned:
         # The parts some point has (compute always), each column as wide as its heading.
@@ -277,7 +270,7 @@ def text(sweep: Sweep) -> str:
                 if k == "compute_s" or any(split(step)[k] for _, step in planned)]
         lines += ["", "step time split, seconds (communication: the part compute does not "
                       "hide; comm: its share of the step):",
-                  f"{'GPUs':>6}  {'step':>8} " + " ".join(f"{h:>{w}s}" for _, h, w in cols)
+                  f"{count:>6}  {'step':>8} " + " ".join(f"{h:>{w}s}" for _, h, w in cols)
                   + f" {'comm':>6}"]
         for gpus, step in planned:
             parts = split(step)
@@ -285,9 +278,34 @@ def text(sweep: Sweep) -> str:
             lines.append(f"{gpus:>6,}  {seconds(step.total):>8} "
                          + " ".join(f"{seconds(parts[k]):>{w}s}" for k, _, w in cols)
                          + f" {comm:6.1%}")
-    base = sweep.baseline
-    lines += ["", "efficiency: MFU over the first point's (for one model, tokens/s per GPU over "
-                  "the first point's; 1 is linear scaling)"
-              + (f"; baseline: the {base.gpus:,}-GPU point" if base is not None
+    base, rank = sweep.baseline, rank_word(sweep.device_type)
+    ratio = "MFU" if cuda else f"model FLOP/s per {rank}"
+    lines += ["", f"efficiency: {ratio} over the first point's (for one model, tokens/s per "
+                  f"{rank} over the first point's; 1 is linear scaling)"
+              + (f"; baseline: the {base.gpus:,}-{rank} point" if base is not None
                  else "; no point has a layout")]
     return "\n".join(lines) + "\n"
+
+
+def _rows(sweep: Sweep, count: str) -> list[str]:
+    """The table's heading and a row per point."""
+    efficiency = {p.gpus: sweep.efficiency(p) for p in sweep.points}
+    model = max(len(p.config.model.preset or "custom") for p in sweep.points)
+    layout = max([len(p.plan.layout.short()) for p in sweep.points if p.plan] + [6])
+    memory, used = columns(sweep.device_type)
+    per = "tokens/s/GPU" if sweep.device_type == "cuda" else "tokens/s/proc"
+    mem_w, per_w, used_w = max(len(memory), 7), max(len(per), 12), max(len(used), 6)
+    lines = [f"{count:>6}  {'model':{model}s} {'batch':>7}  {'layout':{layout}s} "
+             f"{memory:>{mem_w}} {'step s':>8} {per:>{per_w}} {used:>{used_w}} "
+             f"{'efficiency':>10}"]
+    for p in sweep.points:
+        head = (f"{p.gpus:>6,}  {p.config.model.preset or 'custom':{model}s} "
+                f"{p.config.train.global_batch_size:>7,}  ")
+        if p.plan is None:
+            lines.append(head + f"- {p.reason}{_closest_text(p, sweep.device_type)}")
+            continue
+        q = p.plan
+        lines.append(head + f"{q.layout.short():{layout}s} {q.memory.total / GIB:{mem_w}.1f} "
+                            f"{seconds(q.step.total):>8} {q.tokens_per_s / p.gpus:{per_w},.0f} "
+                            f"{q.mfu:{used_w}.1%} {efficiency[p.gpus]:10.2f}")
+    return lines
