@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from tessel.checkpoint import CheckpointError, find_checkpoint, load_model, read_state
+from tessel.checkpoint import CheckpointError, find_checkpoint, load_model
+from tessel.checkpoint.run_config import run_config
 from tessel.config import Config, ConfigError, ModelConfig, read_saved
 from tessel.config.load import validate
 from tessel.data.chat_template import ChatTemplate, resolve_template
@@ -70,8 +71,7 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
             raise ConfigError(f"{str(path)!r} is not a tessel run directory (no config.toml)")
     if ckpt is None:
         raise CheckpointError(f"run {str(path)!r} has no complete checkpoint yet")
-    cfg = Config.from_dict(read_saved(run / "config.toml"))
-    read_state(ckpt)  # validates format and file sizes
+    cfg = run_config(ckpt)  # config.toml, as the checkpoint recorded it
     if cfg.lora.enabled:  # the checkpoint holds adapters only: merge them into the base
         from tessel.checkpoint.lora import MergedSource
         from tessel.parallel.apply import materialise

@@ -2,6 +2,7 @@
 
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.pending import CheckpointWriteError, PendingSave
+from tessel.checkpoint.state_file import read_state
 from tessel.checkpoint.store import (
     CHECKPOINTS_DIR,
     checkpoint_shapes,
@@ -12,7 +13,6 @@ from tessel.checkpoint.store import (
     load_optimizer,
     load_tensors,
     read_full,
-    read_state,
     save_checkpoint,
 )
 

@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from tessel.checkpoint.errors import CheckpointError
-from tessel.checkpoint.store import find_checkpoint, read_full, read_state
+from tessel.checkpoint.run_config import run_config
+from tessel.checkpoint.state_file import read_state
+from tessel.checkpoint.store import find_checkpoint, read_full
 from tessel.fileio import fsync_dir
 
 
@@ -31,7 +33,7 @@ def consolidate(ckpt: Path, output: Path) -> tuple[int, int, str]:
     from tessel.checkpoint.lora import lora_config_of, merged_tensors
 
     state = read_state(ckpt)
-    model_cfg = state.get("config", {}).get("model", {})
+    model_cfg = run_config(ckpt, state).model.model_dump()
     lora = lora_config_of(ckpt)
     tensors: dict[str, torch.Tensor]
     if lora is not None:  # adapters alone are no model: merge them into the base

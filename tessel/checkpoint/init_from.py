@@ -82,14 +82,12 @@ def model_fields_of(path: Path) -> dict[str, Any]:
     if file is not None:
         with safe_open(str(file), framework="pt") as f:
             model = json.loads((f.metadata() or {}).get("model_config", "{}"))
+    elif (ckpt := _tessel_checkpoint(path)) is not None:
+        from tessel.checkpoint.run_config import run_config
+
+        model = run_config(ckpt).model.model_dump()  # config.toml, as the checkpoint has it
     elif (path / "config.toml").is_file():
         model = tomllib.loads((path / "config.toml").read_text()).get("model", {})
-    else:
-        ckpt = _tessel_checkpoint(path)
-        if ckpt is not None:
-            from tessel.checkpoint.store import read_state
-
-            model = read_state(ckpt).get("config", {}).get("model", {})
     if not model:
         raise HFError(
             f"model.init_from={where!r} holds no model tessel can read (a Hugging Face "

@@ -29,7 +29,7 @@ from tessel.checkpoint.eod import run_eod
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.hf_arch import HFError, Llama, one_to_one
 from tessel.checkpoint.init_from import WeightSource
-from tessel.config import Config, ModelConfig, read_saved, with_saved_defaults
+from tessel.config import Config, ModelConfig
 from tessel.fileio import atomic_directory
 from tessel.models.lora import TESSEL_TARGETS, TESSEL_TO_HF, is_adapter, merged_weight
 
@@ -90,7 +90,7 @@ def check_base_now(cfg: Config, ckpt: Path) -> None:
     """Refuse the adapters of LoRA checkpoint `ckpt` when the base the run names now holds
     other weights than the ones they were trained on: merging, exporting and sampling read
     the base from the run's model.init_from again, as a resume does."""
-    from tessel.checkpoint.store import read_state
+    from tessel.checkpoint.state_file import read_state
 
     check_base(read_state(ckpt), base_fingerprint(cfg), ckpt, cfg.model.init_from)
 
@@ -98,20 +98,16 @@ def check_base_now(cfg: Config, ckpt: Path) -> None:
 def lora_config_of(src: Path) -> tuple[Config, Path] | None:
     """(the run's config, the checkpoint) when `src` (a run or checkpoint directory) is a
     LoRA checkpoint; None otherwise."""
-    from tessel.checkpoint.store import find_checkpoint, read_state
+    from tessel.checkpoint.run_config import run_config
+    from tessel.checkpoint.store import find_checkpoint
 
     if not src.is_dir():
         return None
     ckpt = find_checkpoint(src)
     if ckpt is None:
         return None
-    saved = read_state(ckpt).get("config", {})
-    if not saved.get("lora", {}).get("enabled"):
-        return None
-    run_config = ckpt.parent.parent / "config.toml"  # not redacted, unlike the state's copy
-    if run_config.is_file():
-        return Config.from_dict(read_saved(run_config)), ckpt
-    return Config.from_dict(with_saved_defaults(saved)), ckpt
+    cfg = run_config(ckpt)  # the run's config.toml, checked against the checkpoint's record
+    return (cfg, ckpt) if cfg.lora.enabled else None
 
 
 def _saved(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

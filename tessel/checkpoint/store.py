@@ -21,7 +21,6 @@ set plus a complete new one. Every read goes through `safe_load`, which parses D
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import json
 import os
@@ -52,6 +51,13 @@ from tessel.checkpoint.pending import (
     failed_save_is_one_line,
     then,
 )
+from tessel.checkpoint.state_file import (
+    FORMAT_VERSION,
+    MOVE_ASIDE,
+    STATE_DIGEST,
+    digests,
+    state_digest,
+)
 from tessel.fileio import fsync_dir
 from tessel.models.lora import is_adapter
 
@@ -63,7 +69,6 @@ def quiet_single_process() -> Iterator[None]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
         yield
 
-FORMAT_VERSION = 2  # 1 was single-file safetensors (before sharded layouts)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _MODEL_LOAD = StateDictOptions(strict=False)
@@ -226,12 +231,12 @@ def save_checkpoint(
         if _rank() == 0:
             # Content checksums (each rank hashed its share), verified whenever a file is
             # read back: a shard with flipped bytes but the right size is never trained on.
-            digests = checksum.gather_shares(tmp, _world())
+            shares = checksum.gather_shares(tmp, _world())
             files = [f for f in sorted(tmp.iterdir()) if f.is_file()]
             sizes = {f.name: f.stat().st_size for f in files}
             meta = {"format": FORMAT_VERSION, "step": step, "files": sizes,
-                    checksum.DIGEST_KEY: digests, **state}
-            meta[_STATE_DIGEST] = _state_digest(meta)  # state.json vouches for itself too
+                    checksum.DIGEST_KEY: shares, **state}
+            meta[STATE_DIGEST] = state_digest(meta)  # state.json vouches for itself too
             _write_json(tmp / "state.json", meta)  # written last: its presence marks completeness
             fsync_dir(tmp)
             if final.exists():  # same step saved before (e.g. a timeline we went back from)
@@ -269,54 +274,10 @@ def save_checkpoint(
 # ---- load -------------------------------------------------------------------------------
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((path / "state.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{str(path)!r} is not a complete checkpoint (no state.json)"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} is unreadable: {exc}") from None
-    if isinstance(meta, dict) and _STATE_DIGEST in meta and \
-            meta[_STATE_DIGEST] != _state_digest(meta):
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is damaged: state.json does not match its checksum; "
-            f"{MOVE_ASIDE}"
-        )
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has format {meta.get('format') if isinstance(meta, dict) else '?'}"
-            f", this tessel reads format {FORMAT_VERSION}"
-        )
-    for fname, size in meta.get("files", {}).items():
-        f = path / fname
-        actual = f.stat().st_size if f.is_file() else None
-        if actual != size:
-            what = "is missing" if actual is None else f"has {actual} bytes, expected {size}"
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} is damaged: {fname} {what}; {MOVE_ASIDE}"
-            )
-    return meta
-
-
-_STATE_DIGEST = "state_sha256"
-
-
-def _state_digest(meta: dict[str, Any]) -> str:
-    """SHA-256 of state.json's content without this field (canonical JSON)."""
-    body = {k: v for k, v in meta.items() if k != _STATE_DIGEST}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-# How to get past a damaged checkpoint (the run resumes from the newest complete one).
-MOVE_ASIDE = "move that directory out of checkpoints/ to resume from the one before"
-
-
 def _metadata(path: Path) -> Any:
     """The checkpoint's DCP metadata, parsed without running code (see safe_load)."""
     try:
-        return safe_load.read_metadata(path, _digests(path))
+        return safe_load.read_metadata(path, digests(path))
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {str(path)!r} is damaged: its .metadata file is missing"
@@ -329,16 +290,6 @@ def _metadata(path: Path) -> Any:
         raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {exc}; {MOVE_ASIDE}") from None
 
 
-def _digests(path: Path) -> dict[str, str]:
-    """The content checksums state.json lists ({} for checkpoints written before them)."""
-    try:
-        meta = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    digests = meta.get(checksum.DIGEST_KEY) if isinstance(meta, dict) else None
-    return digests if isinstance(digests, dict) else {}
-
-
 def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False,
               metadata: Any = None) -> None:
     """`no_dist`: this process alone reads (e.g. rank 0 exporting while the others wait)."""
@@ -347,7 +298,7 @@ def _dcp_load(path: Path, sd: dict[str, Any], no_dist: bool = False,
     try:
         with quiet_single_process():
             safe_load.dcp_load(sd, path, metadata=metadata, no_dist=no_dist,
-                               digests=_digests(path))
+                               digests=digests(path))
     except safe_load.UnsafeCheckpointError as exc:
         raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from None
     except safe_load.DamagedCheckpointError as exc:

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -222,3 +223,69 @@ def test_only_safe_load_unpickles_checkpoints():
         text = path.read_text()
         offenders += [f"{path.relative_to(root)}: {n}" for n in needles if n in text]
     assert offenders == []
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name != ".lock"}
+
+
+def _refused_by_every_reader(run: Path, ckpt: Path, tmp: Path, capsys: pytest.CaptureFixture,
+                             needle: str) -> None:
+    """Every command that reads a run refuses it: exit 2, one line holding `needle`, nothing
+    written in the run or outside it."""
+    before = _files(run)
+    for argv in _entry_points(run, ckpt, tmp).values():
+        _assert_refused(argv, capsys, needle)
+    assert _files(run) == before
+    assert not any((tmp / p).exists() for p in ("fresh", "m.st", "hf"))
+
+
+def _deep(state: dict) -> str:
+    return json.dumps(state)[:-1] + ', "loader": ' + "[" * 200_000 + "]" * 200_000 + "}"
+
+
+# name -> what is done to the parsed state.json (or the text or bytes written instead of it)
+DAMAGE = {
+    "nested 200,000 deep": _deep,
+    "files a list": lambda s: {**s, "files": list(s["files"])},
+    "loader text": lambda s: {**s, "loader": "position 7"},
+    "step two": lambda s: {**s, "step": "two"},
+    "step a boolean": lambda s: {**s, "step": True},
+    "a file size as text": lambda s: {**s, "files": {k: str(v) for k, v in s["files"].items()}},
+    "config a list": lambda s: {**s, "config": []},
+    "config.model a list": lambda s: {**s, "config": {**s["config"], "model": [1]}},
+    "not an object": lambda s: [s],
+    "not UTF-8": lambda s: json.dumps(s).encode().replace(b'"step"', b'"st\xffep"'),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_state_json_is_one_line_for_every_reader(
+        damage: str, trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """state.json nested 200,000 deep, `files` a list, `loader` text or `step` "two" gave
+    tracebacks in `train --resume`, `generate` and `consolidate` (round 3, item 14): every
+    reader checks it in one place and says the checkpoint is damaged, and how to go on."""
+    run, ckpt = _copy(trained_run, tmp_path / "run")
+    state = json.loads((ckpt / "state.json").read_text())
+    state.pop("state_sha256")  # what a forger (or a careless hand) leaves out
+    damaged = DAMAGE[damage](state)
+    if not isinstance(damaged, bytes):
+        damaged = (damaged if isinstance(damaged, str) else json.dumps(damaged)).encode()
+    (ckpt / "state.json").write_bytes(damaged)
+    _refused_by_every_reader(run, ckpt, tmp_path, capsys, "is damaged: its state.json ")
+
+
+def test_an_edited_model_setting_is_refused_by_every_reader(
+        trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """The run's config.toml changed after the checkpoint on a setting that fixes what its
+    tensors mean (here the norm's epsilon, which no tensor shape shows): exports, sampling and
+    model.init_from computed with the edited value (round 3, item 11); each refuses it as
+    `train --resume` does, naming the change."""
+    run, ckpt = _copy(trained_run, tmp_path / "run")
+    config = run / "config.toml"
+    text = config.read_text()
+    edited = re.sub(r"(?m)^norm_eps = .*$", "norm_eps = 0.5", text, count=1)
+    assert edited != text
+    config.write_text(edited)
+    _refused_by_every_reader(run, ckpt, tmp_path, capsys, "model.norm_eps was ")

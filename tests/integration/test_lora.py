@@ -256,15 +256,55 @@ def test_a_resume_that_changes_the_adapters_is_refused(trained, tmp_path: Path, 
     assert found is not None and found[0].name == "step_00000004"
 
 
+def _as_if_trained_on(run: Path, base: Path) -> None:
+    """Make `run` a run trained on the (identical) copy `base` of its base: config.toml and
+    every checkpoint's record of the config name it (an edit of config.toml alone is refused
+    by every reader of the run)."""
+    config = run / "config.toml"
+    config.write_text(re.sub(r'(?m)^init_from = ".*"$', f"init_from = {json.dumps(str(base))}",
+                             config.read_text()))
+    for state_file in (run / "checkpoints").glob("step_*/state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"]["model"]["init_from"] = str(base)
+        state.pop("state_sha256")  # (its checksum of itself)
+        state_file.write_text(json.dumps(state))
+
+
+def test_an_edited_lora_alpha_is_refused_by_every_reader(trained, tmp_path: Path, capsys):
+    """lora.alpha changed in a run's config.toml after training: exports and consolidate
+    merged with the new alpha (weights moved by up to 0.048) while `train --resume` refused
+    it (round 3, item 11). Every reader checks config.toml against the checkpoint's record
+    with the resume's check: one line naming the change, nothing written."""
+    _, shared_run, _ = trained
+    run = Path(shutil.copytree(shared_run, tmp_path / "run", symlinks=True))
+    config = run / "config.toml"
+    text = config.read_text()
+    lora = text.index("[lora]")
+    edited = text[:lora] + re.sub(r"(?m)^alpha = 8\.0$", "alpha = 16.0", text[lora:], count=1)
+    assert edited != text
+    config.write_text(edited)
+    before = _files(run)
+    needle = "lora.alpha was 8.0 in the run, now 16.0"
+    out = tmp_path / "out"
+    for argv in (["convert", "tessel-to-hf", str(run), str(out)],
+                 ["convert", "tessel-to-hf", str(run), str(out), "--peft"],
+                 ["convert", "tessel-to-hf", str(run / "checkpoints/step_00000002"), str(out)],
+                 ["checkpoint", "consolidate", str(run), f"--output={out}.safetensors"],
+                 ["generate", str(run), "--max-new-tokens=2"]):
+        assert "was changed after checkpoint" in _refused(capsys, argv, needle), argv
+    assert "cannot resume" in _refused(
+        capsys, ["train", "--resume", str(run), "--train.steps=6", "--quiet"], needle)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
+    assert _files(run) == before
+
+
 def test_a_changed_base_is_refused_by_exports_and_sampling(trained, tmp_path: Path, capsys):
     """The adapters' base is read from model.init_from again by every reader of a LoRA run:
     with other weights there, each refuses in one line (issue 27, item 7), as a resume does."""
     src, shared_run, _ = trained
     base = Path(shutil.copytree(src, tmp_path / "base"))
     run = Path(shutil.copytree(shared_run, tmp_path / "run", symlinks=True))
-    config = run / "config.toml"  # the run as if trained on the copy of its base
-    config.write_text(re.sub(r'(?m)^init_from = ".*"$', f"init_from = {json.dumps(str(base))}",
-                             config.read_text()))
+    _as_if_trained_on(run, base)
     assert main(["convert", "tessel-to-hf", str(run), str(tmp_path / "ok"), "--peft"]) == 0
     torch.manual_seed(7)
     save_hf(hf_llama(), base)  # other weights under the same path
