@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.errors import CheckpointError, check_finite
 from tessel.checkpoint.run_config import run_config
 from tessel.checkpoint.state_file import read_state
 from tessel.checkpoint.store import find_checkpoint, read_full
@@ -45,6 +45,8 @@ def consolidate(ckpt: Path, output: Path) -> tuple[int, int, str]:
     else:
         tied = bool(model_cfg.get("tie_embeddings"))
         tensors = read_full(ckpt, "model", skip={"output.weight"} if tied else set())
+        for name, t in tensors.items():
+            check_finite(t, name, repr(str(ckpt)))
         note = ""
     info = {"format": "tessel", "step": str(state["step"]), "model_config": json.dumps(model_cfg)}
     if lora is not None:

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tessel.checkpoint.errors import check_finite
 from tessel.checkpoint.hf_arch import HFError
 from tessel.fileio import atomic_directory
 
@@ -87,10 +88,11 @@ class HFReader:
                 if file not in self._open:
                     self._open[file] = _open(file)
                 try:
-                    return self._open[file].get_tensor(candidate)
+                    tensor = self._open[file].get_tensor(candidate)
                 except Exception as exc:  # safetensors' own error types
                     raise HFError(f"{str(file)!r}: cannot read tensor {candidate!r} "
                                   f"({str(exc).splitlines()[0] if str(exc) else exc})") from None
+                return check_finite(tensor, candidate, repr(str(file)))
         raise HFError(f"{str(self.root)!r}: tensor {name!r} is missing from the checkpoint")
 
     def close(self) -> None:
@@ -118,7 +120,7 @@ def write_hf(out: Path, config: dict[str, Any], tensors: Iterable[tuple[str, tor
         for name, tensor in tensors:
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
-            tensor = tensor.contiguous()
+            tensor = check_finite(tensor.contiguous(), name, f"the export to {str(out)!r}")
             nbytes = tensor.numel() * tensor.element_size()
             if current and size + nbytes > max_shard_bytes:
                 flush()

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from tessel.checkpoint.eod import hf_eod, run_eod
+from tessel.checkpoint.errors import check_finite
 from tessel.checkpoint.hf_arch import VOCAB_ROWS, HFError, fit_vocab_rows
 from tessel.checkpoint.hf_io import HFReader, read_json
 from tessel.checkpoint.hf_models import for_hf_config
@@ -206,7 +207,7 @@ class WeightSource:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor `name` in float32, checked against the model's `shape`."""
         try:
-            tensor = self._get(name)
+            tensor = check_finite(self._get(name), name, repr(str(self.path)))
         except KeyError:
             raise HFError(f"model.init_from={str(self.path)!r}: no tensor for {name!r}") from None
         rows = min(tensor.shape[0], shape[0]) if tensor.ndim and len(shape) else 0

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from tessel.checkpoint.eod import run_eod
-from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.errors import CheckpointError, check_finite
 from tessel.checkpoint.hf_arch import HFError, Llama, one_to_one
 from tessel.checkpoint.init_from import WeightSource
 from tessel.config import Config, ModelConfig
@@ -115,7 +115,7 @@ def _saved(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
     buffers such as the MoE balancing bias)."""
     from tessel.checkpoint.store import read_full
 
-    saved = read_full(ckpt, "model")
+    saved = {k: check_finite(v, k, repr(str(ckpt))) for k, v in read_full(ckpt, "model").items()}
     return ({k: v for k, v in saved.items() if is_adapter(k)},
             {k: v for k, v in saved.items() if not is_adapter(k)})
 

@@ -286,3 +286,36 @@ def test_a_balancing_bias_is_refused_on_export_unless_dropped_with_its_effect(
         command = HFExporter(1, tmp_path / "log", print, drop_expert_bias=drop).command(ours_dir)
         assert command[command.index("tessel-to-hf"):] == [
             "tessel-to-hf", str(ours_dir), str(ours_dir / "hf"), *["--drop-expert-bias"] * drop]
+
+
+def test_non_finite_weights_are_refused_on_export_and_import(tmp_path: Path, corpus: Path,
+                                                             capsys):
+    """A NaN in an MoE balancing bias exported silently: the bias check measured its spread
+    over the NaN and passed, and transformers' logits then differed (round 3, item 12).
+    Weights holding NaN or infinity are refused in one line naming the tensor, whatever
+    reads them (an export, with or without --drop-expert-bias; an import; sampling),
+    nothing written."""
+    src = save_moe(hf_mixtral(), tmp_path / "hf", corpus)
+    ours_dir = tmp_path / "tessel"
+    assert main(["convert", "hf-to-tessel", str(src), str(ours_dir)]) == 0
+    _with_bias(ours_dir, {0: torch.tensor([0.0, float("nan"), 0.0, 0.0]), 1: torch.zeros(4)})
+
+    def refused(argv: list[str], needle: str) -> None:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("tessel: error: ") and needle in err[0], err
+
+    bias = "tensor 'layers.0.feed_forward.expert_bias' holds 1 NaN or infinite value(s) of 4"
+    for extra in ([], ["--drop-expert-bias"]):
+        refused(["convert", "tessel-to-hf", str(ours_dir), str(tmp_path / "out"), *extra], bias)
+    refused(["generate", str(ours_dir), "--max-new-tokens=2"], bias)
+    weights = load_file(src / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    weights[name][3, 5] = float("inf")
+    save_file(weights, str(src / "model.safetensors"), {"format": "pt"})
+    needle = f"tensor {name!r} holds 1 NaN or infinite value(s)"
+    refused(["convert", "hf-to-tessel", str(src), str(tmp_path / "out")], needle)
+    refused(["generate", str(src), "--max-new-tokens=2"], needle)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no leftovers
