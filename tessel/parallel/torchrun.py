@@ -79,12 +79,14 @@ def _watch_closes(codes: dict[int, int | None]) -> Callable[[], None]:
 
 def _quiet_failure_logs() -> None:
     """Drop torchrun's log lines about its workers' ending ("failed (exitcode: 6) ...",
-    "Sending process ... closing signal"): the workers said why themselves, in one line."""
+    "Sending process ... closing signal", "Received 15 death signal"): the workers said why
+    themselves, in one line."""
     import logging
 
-    chatter = ("failed (exitcode", "Sending process", "Closing process")
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-        lambda record: not str(record.msg).startswith(chatter))
+    chatter = ("failed (exitcode", "Sending process", "Closing process", "Received %s death")
+    for name in ("multiprocessing.api", "agent.server.api"):
+        logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(
+            lambda record: not str(record.msg).startswith(chatter))
 
 
 def main(argv: list[str] | None = None) -> int:
