@@ -63,8 +63,9 @@ def hardware_profile(args: argparse.Namespace) -> GpuProfile | None:
     profiles = hardware.load_profiles(args.hardware)
     if args.gpu == "list":
         for name, prof in profiles.items():
-            fp8 = f"{prof.fp8_flops / 1e12:5.0f}" if prof.fp8_flops else "    -"
-            print(f"{name:12s} bf16 {prof.bf16_flops / 1e12:5.0f}  fp8 {fp8} TFLOP/s  "
+            fp8 = f"{prof.fp8_flops / 1e12:5.4g}" if prof.fp8_flops else "    -"
+            rate = "bf16" if prof.device_type == "cuda" else "peak"  # CPU processes: no bf16
+            print(f"{name:12s} {rate} {prof.bf16_flops / 1e12:5.4g}  fp8 {fp8} TFLOP/s  "
                   f"{prof.memory_gib:6.1f} GiB  {prof.gpus_per_node} per node  "
                   f"{prof.intra_node_gbps:g}/{prof.inter_node_gbps:g} GB/s intra/inter")
         return None

@@ -50,3 +50,10 @@ def test_a_plan_on_cpu_processes_counts_processes(cpu_profile: str):
     assert "      memory GiB/proc (pipeline rank" in out
     row = lines[lines.index(head) + 1].split()
     assert row[0] == "1" and row[-3].endswith("%")  # the columns still line up under it
+
+
+def test_the_profile_list_shows_a_cpu_profiles_peak_not_bf16(cpu_profile: str):
+    rows = {line.split()[0]: line for line in
+            stdout("plan", "--gpu", "list", "--hardware", cpu_profile).splitlines()}
+    assert rows["cpu-x"].startswith("cpu-x        peak   0.2  fp8     - TFLOP/s    16.0 GiB")
+    assert rows["h100-sxm"].startswith("h100-sxm     bf16   989  fp8  1979 TFLOP/s    80.0 GiB")
