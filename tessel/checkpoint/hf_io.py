@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tessel.checkpoint.errors import check_finite
 from tessel.checkpoint.hf_arch import HFError
 from tessel.fileio import atomic_directory
+from tessel.fileio import read_json as read_json_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -29,12 +30,7 @@ DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HFError(f"{str(path)!r} does not exist") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise HFError(f"cannot read {str(path)!r}: {exc}") from None
+    data = read_json_file(path, "HF file")  # missing, not UTF-8, not JSON, too deep: one line
     if not isinstance(data, dict):
         raise HFError(f"{str(path)!r} does not hold a JSON object")
     return data
