@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 EXIT_CODES = """\
 exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad input,
             3 a collective failed or timed out, the rendezvous failed (--rdzv-timeout),
-              or the watchdog saw no progress,
+            or the watchdog saw no progress,
             4 paused by an alert (checkpoint written; --resume continues),
             5 stopped by an alert (checkpoint written), 6 spike recovery gave up
             (recovery.max_rollbacks), 7 finished with its final checkpoint, but lm_eval
