@@ -59,8 +59,10 @@ QUIET_RUN = {
 }
 """Overrides of every sweep run, after the user's (they win): nothing but training steps in
 the timed window, and a record per step."""
-STOP_GRACE_S = 30.0
-"""After SIGTERM, how long a stopped run's processes get to exit before SIGKILL."""
+STOP_GRACE_S = 45.0
+"""After SIGTERM, how long a stopped run's processes get to exit before SIGKILL: longer than
+torchrun's own wait for its workers (30 s, then it kills them), so that torchrun ends them; a
+torchrun killed first leaves them running (each is in a session of its own)."""
 LOG_TAIL_BYTES = 65536
 """How much of a failed run's log is searched for its error line."""
 

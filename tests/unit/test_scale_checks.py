@@ -128,3 +128,14 @@ def test_check_counts_leaves_a_slurm_sweep_to_its_nodes():
     with pytest.raises(TesselError, match="over 17 data-parallel ranks"):
         measure_mod.check_counts(cfg, [1, 17], "dp", strong=True, local=False)
     measure_mod.check_counts(cfg, [1, 17], "dp", strong=False, local=False)  # weak: batch grows
+
+
+def test_a_stopped_run_gives_torchrun_time_to_end_its_workers():
+    """measure.stop's SIGKILL must come after torchrun's own SIGKILL of its workers, or the
+    workers (each in its own session) outlive it."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    torchrun_wait = inspect.signature(LocalElasticAgent).parameters["shutdown_timeout"].default
+    assert measure_mod.STOP_GRACE_S > torchrun_wait
