@@ -103,6 +103,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    except RecursionError:  # (tessel.fileio.read_toml's words; config imports only errors)
+        raise ConfigError(f"config file {str(p)!r} nests its arrays or tables too deep to "
+                          "read; no config needs that") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
 

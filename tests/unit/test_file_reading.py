@@ -48,3 +48,12 @@ def test_a_damaged_hf_config_is_one_line(tmp_path: Path, capsys, content: bytes,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("tessel: error: ") and needle in err
     assert str(tmp_path / "hf" / "config.json") in err
+
+
+def test_a_config_nested_too_deep_is_one_line(tmp_path: Path, capsys):
+    f = tmp_path / "deep.toml"
+    f.write_text("a = " + "[" * 100_000)
+    assert main(["plan", str(f), "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("tessel: error: config file ")
+    assert "too deep to read" in err
