@@ -22,7 +22,8 @@ class FaultToleranceConfig(Section):
     replica_id: int = Field(0, ge=0)
     """This replica group's number, 0 to group_size - 1 (each group is one `tessel train`
     with its own run.dir; a restarted group keeps its number). It picks the group's share of
-    every global batch."""
+    every global batch; a group started while another running group holds its number is
+    refused (exit code 2)."""
     group_size: int = Field(0, ge=0)
     """The number of replica groups the global batch is split over (each group's share:
     train.global_batch_size / group_size sequences per step). Required (>= 1) when enable."""

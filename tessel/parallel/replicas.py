@@ -120,11 +120,36 @@ def weights_only_transport(timeout: timedelta) -> Any:
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
+def membered(base: type) -> type:
+    """torchft's reconfigurable process group `base`, remembering the replica numbers of the
+    groups of each quorum it is configured for (torchft passes them as `global_ranks`, one per
+    group, read from the number in each group's `replica_id`): two groups started with one
+    `fault_tolerance.replica_id` show as that number twice."""
+
+    class Membered(base):  # type: ignore[misc, valid-type]
+        members: list[int] = []
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      quorum_id: int | None = None, group_rank: int | None = None,
+                      group_world_size: int | None = None,
+                      global_ranks: list[int] | None = None) -> None:
+            self.members = list(global_ranks or [])
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+                              group_world_size, global_ranks)
+
+    return Membered
+
+
 class ReplicaGroup:
     """This process's membership of the replica groups: torchft's Manager, a reconfigurable
     gloo (CPU) or NCCL (CUDA) process group across the groups, and the store it rendezvous
     through. `state_dict` / `load_state_dict` are what a recovering peer receives / what this
-    group applies when it recovers (called by torchft, on this thread, at `quorum`)."""
+    group applies when it recovers (called by torchft, on this thread, at `quorum`).
+
+    A group is admitted once a quorum holds it and no other group with its replica_id; a group
+    that finds its number taken in its first quorum (another `tessel train` runs with that
+    fault_tolerance.replica_id) is refused in one line. The group already admitted keeps
+    training: the step the newcomer joined is discarded when it leaves, as for a failed group."""
 
     def __init__(self, cfg: FaultToleranceConfig, device: torch.device, step: int,
                  state_dict: Callable[[], dict[str, Any]],
@@ -136,15 +161,18 @@ class ReplicaGroup:
         timeout = timedelta(seconds=cfg.timeout_s)
         self._lighthouse = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self._timeout_s, self._min = cfg.timeout_s, cfg.min_replica_size
+        self._replica, self._groups = cfg.replica_id, cfg.group_size
+        self._admitted = self._closed = False
         host = socket.gethostname()  # what torchft's Manager advertises to its peers too
         # The group's own store (a group is one process, so no torchrun store is there):
         # the cross-group process group of each quorum rendezvous through the first
         # member's store.
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        pg = (ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
-              else ProcessGroupGloo(timeout=timeout))
+        self._pg = membered(ProcessGroupNCCL if device.type == "cuda"
+                            else ProcessGroupGloo)(timeout=timeout)
         try:
-            self.manager = self._manager(cfg, pg, host, timeout, state_dict, load_state_dict)
+            self.manager = self._manager(cfg, self._pg, host, timeout, state_dict,
+                                         load_state_dict)
         except Exception as exc:  # noqa: BLE001 (torchft's RPC client raises plain errors)
             raise self._failed("cannot reach the Lighthouse", exc) from None
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
@@ -174,6 +202,13 @@ class ReplicaGroup:
             raise
         except Exception as exc:  # noqa: BLE001 (torchft's RPC client raises plain errors)
             raise self._failed("no quorum of replica groups", exc) from None
+        if not self._admitted and self._pg.members.count(self._replica) > 1:
+            raise TesselError(
+                f"fault_tolerance: replica group {self._replica} is already running: another "
+                f"`tessel train` with fault_tolerance.replica_id={self._replica} joined the "
+                f"Lighthouse at {self._lighthouse} (both would train the same share of every "
+                f"global batch); give each group its own replica_id, 0 to {self._groups - 1}")
+        self._admitted = True
         return self.manager.num_participants()
 
     def average(self, tensors: list[torch.Tensor]) -> None:
@@ -196,7 +231,9 @@ class ReplicaGroup:
             raise self._failed("no commit decision", exc) from None
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        if not self._closed:  # (a refused first quorum closes it before the trainer does)
+            self._closed = True
+            self.manager.shutdown(wait=False)
 
     def _failed(self, what: str, exc: Exception) -> CollectiveTimeout:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -38,6 +38,7 @@ class TrainerReplicas:
         self._healed_at: int | None = None  # this group's step when it took a peer's state
         self._position: tuple[dict[str, Any], int] | None = None
         self._discards = 0  # steps discarded in a row
+        self._joined: int | None = None  # the groups of the first quorum, for the first step
         self.group = ReplicaGroup(ft, tr.device, tr.step, self.state_dict, self.load_state_dict)
         if tr.data.val is not None:
             # Training takes the group's share of every global batch; evaluation does not:
@@ -74,19 +75,33 @@ class TrainerReplicas:
 
     # ---- every step ---------------------------------------------------------------------
 
-    def begin_step(self) -> None:
-        """Before the step draws its data: join the quorum (taking a peer's state when this
-        group is behind), record what changed, and remember the data position in case the
-        step is discarded."""
+    def join(self) -> None:
+        """The first quorum, for the first step, before the run writes anything: a group
+        whose replica_id another running group holds is refused here in one line (exit 2),
+        with nothing written; a group behind takes a peer's state."""
         tr = self.tr
-        n = self.group.quorum()
-        if self.participants is None and tr.step == 0:
+        try:
+            n = self.group.quorum()
             # A new run waits (up to fault_tolerance.timeout_s) for every group, so that its
             # first steps train on whole global batches rather than on the first groups up.
             deadline = time.monotonic() + self.timeout_s
             while n < self.group_size and time.monotonic() < deadline and tr.step == 0:
                 time.sleep(0.1)  # (the Lighthouse answers at once while no group is missing)
                 n = self.group.quorum()
+        except BaseException:
+            self.group.close()  # leave the Lighthouse now: the others need not wait for it
+            raise
+        self._joined = n
+
+    def begin_step(self) -> None:
+        """Before the step draws its data: join the quorum (taking a peer's state when this
+        group is behind), record what changed, and remember the data position in case the
+        step is discarded."""
+        tr = self.tr
+        if self._joined is None and self.participants is None:
+            self.join()
+        n = self._joined if self._joined is not None else self.group.quorum()
+        self._joined = None
         if self._healed_at is not None:
             self._event("replica_healed", n, f"replica group recovered step {tr.step}'s "
                         f"weights, optimizer state and data position from a peer (it was at "

@@ -241,6 +241,8 @@ class Trainer:
                 f"pass --train.steps=N with N > {self.step} to train further"
             )
             return self._result(None, None)
+        if self.replicas is not None:
+            self.replicas.join()  # [fault_tolerance]: refuses a taken replica_id, unwritten
         # Written only now that the run really starts: a refused or no-op call leaves the
         # run directory as it was.
         if self.proc.is_main:

@@ -163,3 +163,37 @@ def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepp
     losses = [{r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
               for run in runs]
     assert losses[0] == losses[1] and losses[2] == {s: losses[0][s] for s in losses[2]}
+
+
+@pytest.mark.budget(30)  # seconds on the reference machine: estimated
+def test_two_groups_started_with_one_replica_id_are_refused_with_nothing_written(
+        tmp_path: Path):
+    # Both would train group 0's share of every global batch (metrics saying 2 replicas):
+    # each is refused in one line, exit code 2, before its run directory is written.
+    from torchft._torchft import LighthouseServer
+
+    corpus = write_corpus(tmp_path / "corpus")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    runs = [tmp_path / "first", tmp_path / "second"]
+    cfg = {"fault_tolerance.enable": True, "fault_tolerance.replica_id": 0,
+           "fault_tolerance.group_size": 2, "fault_tolerance.lighthouse": lighthouse.address(),
+           "fault_tolerance.timeout_s": 60}
+    procs = [_start([f"--{k}={json.dumps(v)}" for k, v in
+                     tiny_overrides(run, corpus, **cfg).items()], fault="") for run in runs]
+    try:
+        outputs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        lighthouse.shutdown()
+    for p, run, (_, err) in zip(procs, runs, outputs):
+        lines = err.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1, err[-3000:]
+        assert lines[0] == (
+            "tessel: error: fault_tolerance: replica group 0 is already running: another "
+            f"`tessel train` with fault_tolerance.replica_id=0 joined the Lighthouse at "
+            f"{lighthouse.address()} (both would train the same share of every global batch); "
+            "give each group its own replica_id, 0 to 1")
+        assert not run.exists()

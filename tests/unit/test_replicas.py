@@ -313,3 +313,61 @@ def test_a_peers_state_carries_what_a_checkpoint_restore_does(tiny_config, light
     finally:
         resumed.replicas.close()
         healed.replicas.close()
+
+
+def test_a_group_started_with_a_taken_replica_id_is_refused(lighthouse):
+    # Groups 0 and 1 train; a second group 0 joins their quorum: it is refused in one line
+    # (exit 2), they are not. Its request may miss a round: they take quorums until it ends.
+    import threading
+
+    from tessel.config import FaultToleranceConfig
+    from tessel.parallel.replicas import ReplicaGroup
+
+    address = lighthouse(2)
+
+    def group(replica: int) -> ReplicaGroup:
+        cfg = FaultToleranceConfig(enable=True, replica_id=replica, group_size=2,
+                                   lighthouse=address, timeout_s=30)
+        return ReplicaGroup(cfg, torch.device("cpu"), 0, dict, lambda state: None)
+
+    def quorums(groups: list[ReplicaGroup]) -> list[int]:
+        got: list[int] = [0] * len(groups)
+
+        def take(i: int) -> None:
+            got[i] = groups[i].quorum()
+
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(len(groups))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return got
+
+    first, second = group(0), group(1)
+    again = group(0)
+    refused: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            again.quorum()
+        except BaseException as exc:  # noqa: BLE001 (what the test inspects)
+            refused.append(exc)
+
+    try:
+        assert quorums([first, second]) == [2, 2]  # admitted together
+        joining = threading.Thread(target=join)
+        joining.start()
+        while joining.is_alive():
+            sizes = quorums([first, second])  # the two keep taking quorums, as steps do
+        joining.join()
+        assert sizes == [3, 3]  # the newcomer was in their last quorum
+        assert len(refused) == 1 and type(refused[0]) is TesselError, refused
+        msg = str(refused[0])
+        assert "\n" not in msg and refused[0].exit_code == 2
+        assert msg == (f"fault_tolerance: replica group 0 is already running: another `tessel "
+                       f"train` with fault_tolerance.replica_id=0 joined the Lighthouse at "
+                       f"{address} (both would train the same share of every global batch); "
+                       "give each group its own replica_id, 0 to 1")
+    finally:
+        for g in (first, second, again):
+            g.close()
