@@ -135,3 +135,17 @@ def test_a_sweep_fit_says_when_the_communication_is_at_a_limit():
         assert tuned.comm_efficiency <= 1  # a GPU's: at most the links' full bandwidth
     assert "limit" not in said.split(";")[0]  # the matmul efficiency was fitted inside
     assert tuned.comm_efficiency == 1.0
+
+
+def test_a_run_directory_with_an_impossible_throughput_names_its_record(tmp_path: Path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(Path(TINY).read_text())
+    (run / "run.json").write_text(json.dumps({"world_size": 1}))
+    rates = [float("nan"), 100.0, 100.0, float("nan"), 100.0]  # the first 2: warm-up, left out
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "tokens_per_s": r}) + "\n"
+                                               for i, r in enumerate(rates)))
+    assert main(["plan", TINY, "--gpus", "1", "--calibrate", str(run)]) == 2
+    one_line(2, capsys.readouterr().err.strip(),
+             f"--calibrate {str(run / 'metrics.jsonl')!r}: record 3's 'tokens_per_s' must be a "
+             "positive number of tokens/s at most 1e+12, not nan")
