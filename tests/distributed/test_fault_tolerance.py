@@ -74,6 +74,15 @@ def _start(args: list[str], fault: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _stop(procs: list[subprocess.Popen], lighthouse) -> None:  # noqa: ANN001
+    """Kill the groups still running (a failed test) and stop the Lighthouse."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    lighthouse.shutdown()
+
+
 @pytest.mark.budget(50)  # seconds on the reference machine: 26-36 s measured here, +~40%
 def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepping(
         tmp_path: Path):
@@ -99,11 +108,7 @@ def test_a_killed_replica_group_recovers_from_a_peer_while_the_others_keep_stepp
         procs[-1] = _start([*args[-1], "--auto-resume"], fault="")  # the same command
         outputs = [p.communicate(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-        lighthouse.shutdown()
+        _stop(procs, lighthouse)
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == EXIT_STOPPED, err[-3000:]  # by the alert rules, together
     for out, _ in outputs[:2]:  # the step it died in was not applied, and was taken again
@@ -183,11 +188,7 @@ def test_two_groups_started_with_one_replica_id_are_refused_with_nothing_written
     try:
         outputs = [p.communicate(timeout=180) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-        lighthouse.shutdown()
+        _stop(procs, lighthouse)
     for p, run, (_, err) in zip(procs, runs, outputs):
         lines = err.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1, err[-3000:]
