@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 
 from tessel.observe.report.plots import esc, page_head
 from tessel.planner.memory import GIB
+from tessel.planner.report import columns
 from tessel.planner.scaling import (
     COMMUNICATION,
     SPLIT,
@@ -26,6 +27,7 @@ from tessel.planner.scaling import (
     Sweep,
     header,
     point_record,
+    rank_word,
     seconds,
     short_by,
     split,
@@ -88,8 +90,9 @@ def _slot(i: int, n: int) -> float:
 
 
 def _frame(labels: Sequence[str], ticks: list[float], ylabel: str,
-           fmt: Callable[[float], str]) -> tuple[str, Callable[[float], float]]:
-    """Grid, axes, tick labels and axis titles; and the value -> SVG y mapping."""
+           fmt: Callable[[float], str], unit: str) -> tuple[str, Callable[[float], float]]:
+    """Grid, axes, tick labels and axis titles (`unit`: what the x axis counts, GPUs or
+    processes); and the value -> SVG y mapping."""
     top = ticks[-1]
 
     def y(v: float) -> float:
@@ -106,7 +109,7 @@ def _frame(labels: Sequence[str], ticks: list[float], ylabel: str,
     out += [f'<text x="{_slot(i, len(labels)):.1f}" y="{BOTTOM + 16}">{esc(label)}</text>'
             for i, label in enumerate(labels)]
     out.append(f'</g><text x="{(LEFT + RIGHT) / 2}" y="{H - 6}" font-size="12" fill="#334155" '
-               f'text-anchor="middle">GPUs</text><text transform="translate(14 '
+               f'text-anchor="middle">{unit}</text><text transform="translate(14 '
                f'{(TOP + BOTTOM) / 2}) rotate(-90)" font-size="12" fill="#334155" '
                f'text-anchor="middle">{esc(ylabel)}</text>')
     return "".join(out), y
@@ -132,13 +135,13 @@ def _figure(fig_id: str, title: str, attrs: dict[str, str | int], legend: str, b
 
 
 def line_chart(fig_id: str, title: str, ylabel: str, labels: list[str], series: list[Series],
-               fmt: Callable[[float], str], reasons: list[str | None]) -> str:
+               fmt: Callable[[float], str], reasons: list[str | None], unit: str = "GPUs") -> str:
     """A curve per series over the GPU counts (a gap where a value is None), a dot at each
     value with its figure as a tooltip, and a grey cross on the axis at counts without a
     layout (`reasons`)."""
     values = [v for s in series for v in s.values if v is not None]
     ticks = _axis(max(values, default=0.0) * 1.08)
-    frame, y = _frame(labels, ticks, ylabel, fmt)
+    frame, y = _frame(labels, ticks, ylabel, fmt, unit)
     out = [frame]
     n = len(labels)
     for s in series:
@@ -156,14 +159,14 @@ def line_chart(fig_id: str, title: str, ylabel: str, labels: list[str], series: 
         if not s.dashed:
             out.append(f'<g class="dots" data-series="{esc(s.key)}" fill="{s.colour}">')
             out += [f'<circle cx="{_slot(i, n):.1f}" cy="{y(v):.1f}" r="3.2"><title>'
-                    f"{esc(labels[i])} GPUs: {esc(s.label)} {esc(fmt(v))}</title></circle>"
+                    f"{esc(labels[i])} {unit}: {esc(s.label)} {esc(fmt(v))}</title></circle>"
                     for i, v in enumerate(s.values) if v is not None]
             out.append("</g>")
     for i, reason in enumerate(reasons):
         if reason is not None:
             x = _slot(i, n)
             out.append(f'<path class="nofit" d="M{x - 5:.1f},{BOTTOM - 13} l10,10 m0,-10 l-10,10" '
-                       f'stroke="{GREY}" stroke-width="2"><title>{esc(labels[i])} GPUs: '
+                       f'stroke="{GREY}" stroke-width="2"><title>{esc(labels[i])} {unit}: '
                        f"{esc(reason)}</title></path>")
     legend = _legend([(s.label, s.colour, "dashed" if s.dashed else "line") for s in series])
     drawn = sum(v is not None for v in series[0].values)
@@ -172,11 +175,11 @@ def line_chart(fig_id: str, title: str, ylabel: str, labels: list[str], series: 
                    legend, "".join(out))
 
 
-def split_chart(sweep: Sweep, labels: list[str]) -> str:
+def split_chart(sweep: Sweep, labels: list[str], unit: str = "GPUs") -> str:
     """The step-time split: a bar per GPU count, each part's share of the step stacked from
     compute at the bottom, each segment's seconds as a tooltip."""
     ticks = [0.0, 20.0, 40.0, 60.0, 80.0, 100.0]
-    frame, y = _frame(labels, ticks, "share of the step (%)", lambda v: f"{v:g}")
+    frame, y = _frame(labels, ticks, "share of the step (%)", lambda v: f"{v:g}", unit)
     out = [frame]
     n = len(labels)
     width = min(48.0, 0.6 * (RIGHT - LEFT) / n)
@@ -186,7 +189,7 @@ def split_chart(sweep: Sweep, labels: list[str]) -> str:
         if point.plan is None:
             out.append(f'<rect class="nofit" x="{x:.1f}" y="{TOP}" width="{width:.1f}" '
                        f'height="{BOTTOM - TOP}" fill="none" stroke="{GREY}" '
-                       f'stroke-dasharray="4 3"><title>{esc(labels[i])} GPUs: '
+                       f'stroke-dasharray="4 3"><title>{esc(labels[i])} {unit}: '
                        f"{esc(point.reason)}</title></rect>"
                        f'<text x="{x + width / 2:.1f}" y="{(TOP + BOTTOM) / 2}" font-size="11" '
                        f'fill="#64748b" text-anchor="middle">no fit</text>')
@@ -200,7 +203,7 @@ def split_chart(sweep: Sweep, labels: list[str]) -> str:
             out.append(f'<rect class="part" data-part="{key}" data-gpus="{point.gpus}" '
                        f'data-seconds="{parts[key]!r}" x="{x:.1f}" y="{y(below + share):.2f}" '
                        f'width="{width:.1f}" height="{y(below) - y(below + share):.2f}" '
-                       f'fill="{PART_COLOURS[key]}"><title>{esc(labels[i])} GPUs: {esc(name)} '
+                       f'fill="{PART_COLOURS[key]}"><title>{esc(labels[i])} {unit}: {esc(name)} '
                        f"{esc(seconds(parts[key]))} s ({share:.1f}% of "
                        f"{esc(seconds(total))} s)</title></rect>")
             below += share
@@ -218,8 +221,16 @@ def _count(v: float) -> str:
     return f"{v:g}"
 
 
+def _units(sweep: Sweep) -> tuple[str, str]:
+    """What the points count and what one of them is: GPUs, or processes on CPU processes."""
+    rank = rank_word(sweep.device_type)
+    return ("GPUs" if rank == "GPU" else "processes"), rank
+
+
 def plots(sweep: Sweep) -> list[str]:
     labels = [f"{p.gpus:,}" for p in sweep.points]
+    unit, rank = _units(sweep)
+    used = columns(sweep.device_type)[1]
     reasons = [p.reason if p.plan is None else None for p in sweep.points]
     per_gpu = [None if p.plan is None else p.plan.tokens_per_s / p.gpus for p in sweep.points]
     mfu = [None if p.plan is None else 100 * p.plan.mfu for p in sweep.points]
@@ -234,13 +245,14 @@ def plots(sweep: Sweep) -> list[str]:
         scaled.insert(1, Series("measured_efficiency", "measured", ORANGE,
                                 [m.get("efficiency") for m in runs]))
     return [
-        line_chart("plot-tokens_per_gpu", "Tokens/s per GPU", "tokens/s per GPU", labels,
-                   rate, _count, reasons),
+        line_chart("plot-tokens_per_gpu", f"Tokens/s per {rank}", f"tokens/s per {rank}", labels,
+                   rate, _count, reasons, unit),
         line_chart("plot-efficiency", "Scaling efficiency", "efficiency", labels,
-                   scaled, lambda v: f"{v:.2f}", reasons),
-        line_chart("plot-mfu", "Model FLOPs utilisation", "MFU (%)", labels,
-                   [Series("mfu", "predicted", BLUE, mfu)], lambda v: f"{v:g}", reasons),
-        split_chart(sweep, labels),
+                   scaled, lambda v: f"{v:.2f}", reasons, unit),
+        line_chart("plot-mfu", "Model FLOPs utilisation" if used == "MFU" else
+                   "Model FLOP/s over the profile's peak", f"{used} (%)", labels,
+                   [Series("mfu", "predicted", BLUE, mfu)], lambda v: f"{v:g}", reasons, unit),
+        split_chart(sweep, labels, unit),
     ]
 
 
@@ -249,8 +261,11 @@ def _table(sweep: Sweep) -> str:
     some point has), or why nothing fits."""
     planned = [split(p.plan.step) for p in sweep.points if p.plan is not None]
     parts = [(k, name) for k, name, _ in SPLIT if k == "compute_s" or any(s[k] for s in planned)]
-    heads = ["GPUs", "model", "global batch", "layout", "GiB/GPU", "step s", "tokens/s/GPU",
-             "MFU", "efficiency", "comm"] + [f"{name} s" for _, name in parts]
+    unit, rank = _units(sweep)
+    memory, used = columns(sweep.device_type)
+    heads = [unit, "model", "global batch", "layout", memory, "step s",
+             "tokens/s/GPU" if rank == "GPU" else "tokens/s/proc", used, "efficiency", "comm"] + [
+                 f"{name} s" for _, name in parts]
     rows = []
     for point in sweep.points:
         rec = point_record(sweep, point)
@@ -261,7 +276,7 @@ def _table(sweep: Sweep) -> str:
             closest = rec["closest"]
             why = point.reason + ("" if closest is None else
                                   f" (closest: {closest['layout']}, "
-                                  f"{short_by(closest['shortfall_gib'])})")
+                                  f"{short_by(closest['shortfall_gib'], rank)})")
             cells.append(f'<td class="reason" colspan="{len(heads) - 3}">{esc(why)}</td>')
         else:
             cells += [f'<td class="layout">{esc(rec["layout"])}</td>',
@@ -283,8 +298,10 @@ def render(sweep: Sweep) -> str:
     from tessel.planner.report import ASSUMPTIONS
 
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    what = ("the same global batch on more GPUs" if sweep.mode == STRONG
-            else "the same batch per GPU on more GPUs")
+    unit, rank = _units(sweep)
+    what = (f"the same global batch on more {unit}" if sweep.mode == STRONG
+            else f"the same batch per {rank} on more {unit}")
+    ratio = "MFU" if rank == "GPU" else f"model FLOP/s per {rank}"
     notes = ", ".join(k.removesuffix("_s").replace("_", " ") for k in COMMUNICATION)
     parts = [
         *page_head(f"tessel scale: {sweep.mode} scaling", CSS),
@@ -295,9 +312,9 @@ def render(sweep: Sweep) -> str:
         f"{generated}</p>",
         '<h2>Curves</h2><div class="plots" id="plots">', *plots(sweep), "</div>",
         "<h2>Points</h2>", _table(sweep),
-        f'<p class="sub">Efficiency: MFU over the first point\'s with a layout (for one model, '
-        f"tokens/s per GPU over its; 1 is linear scaling). comm: exposed communication "
-        f"({esc(notes)}) as a share of the step. Memory: predicted peak per GPU, of "
+        f'<p class="sub">Efficiency: {ratio} over the first point\'s with a layout (for one '
+        f"model, tokens/s per {rank} over its; 1 is linear scaling). comm: exposed "
+        f"communication ({esc(notes)}) as a share of the step. Memory: predicted peak per {rank}, of "
         f"{sweep.hw.memory_gib:.1f} GiB ({_gib_note(sweep.points)}).</p>",
         "<details><summary>the planner's assumptions</summary><ul>",
         *(f"<li>{esc(a)}</li>" for a in ASSUMPTIONS),

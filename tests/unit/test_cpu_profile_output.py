@@ -57,3 +57,16 @@ def test_the_profile_list_shows_a_cpu_profiles_peak_not_bf16(cpu_profile: str):
             stdout("plan", "--gpu", "list", "--hardware", cpu_profile).splitlines()}
     assert rows["cpu-x"].startswith("cpu-x        peak   0.2  fp8     - TFLOP/s    16.0 GiB")
     assert rows["h100-sxm"].startswith("h100-sxm     bf16   989  fp8  1979 TFLOP/s    80.0 GiB")
+
+
+def test_the_page_of_a_cpu_sweep_counts_processes(cpu_profile: str, tmp_path: Path):
+    page = tmp_path / "page.html"
+    stdout("scale", TINY, "--gpus", "1,2", "--gpu", "cpu-x", "--hardware", cpu_profile,
+           "--html", str(page))
+    html = page.read_text().split("<details>")[0]  # (the planner's assumptions follow)
+    for shown in ("<th>processes</th>", "<th>GiB/proc</th>", "<th>tokens/s/proc</th>",
+                  "<th>of peak</th>", "Tokens/s per process", "of peak (%)",
+                  ">processes</text>", "1 processes: ", "the same global batch on more processes",
+                  "predicted peak per process", "0.2 TFLOP/s peak"):
+        assert shown in html, shown
+    assert "GPU" not in html and "MFU" not in html and "bf16" not in html
