@@ -274,8 +274,7 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
         print(scaling.text(sweep), end="")
         print(f"\nmeasured ({out}; {warmup} warm-up, {steps} timed and "
               f"{profiled_steps(steps)} profiled steps per run; the planner "
-              "calibrated on the first point"
-              + (f": matmul efficiency {fitted:.4g}" if fitted is not None else "") + "):")
+              f"calibrated on the first point{compare.fitted_text(fitted)}):")
         print(compare.comparison(sweep), end="")
     sys.stdout.flush()
     _write_page(html, sweep)

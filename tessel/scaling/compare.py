@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from tessel.config import Config, ModelConfig
-from tessel.planner.hardware import GpuProfile, calibrate, calibrate_optimizer
+from tessel.planner.hardware import (
+    CALIBRATION_LIMITS,
+    GpuProfile,
+    calibrate,
+    calibrate_optimizer,
+    limit_note,
+)
 from tessel.planner.layout import Layout
 from tessel.planner.prelaunch import device_profile
 from tessel.planner.scaling import Point, Sweep
@@ -141,7 +147,7 @@ def predict(points: Sequence[MeasuredPoint], hw: GpuProfile, device_type: str, m
                 hw, lambda h: _plan(cfg, first.nproc, h, device_type).step.optimizer_s,
                 measured_opt)
         hw = calibrate(hw, lambda h: _plan(cfg, first.nproc, h, device_type).tokens_per_s,
-                       first.tokens_per_s, floor=1e-4, ceiling=100.0)
+                       first.tokens_per_s, *CALIBRATION_LIMITS["cpu"])
         fitted = hw.matmul_efficiency
     out = []
     for p in points:
@@ -152,6 +158,14 @@ def predict(points: Sequence[MeasuredPoint], hw: GpuProfile, device_type: str, m
         out.append(Point(p.nproc, cfg, _plan(cfg, p.nproc, hw, device_type)))
     measured = {p.nproc: p.as_dict() for p in points}
     return Sweep(mode, hw, out, config_path, device_type, measured), fitted
+
+
+def fitted_text(fitted: float | None) -> str:
+    """`: matmul efficiency 0.91` for the measured table's title, saying when the fit
+    stopped at a limit of its range; '' when no point was measured."""
+    if fitted is None:
+        return ""
+    return f": matmul efficiency {fitted:.4g}{limit_note(fitted, *CALIBRATION_LIMITS['cpu'])}"
 
 
 def waiting_s(step: StepTime) -> float:

@@ -149,3 +149,14 @@ def test_a_run_directory_with_an_impossible_throughput_names_its_record(tmp_path
     one_line(2, capsys.readouterr().err.strip(),
              f"--calibrate {str(run / 'metrics.jsonl')!r}: record 3's 'tokens_per_s' must be a "
              "positive number of tokens/s at most 1e+12, not nan")
+
+
+def test_the_measured_tables_title_says_when_the_fit_is_at_a_limit():
+    from tessel.scaling.compare import fitted_text
+
+    assert fitted_text(None) == ""
+    assert fitted_text(0.9123) == ": matmul efficiency 0.9123"
+    assert fitted_text(1e-4) == (": matmul efficiency 0.0001 (at the limit 0.0001: the "
+                                 "measurement is slower than the model can explain)")
+    assert fitted_text(100.0).endswith("(at the limit 100: the measurement is faster than the "
+                                       "model can explain)")
