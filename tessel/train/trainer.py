@@ -307,7 +307,7 @@ class Trainer:
                 if eval_now or self.step == t.steps:
                     self._evaluate(log, start)
                 if save_now:
-                    self._save(start, loss, grad_norm)
+                    self._save(loss, grad_norm)
                 scores_now = (self.harness is not None and self.scoring_failure is None
                               and self.harness.due(self.step, self.step == t.steps))
                 if scores_now:
@@ -316,7 +316,7 @@ class Trainer:
                     self.timer.discard()
                     window_start, window_steps = time.perf_counter(), 0
             if self.step != self.checkpoints.last_saved_step:
-                self._save(start, loss, grad_norm)
+                self._save(loss, grad_norm)
             self.checkpoints.finish()
         except dist.DistBackendError as exc:
             raise lifecycle.collective_failure(self, exc) from None
@@ -415,8 +415,7 @@ class Trainer:
 
     # ---- checkpoints and recovery ---------------------------------------------------------
 
-    def _save(self, start: float, loss: torch.Tensor | None, grad_norm: torch.Tensor | None
-              ) -> None:
+    def _save(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None) -> None:
         """Checkpoint the run, once the last step is known to be finite (one host sync):
         non-finite weights are never saved, so a rollback or resume always finds good ones."""
         if loss is not None and grad_norm is not None and not self.recovery.enabled:
