@@ -157,12 +157,13 @@ def tessel_to_hf(src: Path, out: Path, dtype: torch.dtype | None = None,
             "model_max_length": m.max_seq_len, "clean_up_tokenization_spaces": False,
         }
         # the chat template the model was fine-tuned with, saved beside its tokenizer
-        from tessel.data.chat_files import TEMPLATE_FILE, export_fields, saved_template
+        from tessel.data.chat_files import TEMPLATE_FILE, export_template, saved_template
 
         chat = saved_template(tokenizer_path.parent, eos)
         if chat is not None:
-            files[TEMPLATE_FILE] = chat.source
-            tok_config.update(export_fields(chat, lambda t: tok.hf.token_to_id(t) is not None))
+            text, fields = export_template(chat, lambda t: tok.hf.token_to_id(t) is not None)
+            files[TEMPLATE_FILE] = text
+            tok_config.update(fields)
             with_template = ", with its chat template"
         files["tokenizer_config.json"] = json.dumps(tok_config, indent=2)
     shapes = _shapes(m)

@@ -4,9 +4,11 @@ A template is Jinja2 text, the model's own (`chat_template` in the `tokenizer_co
 `chat_template.jinja` beside its `tokenizer.json`), one of the built-ins below, or a `.jinja`
 file. It is rendered exactly as Hugging Face transformers renders it
 (`PreTrainedTokenizerBase.apply_chat_template`), in the environment of
-`tessel.data.template_sandbox`, with `messages`, `add_generation_prompt`, `bos_token` and
-`eos_token` as variables. The sandbox matters: a template comes from whoever published the
-model, and rendering it must neither run their code nor take the machine (its limits).
+`tessel.data.template_sandbox`, with `messages`, `add_generation_prompt` and the special
+tokens the tokenizer's `tokenizer_config.json` names (`SPECIAL_TOKENS`: `bos_token`,
+`eos_token`, `pad_token`, ...) as variables, as transformers passes them. The sandbox
+matters: a template comes from whoever published the model, and rendering it must neither run
+their code nor take the machine (its limits).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ BUILTIN_TEMPLATES: dict[str, str] = {
 }
 """Templates for models without their own (`data.chat_template = "chatml"` or `"plain"`)."""
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
+"""The special-token variables transformers passes to a chat template (its tokenizer's
+`special_tokens_map`: each one its tokenizer_config.json names)."""
+
 
 @dataclass(frozen=True)
 class ChatTemplate:
@@ -50,13 +57,19 @@ class ChatTemplate:
     """Where it came from, for messages ("chatml", "tokenizer_config.json", a path)."""
     bos_token: str = ""
     eos_token: str = ""
+    others: tuple[tuple[str, str], ...] = ()
+    """The other special tokens the tokenizer names (`unk_token`, `pad_token`, ... of
+    `SPECIAL_TOKENS`), as (variable, text) pairs."""
+
+    def tokens(self) -> dict[str, str]:
+        """Every special-token variable the template sees, by name."""
+        return {"bos_token": self.bos_token, "eos_token": self.eos_token, **dict(self.others)}
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The text of `messages`; DataError (one line) when the template does not parse,
         fails, or goes past the limits of `tessel.data.template_sandbox` (time, size)."""
-        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt,
-                     "bos_token": self.bos_token, "eos_token": self.eos_token,
-                     "tools": None, "documents": None}
+        variables = {**self.tokens(), "messages": messages, "tools": None, "documents": None,
+                     "add_generation_prompt": add_generation_prompt}
         try:
             return template_sandbox.render(self.source, variables)
         except TemplateFailure as exc:
@@ -139,12 +152,24 @@ def _configured_template(value: Any, where: Path) -> str:
     return template
 
 
-def special_tokens(directory: Path | None) -> tuple[str, str]:
-    """(bos_token, eos_token) strings from `directory`'s tokenizer_config.json, or empty."""
+def special_tokens(directory: Path | None) -> dict[str, str]:
+    """The special-token strings (`SPECIAL_TOKENS`) `directory`'s tokenizer_config.json names,
+    by variable ({} without one)."""
     if directory is None or not (directory / "tokenizer_config.json").is_file():
-        return "", ""
+        return {}
     cfg = _read_json(directory / "tokenizer_config.json")
-    return _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+    found = {key: _token_text(cfg.get(key)) for key in SPECIAL_TOKENS}
+    return {key: text for key, text in found.items() if text}
+
+
+def with_tokens(source: str, origin: str, tokens: dict[str, str],
+                eos_fallback: str = "") -> ChatTemplate:
+    """The template `source` seeing the special-token strings `tokens` (`special_tokens`);
+    `eos_fallback` for `eos_token` when they name none."""
+    others = tuple((key, tokens[key]) for key in SPECIAL_TOKENS
+                   if key not in ("bos_token", "eos_token") and tokens.get(key))
+    return ChatTemplate(source, origin, tokens.get("bos_token", ""),
+                        tokens.get("eos_token", "") or eos_fallback, others)
 
 
 def resolve_template(spec: str, tokenizer_dir: Path | None, eos_fallback: str = "") -> ChatTemplate:
@@ -152,17 +177,17 @@ def resolve_template(spec: str, tokenizer_dir: Path | None, eos_fallback: str = 
     tokenizer, else ChatML, said in the origin), a built-in name, or a `.jinja` file path.
     `eos_fallback`: the tokenizer's end-of-document token, for `eos_token` when no
     tokenizer_config.json names one."""
-    bos, eos = special_tokens(tokenizer_dir)
-    eos = eos or eos_fallback
+    tokens = special_tokens(tokenizer_dir)
     if spec == "auto":
         own = model_template(tokenizer_dir) if tokenizer_dir is not None else None
         if own is not None:
-            return ChatTemplate(own, f"the model's own, {tokenizer_dir}", bos, eos)
-        return ChatTemplate(BUILTIN_TEMPLATES["chatml"], "chatml (the model has none)", bos, eos)
+            return with_tokens(own, f"the model's own, {tokenizer_dir}", tokens, eos_fallback)
+        return with_tokens(BUILTIN_TEMPLATES["chatml"], "chatml (the model has none)", tokens,
+                           eos_fallback)
     if spec in BUILTIN_TEMPLATES:
-        return ChatTemplate(BUILTIN_TEMPLATES[spec], spec, bos, eos)
+        return with_tokens(BUILTIN_TEMPLATES[spec], spec, tokens, eos_fallback)
     path = Path(spec)
     if not path.is_file():
         raise DataError(f"data.chat_template={spec!r} is neither a built-in template "
                         f"({', '.join(BUILTIN_TEMPLATES)}), \"auto\", nor a .jinja file")
-    return ChatTemplate(read_template_file(path), str(path), bos, eos)
+    return with_tokens(read_template_file(path), str(path), tokens, eos_fallback)

@@ -92,6 +92,7 @@ def sft_key(files: list[Path], tok_identity: str, template: ChatTemplate, seq_le
     h = hashlib.sha256(json.dumps([
         FORMAT, tok_identity, template.source, template.bos_token, template.eos_token,
         seq_len, d.sft_overlong, d.sft_pack, list(d.split_fractions()),
+        *([template.others] if template.others else []),  # pad_token, ... (when named)
     ]).encode())
     for f in files:
         h.update(_file_hash(f).encode())

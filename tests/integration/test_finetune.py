@@ -128,6 +128,30 @@ TOKENS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'as
                    "{% if add_generation_prompt %}Bot:{% endif %}")
 
 
+def _fine_tune(tmp_path: Path, special: tuple[str, ...], tokens: dict[str, str],
+               template_text: str) -> tuple[Path, Path, Path]:
+    """A 2-step fine-tuning run on the bundled chat set, rendered with `template_text`, on a
+    BPE with the `special` tokens whose tokenizer_config.json names `tokens`: (the
+    tokenizer's directory, the template file, the run)."""
+    from tessel.cli import main
+    from tessel.data.tokenizer import train_bpe
+
+    tokdir = tmp_path / "tok"
+    tokdir.mkdir()
+    texts = (ROOT / "configs/data/sft-tiny.jsonl").read_text().splitlines()
+    train_bpe(texts, 400, special_tokens=special).save(tokdir / "tokenizer.json")
+    (tokdir / "tokenizer_config.json").write_text(json.dumps(tokens))
+    template = tmp_path / "template.jinja"
+    template.write_text(template_text)
+    run = tmp_path / "run"
+    assert main(["train", str(ROOT / "configs/sft-tiny.toml"), f"--run.dir={run}",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--data.tokenizer={tokdir}/tokenizer.json",
+                 f"--data.chat_template={template}", "--data.split=100,0", "--train.steps=2",
+                 "--train.eval_interval=0", "--checkpoint.interval=2", "--run.sample_tokens=0",
+                 "--metrics.tensorboard=false", "--quiet"]) == 0
+    return tokdir, template, run
+
+
 def test_sft_export_carries_the_chat_template_the_run_trained_with(tmp_path: Path, capsys):
     """`tessel convert tessel-to-hf` of a fine-tuning run writes the template it trained with
     (chat_template.jinja and tokenizer_config.json, with the bos/eos strings the template
@@ -137,24 +161,13 @@ def test_sft_export_carries_the_chat_template_the_run_trained_with(tmp_path: Pat
 
     from tessel.cli import main
     from tessel.data.chat_template import resolve_template
-    from tessel.data.tokenizer import load_tokenizer, train_bpe
+    from tessel.data.tokenizer import load_tokenizer
     from tessel.generate import chat_template_for
 
-    tokdir = tmp_path / "tok"
-    tokdir.mkdir()
-    texts = (ROOT / "configs/data/sft-tiny.jsonl").read_text().splitlines()
-    train_bpe(texts, 400, special_tokens=("<|begin_of_text|>", "<|eot_id|>")).save(
-        tokdir / "tokenizer.json")
-    (tokdir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
-    template = tmp_path / "bot.jinja"
-    template.write_text(TOKENS_TEMPLATE)
-    run, export = tmp_path / "run", tmp_path / "export"
-    assert main(["train", str(ROOT / "configs/sft-tiny.toml"), f"--run.dir={run}",
-                 f"--data.cache_dir={tmp_path / 'cache'}", f"--data.tokenizer={tokdir}/tokenizer.json",
-                 f"--data.chat_template={template}", "--data.split=100,0", "--train.steps=2",
-                 "--train.eval_interval=0", "--checkpoint.interval=2", "--run.sample_tokens=0",
-                 "--metrics.tensorboard=false", "--quiet"]) == 0
+    tokdir, template, run = _fine_tune(
+        tmp_path, ("<|begin_of_text|>", "<|eot_id|>"),
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, TOKENS_TEMPLATE)
+    export = tmp_path / "export"
     assert main(["convert", "tessel-to-hf", str(run), str(export)]) == 0
     summary = capsys.readouterr().out
     trained = resolve_template(str(template), tokdir)  # what the run rendered its data with
@@ -176,6 +189,52 @@ def test_sft_export_carries_the_chat_template_the_run_trained_with(tmp_path: Pat
     assert replies[0] == replies[1]
     assert "with its chat template" in summary
 
+
+# Uses eos_token and pad_token, both named by the tokenizer's tokenizer_config.json: "</s>" is
+# no token of the BPE (it reads it as pieces), "<pad>" is one.
+PAD_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}{{ pad_token }}{{ m['content'] }}"
+                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}assistant{{ pad_token }}{% endif %}")
+
+
+def test_an_export_renders_the_special_tokens_its_training_rendered(tmp_path: Path, capsys):
+    """An init_from model whose eos_token is "</s>" (no token of its tokenizer) trained on
+    "...</s>" text, but the export wrote eos_token "<|endoftext|>", so transformers rendered
+    none of the conversations as trained; and templates using pad_token (or unk_token, ...)
+    rendered it empty in tessel (round 3, item 10). tessel passes every special token
+    transformers passes, and the export sets the one that is no token in its template:
+    apply_chat_template gives the text and the ids training did, adding no token."""
+    from transformers import AutoTokenizer
+
+    from tessel.cli import main
+    from tessel.data.chat_template import resolve_template
+    from tessel.data.sft import chat_encoder
+    from tessel.data.tokenizer import load_tokenizer
+    from tessel.generate import chat_template_for
+
+    tokdir, template, run = _fine_tune(
+        tmp_path, ("<pad>",), {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"},
+        PAD_TEMPLATE)
+    trained = resolve_template(str(template), tokdir)  # what the run rendered its data with
+    reply = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert trained.render(reply) == "user<pad>hi\nassistant<pad>hello</s>\n"
+    export = tmp_path / "export"
+    assert main(["convert", "tessel-to-hf", str(run), str(export)]) == 0
+    assert "with its chat template" in capsys.readouterr().out
+    hf = AutoTokenizer.from_pretrained(export)
+    tok = load_tokenizer(export / "tokenizer.json")
+    assert len(hf) == tok.vocab_size  # no token added past the model's vocabulary
+    encoder = chat_encoder(tok)
+    for conversation, prompt in ((reply[:1], True), (reply, False)):
+        want = trained.render(conversation, add_generation_prompt=prompt)
+        assert hf.apply_chat_template(conversation, tokenize=False,
+                                      add_generation_prompt=prompt) == want
+        ids = hf.apply_chat_template(conversation, add_generation_prompt=prompt)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == encoder.encode(want, add_special_tokens=False).ids
+        # tessel generate --chat on the export renders it the same way
+        assert chat_template_for(export, None, tok).render(
+            conversation, add_generation_prompt=prompt) == want
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
