@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from tessel.checkpoint import CheckpointError, find_checkpoint, load_model
+from tessel.checkpoint.errors import check_finite
 from tessel.checkpoint.run_config import run_config
 from tessel.config import Config, ConfigError, ModelConfig, read_saved
 from tessel.config.load import validate
@@ -84,6 +85,8 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
     else:
         model = build_model(cfg.model, device)
         load_model(ckpt, model)
+        for name, tensor in model.state_dict().items():  # (LoRA: checked as MergedSource reads)
+            check_finite(tensor, name, repr(str(ckpt)))
     return model, load_tokenizer(run / "tokenizer.json", cfg.data.eod_token)
 
 

@@ -289,3 +289,28 @@ def test_an_edited_model_setting_is_refused_by_every_reader(
     assert edited != text
     config.write_text(edited)
     _refused_by_every_reader(run, ckpt, tmp_path, capsys, "model.norm_eps was ")
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_by_every_reader(
+        trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """Weights holding NaN (saved as they are, by hand or by a tessel that did not check) are
+    never sampled from, exported, consolidated or started from silently (round 3, item 12):
+    each reader names the tensor."""
+    from tessel.checkpoint import save_checkpoint
+    from tessel.models import build_model
+
+    run, ckpt = _copy(trained_run, tmp_path / "run")
+    state = json.loads((ckpt / "state.json").read_text())
+    weights = read_full(ckpt, "model")
+    weights["layers.0.attention.wq.weight"][1, 2] = float("nan")
+    model = build_model(Config.load(run / "config.toml").model)
+    model.load_state_dict(weights, strict=False)
+    kept = {k: v for k, v in state.items()
+            if k not in ("format", "step", "files", "crc32", "state_sha256")}
+    newest = save_checkpoint(run / "checkpoints", state["step"] + 1, model, None, kept)
+    needle = "tensor 'layers.0.attention.wq.weight' holds 1 NaN or infinite value(s)"
+    entry_points = _entry_points(run, newest, tmp_path)
+    del entry_points["resume"]  # training on: its own checks judge every step (monitoring.md)
+    for argv in entry_points.values():
+        _assert_refused(argv, capsys, needle)
+    assert not any((tmp_path / p).exists() for p in ("fresh", "m.st", "hf"))
