@@ -107,32 +107,77 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def _known(tasks: list[str], include_path: str) -> Any:
-    """The cheapest task index that knows every name of `tasks` (the local one when they are
-    all local), or LMEvalError naming the unknown ones and any task file lm_eval skipped."""
+    """The cheapest task index that knows every name of `tasks` and every task their groups
+    list (the local one when they are all local), or LMEvalError naming the unknown ones
+    (a group's unknown member with the group) and any task file lm_eval skipped."""
     unreadable: list[tuple[Path, str, str]] = []
     if include_path:
         local = task_manager(include_path, defaults=False)
-        missing = [t for t in tasks if t not in set(local.all_tasks)]
-        if not missing:
+        missing, members = _unknown(local, tasks)
+        if not missing and not members:
             return local
         unreadable = _unreadable_yamls(Path(include_path))
         # A task whose own file cannot be parsed: say so now, without lm_eval's whole index.
         for path, problem, text in unreadable:
-            named = [t for t in missing if t in text]
+            named = [t for t in missing + list(members) if t in text]
             if named:
                 raise LMEvalError(
                     f"lm_eval.tasks: {', '.join(map(repr, named))} is not known because "
                     f"{path} cannot be parsed ({problem}) and lm_eval skips it; fix the file")
     manager = task_manager(include_path)
-    unknown = [t for t in tasks if t not in set(manager.all_tasks)]
+    unknown, members = _unknown(manager, tasks)
+    hint = (f" (neither lm_eval's own nor in {include_path!r})" if include_path else "")
+    if unreadable:
+        path, problem, _ = unreadable[0]
+        hint += f"; lm_eval skipped {path}, which cannot be parsed ({problem})"
     if unknown:
-        hint = (f" (neither lm_eval's own nor in {include_path!r})" if include_path else "")
-        if unreadable:
-            path, problem, _ = unreadable[0]
-            hint += f"; lm_eval skipped {path}, which cannot be parsed ({problem})"
         raise LMEvalError(f"lm_eval.tasks: unknown task(s) {', '.join(map(repr, unknown))}{hint}; "
                           "`lm_eval ls tasks` lists them")
+    if members:
+        member, group = next(iter(members.items()))
+        raise LMEvalError(
+            f"lm_eval.tasks: group {group!r}{_source(manager, group)} lists task {member!r}, "
+            f"which lm_eval does not know{hint}; fix the group's `task:` list "
+            "(`lm_eval ls tasks` lists the tasks) or remove the group from lm_eval.tasks")
     return manager
+
+
+def _unknown(manager: Any, tasks: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The names of `tasks` the index does not know, and the tasks their groups (and the
+    groups in those) list that it does not know, each with the group listing it (lm_eval
+    fails on those with "expected str ... not NoneType")."""
+    index = manager.task_index
+    members: dict[str, str] = {}
+    for group in _reachable(manager, [t for t in tasks if t in index]):
+        for item in _listed(index[group].cfg):
+            if isinstance(item, str) and item not in index:
+                members.setdefault(item, group)
+    return [t for t in tasks if t not in index], members
+
+
+def _listed(cfg: Any) -> list[Any]:
+    """What a group's config lists under `task` ([] for a task's config)."""
+    if not isinstance(cfg, dict) or "group" not in cfg:
+        return []
+    listed = cfg.get("task", [])
+    return listed if isinstance(listed, list) else [listed]
+
+
+def _reachable(manager: Any, names: list[str]) -> list[str]:
+    """`names` and every indexed name their groups list, recursively, each once."""
+    index, seen, stack = manager.task_index, [], list(names)
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in index:
+            continue
+        seen.append(name)
+        stack += [t for t in _listed(index[name].cfg) if isinstance(t, str)]
+    return seen
+
+
+def _source(manager: Any, name: str) -> str:
+    entry = manager.task_index.get(name)
+    return f" ({entry.yaml_path})" if entry is not None and entry.yaml_path else ""
 
 
 def _unreadable_yamls(root: Path) -> list[tuple[Path, str, str]]:
@@ -170,12 +215,64 @@ def _unreadable_yamls(root: Path) -> list[tuple[Path, str, str]]:
 # ---- one request per task ------------------------------------------------------------------
 
 
+def _unknown_metrics(cfg: dict[str, Any]) -> list[str]:
+    """The metrics a task's YAML names that lm_eval does not have: it looks them up by name
+    unless the task computes its own (`process_results`) or asks Hugging Face `evaluate` for
+    them (`hf_evaluate`)."""
+    from lm_eval.api.registry import metric_registry
+
+    if cfg.get("process_results") is not None or not isinstance(cfg.get("metric_list"), list):
+        return []
+    return [m["metric"] for m in cfg["metric_list"] if isinstance(m, dict)
+            and isinstance(m.get("metric"), str) and not m.get("hf_evaluate")
+            and not m["metric"].startswith("!function") and m["metric"] not in metric_registry]
+
+
+def _no_metric(task: str, metric: str) -> str:
+    from lm_eval.api.registry import metric_registry
+
+    return (f"task {task!r} asks for metric {metric!r}, which lm_eval does not have (its "
+            f"metrics: {', '.join(sorted(metric_registry))})")
+
+
+def _data_files(cfg: dict[str, Any]) -> list[Path]:
+    """The local files a task's config reads (`dataset_kwargs.data_files`: a path, a list, or
+    split -> path or list)."""
+    kwargs = cfg.get("dataset_kwargs")
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    values = list(files.values()) if isinstance(files, dict) else [files]
+    paths = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    return [Path(p) for p in paths if isinstance(p, str) and "://" not in p]
+
+
+def _diagnosis(manager: Any, name: str) -> str | None:
+    """What lm_eval's own error for a task (or group) that failed to load leaves unsaid
+    (`KeyError: None`, `StopIteration`), when the task's config shows it: a metric lm_eval
+    does not have, an empty data file. None otherwise."""
+    index = manager.task_index
+    for task in _reachable(manager, [name]):
+        cfg = index[task].cfg
+        if not isinstance(cfg, dict) or "group" in cfg:
+            continue
+        metrics = _unknown_metrics(cfg)
+        if metrics:
+            return _no_metric(task, metrics[0])
+        for path in _data_files(cfg):
+            try:
+                empty = path.is_file() and not path.read_bytes().strip()
+            except OSError:
+                continue
+            if empty:
+                return f"task {task!r} reads {path}, which is empty (no records)"
+    return None
+
+
+
 def _try_one_request(manager: Any, name: str, cfg: Config) -> None:
     """Load task (or group) `name` as simple_evaluate will and build the request of its first
     example; LMEvalError naming the task, its file and what lm_eval raised otherwise."""
     e = cfg.lm_eval
-    entry = manager.task_index.get(name)
-    source = f" ({entry.yaml_path})" if entry is not None and entry.yaml_path else ""
+    source = _source(manager, name)
     quiet = io.StringIO()  # progress bars (datasets', lm_eval's) and lm_eval's prints
     try:
         with contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
@@ -196,5 +293,22 @@ def _try_one_request(manager: Any, name: str, cfg: Config) -> None:
         raise LMEvalError(f"lm_eval.tasks: task {name!r}{source}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 (whatever a task file makes lm_eval raise)
         raise LMEvalError(f"lm_eval.tasks: task {name!r}{source} cannot be loaded: "
-                          f"{describe_failure(exc)}; fix the task or remove it from "
-                          "lm_eval.tasks") from None
+                          f"{_diagnosis(manager, name) or describe_failure(exc)}; fix the task "
+                          "or remove it from lm_eval.tasks") from None
+    unknown = [(str(getattr(getattr(task, "config", None), "task", name)), m) for task in tasks
+               for m in _metrics_not_found(task)]
+    if unknown:  # lm_eval found no such metric and goes on: it would fail at the scoring
+        task_name, metric = unknown[0]
+        raise LMEvalError(f"lm_eval.tasks: task {name!r}{source}: "
+                          f"{_no_metric(task_name, metric)}; fix the task or remove it from "
+                          "lm_eval.tasks")
+
+
+def _metrics_not_found(task: Any) -> list[str]:
+    """The metrics of a loaded task that lm_eval found no function for (it says so in a log
+    line and goes on; the scoring would then fail), unless the task computes its own."""
+    functions = getattr(task, "_metric_fn_list", None)  # noqa: SLF001 (lm_eval keeps no other)
+    if not isinstance(functions, dict) or \
+            getattr(getattr(task, "config", None), "process_results", None) is not None:
+        return []
+    return [metric for metric, function in functions.items() if function is None]

@@ -237,8 +237,22 @@ BROKEN = {
                                                "output_type: [multiple_choice"),
                      "broken_mc.yaml cannot be parsed (while parsing a flow sequence from line 7, "
                      "column 14: expected ',' or ']', but got ':' at line 8"),
-    "empty_data": (lambda text: text.replace("mc.jsonl", "empty.jsonl"),  # datasets' error
-                   "cannot be loaded: StopIteration (in _split_generators)"),
+    # these three were lm_eval's words, which name nothing ("StopIteration (in
+    # _split_generators)", "KeyError: None (in __init__)", "TypeError: expected str, bytes or
+    # os.PathLike object, not NoneType (in _parse_args)"), or a failure at the first scoring
+    "empty_data": (lambda text: text.replace("mc.jsonl", "empty.jsonl"),
+                   "cannot be loaded: task 'broken_mc' reads "),  # ... empty.jsonl, which is empty
+    "unknown_metric": (lambda text: text.replace(
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n",
+        "  - metric: acc_nrom\n"),
+        "task 'broken_mc' asks for metric 'acc_nrom', which lm_eval does not have (its "
+        "metrics: acc, "),
+    "unknown_metric_aggregated": (lambda text: text.replace("metric: acc_norm", "metric: acc_nrom"),
+                                  "task 'broken_mc' asks for metric 'acc_nrom', which lm_eval "
+                                  "does not have"),
+    "group_unknown_task": (lambda text: f"group: broken_mc\ntask:\n  - {TASK}\n  - tessel_nc\n",
+                           "group 'broken_mc' (TASKS/broken_mc.yaml) lists task 'tessel_nc', "
+                           "which lm_eval does not know"),
     "long_generation": (lambda text: text.replace(
         "output_type: multiple_choice",
         "output_type: generate_until\ngeneration_kwargs:\n  until: ['.']\n  max_gen_toks: 4096"),
@@ -266,8 +280,11 @@ def test_a_task_that_cannot_be_scored_is_refused_before_training(case, tmp_path:
     capsys.readouterr()
     assert main(train_args(run, corpus, tasks, **{"lm_eval.tasks": [TASK, "broken_mc"]})) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "lm_eval.tasks:" in err[0] and BROKEN[case][1] in err[0], err
+    needle = BROKEN[case][1].replace("TASKS", str(tasks))
+    assert len(err) == 1 and "lm_eval.tasks:" in err[0] and needle in err[0], err
     assert str(tasks / "broken_mc.yaml") in err[0]
+    if case == "empty_data":
+        assert f"reads {tasks / 'empty.jsonl'}, which is empty (no records)" in err[0], err
     assert not run.exists()
 
 
