@@ -17,9 +17,11 @@ assistant turns are learned: each one's characters are found by rendering prefix
 the model must produce for turn i, its end-of-turn token included, trailing whitespace not),
 less the turn's header (the content starts where the same turn rendered with two different
 replies parts). This works for any template that renders a conversation prefix by
-prefix, with or without a generation prompt; a token counts when it overlaps such a span. The
-first token of an example is never learned: it is predicted from the previous example of the
-packed sample.
+prefix, with or without a generation prompt; a token counts when it overlaps such a span. A
+long conversation finds the same spans from two renderings (`_marked_spans`), checked against
+the prefixes of its first turns, so its cost grows with its length, not the square of its
+turns. The first token of an example is never learned: it is predicted from the previous
+example of the packed sample.
 
 Examples are packed first-fit, in order, into samples of seq_len + 1 tokens; each example is
 its own document (the document mask keeps attention inside it) and the padding after the last
@@ -29,6 +31,7 @@ one is one more document whose targets are all masked.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +100,31 @@ def to_messages(obj: dict[str, Any], where: str) -> list[dict[str, str]]:
 # ---- messages -> text and assistant spans -------------------------------------------------
 
 
+EXACT_MESSAGES = 16
+"""Conversations up to this many messages find their replies by rendering prefixes (below);
+a longer one renders twice in all (`_marked_spans`), checked against the prefixes of its
+first messages, so its cost grows with its length, not with the square of its turns."""
+_MARK = re.compile("\ue000([0-9]+)\ue001")  # a message's place, in private-use characters
+
+
 def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]],
                     where: str = "") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans of its assistant
     turns (see the module docstring)."""
+    head = max((k for k in range(1, min(len(messages), EXACT_MESSAGES) + 1)
+                if messages[k - 1]["role"] == "assistant"), default=0)
+    if len(messages) > EXACT_MESSAGES and head:
+        marked = _marked_spans(template, messages)
+        # the same answer as the prefixes on the first turns, or the template is not one
+        # this shortcut reads right: then the prefixes, every one
+        if marked is not None and _marked_spans(template, messages[:head]) == \
+                _prefix_spans(template, messages[:head], where):
+            return marked
+    return _prefix_spans(template, messages, where)
+
+
+def _prefix_spans(template: ChatTemplate, messages: list[dict[str, str]],
+                  where: str) -> tuple[str, list[tuple[int, int]]]:
     rendered: dict[int, str] = {}  # prefix length -> text: each prefix rendered once
 
     def prefix(k: int) -> str:
@@ -130,6 +154,50 @@ def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]],
         if end > start:  # a template may write nothing for a turn: nothing to learn there
             spans.append((start, end))
     return full, spans
+
+
+def _marked_spans(template: ChatTemplate, messages: list[dict[str, str]]
+                  ) -> tuple[str, list[tuple[int, int]]] | None:
+    """The spans `_prefix_spans` finds, from two renderings: the conversation, and the same
+    with each message's content replaced by a mark of its place. When the template writes
+    every content once, in order, unchanged or trimmed (the conversation is the marked
+    rendering with the contents put back), a reply starts where its mark was and its turn ends with
+    the text after the last reply (its end-of-turn marker), which must follow every reply.
+    None when that does not hold (the template changes or tests the contents, or the
+    conversation does not end with a reply)."""
+    if messages[-1]["role"] != "assistant":
+        return None
+    try:
+        marked = template.render([{**m, "content": f"\ue000{j}\ue001"}
+                                  for j, m in enumerate(messages)])
+    except DataError:  # a template that tests the contents: the prefixes will say
+        return None
+    parts = _MARK.split(marked)
+    between = parts[0::2]  # the template's own text before, between and after the contents
+    if parts[1::2] != [str(j) for j in range(len(messages))] or \
+            any("\ue000" in t or "\ue001" in t for t in between):
+        return None
+    full = template.render(messages)
+    tail = between[-1]
+    pos, spans = 0, []
+    for j, m in enumerate(messages):
+        if not full.startswith(between[j], pos):
+            return None
+        pos += len(between[j])
+        # what the template wrote for the content: itself, or trimmed (Llama 3's `| trim`)
+        written = next((c for c in (m["content"], m["content"].strip())
+                        if full.startswith(c + between[j + 1], pos)), None)
+        if written is None:
+            return None
+        start, pos = pos, pos + len(written)
+        if m["role"] != "assistant":
+            continue
+        if not between[j + 1].startswith(tail):
+            return None
+        end = start + len(full[start:pos + len(tail)].rstrip())
+        if end > start:
+            spans.append((start, end))
+    return (full, spans) if pos + len(tail) == len(full) else None
 
 
 _PROBES = ("x", "y")
@@ -206,6 +274,14 @@ class PackStats:
     examples: int = 0
     truncated: int = 0
     dropped: int = 0
+    """All dropped examples; why, in the three counts below (what the error says when none is
+    left depends on it)."""
+    dropped_unlearned: int = 0
+    """Nothing to learn at all (the template writes nothing of the replies)."""
+    dropped_long: int = 0
+    """Longer than a sample, with data.sft_overlong = "drop"."""
+    dropped_cut: int = 0
+    """Truncated to a sample with nothing learned left in it (the prompt fills the sample)."""
     samples: int = 0
     tokens: int = 0
     """Non-padding tokens in the samples."""
@@ -250,14 +326,17 @@ def fit(examples: list[Example], length: int, overlong: str,
         stats.examples += 1
         if not ex.learned.any():
             stats.dropped += 1
+            stats.dropped_unlearned += 1
             continue
         if len(ex.ids) > length:
             if overlong == "drop":
                 stats.dropped += 1
+                stats.dropped_long += 1
                 continue
             ex = Example(ex.ids[:length], ex.learned[:length])
             if not ex.learned.any():
                 stats.dropped += 1
+                stats.dropped_cut += 1
                 continue
             stats.truncated += 1
         kept.append(ex)

@@ -16,9 +16,11 @@ import hashlib
 import json
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +39,7 @@ from tessel.data.sft import (
     pack,
     to_messages,
 )
+from tessel.data.sft_prepare import Preparation
 from tessel.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
@@ -100,8 +103,10 @@ def sft_key(files: list[Path], tok_identity: str, template: ChatTemplate, seq_le
 
 
 def ensure_sft(d: DataConfig, seq_len: int, vocab_size: int, cache: Path,
-               console: Callable[[str], None] = print) -> SFTCorpus:
-    """The cached, verified SFT corpus for `data.*`; built on first use."""
+               console: Callable[[str], None] = print,
+               progress: Callable[[str], None] | None = None) -> SFTCorpus:
+    """The cached, verified SFT corpus for `data.*`; built on first use (`progress`: where
+    the progress lines of a long preparation go, stderr by default)."""
     from tessel.data.readers import resolve_inputs
 
     try:
@@ -126,22 +131,40 @@ def ensure_sft(d: DataConfig, seq_len: int, vocab_size: int, cache: Path,
             shutil.rmtree(target, ignore_errors=True)
     console(f"tessel: preparing fine-tuning data from {len(files)} file(s) once, template "
             f"{template.origin} (cached in {target})")
-
-    def build(tmp: Path) -> None:
-        _build(tmp, files, tok, template, seq_len, vocab_size, d)
-
-    build_once(target, build, marker=_MANIFEST)
+    # Everything is computed in memory first: the temporary directory of the entry exists
+    # only while the finished arrays are written, so nothing is left behind by a refusal, a
+    # signal, or a process killed while it renders or trains its tokenizer.
+    prep = Preparation(template.origin, progress)
+    prepared = _prepare(files, tok, template, seq_len, vocab_size, d, prep)
+    build_once(target, lambda tmp: _write(tmp, *prepared, template, seq_len, d),
+               marker=_MANIFEST)
     return _open(target, seq_len, template)
 
 
-def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTemplate,
-           seq_len: int, vocab_size: int, d: DataConfig) -> None:
-    from tessel.data.readers import ReadStats, iter_json_records
+def _render_all(files: list[Path], template: ChatTemplate, prep: Preparation, read: Any
+                ) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Every record's conversation rendered, with its assistant spans (see `Preparation`
+    for the bounds and the progress lines)."""
+    from tessel.data.readers import iter_json_records
 
-    rendered: list[tuple[str, list[tuple[int, int]]]] = []
-    read = ReadStats()
+    rendered = []
     for where, obj in iter_json_records(files, read):
-        rendered.append(assistant_spans(template, to_messages(obj, where), where))
+        messages = to_messages(obj, where)
+        began = time.monotonic()
+        text, spans = assistant_spans(template, messages, where)
+        prep.rendered_one(messages, text, time.monotonic() - began)
+        rendered.append((text, spans))
+    return rendered
+
+
+def _prepare(files: list[Path], tok: Tokenizer | None, template: ChatTemplate, seq_len: int,
+             vocab_size: int, d: DataConfig, prep: Preparation
+             ) -> tuple[Tokenizer, dict[str, tuple[Packed, PackStats]], Any]:
+    """The tokenizer, each split's packed samples with their counts, and the read counts."""
+    from tessel.data.readers import ReadStats
+
+    read = ReadStats()
+    rendered = _render_all(files, template, prep, read)
     if not rendered:
         raise DataError(f"data.paths {list(d.paths)} hold no records")
     if not any(spans for _, spans in rendered):
@@ -152,27 +175,34 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
             "assistant turns out, or renders the same text whatever they say); use a "
             "data.chat_template that writes them")
     if tok is None:
-        tok = train_bpe((text for text, _ in rendered), vocab_size,
-                        special_tokens=template_tokens(template))
+        texts = [text for text, _ in rendered]
+        tok = prep.in_thread(
+            lambda: train_bpe(texts, vocab_size, special_tokens=template_tokens(template)),
+            f"training a tokenizer on {len(texts):,} conversations ({prep.rendered / 1e6:,.1f} MB)")
     hf = chat_encoder(tok)
     examples = []
     for lo in range(0, len(rendered), _ENCODE_BATCH):  # the library encodes a batch in parallel
         chunk = rendered[lo:lo + _ENCODE_BATCH]
         encodings = hf.encode_batch([text for text, _ in chunk], add_special_tokens=False)
         examples += [learned_example(enc, spans) for enc, (_, spans) in zip(encodings, chunk)]
+        prep.tick(f"{lo + len(chunk):,} of {len(rendered):,} conversations tokenized")
     length = seq_len + 1
-    ranges = split_ranges(len(examples), d.split_fractions())
-    manifest: dict = {"format": FORMAT, "seq_len": seq_len, "files": {}, "stats": {},
-                      "read": {"records": read.documents, "invalid_utf8": read.invalid_utf8}}
-    for name, (lo, hi) in zip(_SPLITS, ranges):
+    splits = {}
+    for name, (lo, hi) in zip(_SPLITS, split_ranges(len(examples), d.split_fractions())):
         stats = PackStats()
         kept = fit(examples[lo:hi], length, d.sft_overlong, stats)
         if name == "train" and not kept:
-            raise DataError(
-                f"no fine-tuning example is left after dropping the {stats.dropped} longer than "
-                f"train.seq_len + 1 = {length} tokens or with nothing to learn; raise "
-                "train.seq_len or set data.sft_overlong = \"truncate\"")
-        packed = pack(kept, length, tok.eod_id, d.sft_pack, stats)
+            raise _nothing_left(stats, length)
+        splits[name] = (pack(kept, length, tok.eod_id, d.sft_pack, stats), stats)
+    return tok, splits, read
+
+
+def _write(out: Path, tok: Tokenizer, splits: dict[str, tuple[Packed, PackStats]], read: Any,
+           template: ChatTemplate, seq_len: int, d: DataConfig) -> None:
+    """The prepared entry's files, into build_once's temporary directory `out`."""
+    manifest: dict = {"format": FORMAT, "seq_len": seq_len, "files": {}, "stats": {},
+                      "read": {"records": read.documents, "invalid_utf8": read.invalid_utf8}}
+    for name, (packed, stats) in splits.items():
         for key, arr in packed.arrays().items():
             path = out / f"{name}.{key}.npy"
             np.save(path, arr, allow_pickle=False)
@@ -187,6 +217,30 @@ def _build(out: Path, files: list[Path], tok: Tokenizer | None, template: ChatTe
     manifest["template"] = template.origin
     # written last: its presence marks the entry complete (build_once's marker)
     write_text_atomic(out / _MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _nothing_left(stats: PackStats, length: int) -> DataError:
+    """Why no training example is left, for the setting in use: the fix differs."""
+    if stats.dropped_long:  # data.sft_overlong = "drop"
+        return DataError(
+            f"no fine-tuning example is left after dropping the {stats.dropped_long:,} longer "
+            f"than train.seq_len + 1 = {length} tokens (data.sft_overlong = \"drop\")"
+            + (f" and the {stats.dropped_unlearned:,} with nothing to learn"
+               if stats.dropped_unlearned else "")
+            + "; raise train.seq_len or set data.sft_overlong = \"truncate\"")
+    if not stats.dropped_cut:
+        return DataError(
+            f"no fine-tuning example is left: none of the {stats.dropped_unlearned:,} has a "
+            "token to learn (the reply is only the example's first token, which is never "
+            "learned); use a data.chat_template that writes the assistant replies")
+    return DataError(
+        f"no fine-tuning example is left: the {stats.dropped_cut:,} longer than train.seq_len "
+        f"+ 1 = {length} tokens have no reply to learn within their first {length} tokens (the "
+        "prompt fills the sample), so cutting them to it (data.sft_overlong = \"truncate\") "
+        "leaves nothing to learn"
+        + (f", and {stats.dropped_unlearned:,} have nothing to learn at all"
+           if stats.dropped_unlearned else "")
+        + "; raise train.seq_len or shorten the prompts")
 
 
 def _open(target: Path, seq_len: int, template: ChatTemplate) -> SFTCorpus:
