@@ -168,9 +168,10 @@ def metered_contexts(real):  # noqa: ANN001, ANN201
 
 def meter_selective_checkpointing() -> None:
     """Make tessel's selective checkpointing report its cache to the active meter, for the
-    rest of the process: patches the function `tessel.parallel.apply` builds its checkpoint
-    contexts with, so call it before any model is built (tests use monkeypatch instead)."""
-    import tessel.parallel.apply as apply
+    rest of the process: patches the function `tessel.parallel.checkpointing` builds its
+    checkpoint contexts with, so call it before any model is built (tests use monkeypatch
+    instead)."""
+    import tessel.parallel.checkpointing as apply
 
     if not getattr(apply.create_selective_checkpoint_contexts, "metered", False):
         apply.create_selective_checkpoint_contexts = metered_contexts(

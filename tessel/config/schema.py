@@ -232,9 +232,24 @@ class ParallelConfig(Section):
     sequence_parallel: bool = True
     """With tp > 1, also shard norms and dropout along the sequence (Megatron SP): less
     activation memory, same communication volume."""
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in the backward pass: full = every block's; selective = keep the
-    matmul outputs, recompute the cheap element-wise ops."""
+    activation_checkpointing: Literal["none", "full", "selective", "matmuls"] = "none"
+    """Recompute activations in the backward pass: full = keep each block's input, recompute
+    the whole block (least memory, +1 forward); selective = torchtitan's per-op policy: keep
+    attention outputs, what collectives return and every other matmul output, recompute the
+    rest (in a Llama block wk, wo and w3 are recomputed: about +10% time); matmuls = keep every
+    matmul and attention output, recompute only element-wise ops (Megatron's "selective":
+    most memory of the three, about +3% time). docs/parallelism.md says which to use when."""
+    activation_checkpointing_every: int = Field(1, gt=0)
+    """Apply activation_checkpointing to every N-th block only (torchtitan's per-layer
+    checkpointing): 1 = every block; 2 = blocks 2, 4, 6, ... (counted from 1); the other
+    blocks keep all their activations."""
+    loss_chunks: int = Field(0, ge=0)
+    """Compute the output projection and cross-entropy over this many pieces of each
+    micro-batch's tokens, each made again in the backward pass, so that only one piece's
+    logits (tokens x vocabulary) exist at once: 1 = the whole micro-batch at once; 0 = as
+    many as keep a piece at most 2^28 logits per rank (1 GiB in fp32; 1 for small models).
+    Equal to the plain loss in value and gradients; costs one more forward of the output
+    projection (about 2% of a Llama 3 8B step)."""
     offload: Literal["none", "optimizer", "params"] = "none"
     """Keep state in host memory: optimizer = AdamW's moments and update on the host
     (ZeRO-Offload; any layout; parameters and gradients stay on the device); params =

@@ -30,6 +30,7 @@ from tessel.models.attention import (  # noqa: F401 (document_* and apply_rope: 
     document_causal_mask,
     document_positions,
 )
+from tessel.models.loss import chunked_loss_sum
 from tessel.models.moe import MoE
 
 if TYPE_CHECKING:  # the config imports the presets from this package
@@ -127,6 +128,9 @@ class Transformer(nn.Module):
         self.context_parallel: SequenceExchange | None = None
         """Context parallelism (tessel.parallel.context): the exchange every attention module
         of this model holds; None without. Forward reads its degree and mode."""
+        self.loss_chunks = 1
+        """Pieces the output projection and loss run in when forward is given the targets
+        (parallel.loss_chunks): only one piece's logits exist at once."""
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
@@ -222,9 +226,12 @@ class Transformer(nn.Module):
                 self.vocab_mask = self._vocab_mask(mask.device)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, padded_vocab_size) in the compute dtype, -inf
-        at the padding ids.
+        at the padding ids; with `targets` (B, T), the summed next-token loss instead, shape (1,)
+        (`loss.token_loss_sum`), over `loss_chunks` pieces whose logits are recomputed in
+        backward, so the whole logits never exist at once.
 
         doc_ids: optional (B, T_sample) document index of each position of the whole sample;
         attention then stays inside each document of a packed sequence, and positions
@@ -275,7 +282,14 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
-        logits = self.output(h)  # (B, T, padded_vocab_size)
+        if targets is not None:
+            # (1,): a pipeline stage's output needs a batch dimension to be merged.
+            return chunked_loss_sum(self.logits, h, targets, self.loss_chunks).reshape(1)
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., C) final hidden states -> (..., padded_vocab_size) logits, -inf at padding."""
+        logits = self.output(h)
         if self.vocab_mask is not None:
             logits = logits + self.vocab_mask.to(logits.dtype)
         return logits

@@ -18,7 +18,6 @@ starts from exactly the single-process weights.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,15 +25,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
 from tessel.config import Config
 from tessel.models import lora
+from tessel.models.loss import loss_pieces
 from tessel.models.transformer import Transformer
+from tessel.parallel.checkpointing import apply_activation_checkpointing
 from tessel.parallel.context import ContextParallel, apply_context_parallel
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolve_zero
 from tessel.parallel.expert import apply_expert_parallel
@@ -126,8 +122,12 @@ def build_parallel_model(
             from tessel.parallel.fp8 import apply_fp8
 
             apply_fp8(stage)
-        if p.activation_checkpointing != "none":
-            apply_activation_checkpointing(stage, p.activation_checkpointing)
+        apply_activation_checkpointing(stage, p.activation_checkpointing,
+                                       p.activation_checkpointing_every)
+        # this rank's logits per micro-batch: its tokens (1/cp) x its vocabulary (1/tp)
+        stage.loss_chunks = loss_pieces(
+            p.loss_chunks, cfg.train.micro_batch_size * cfg.train.seq_len / dims.cp,
+            cfg.model.padded_vocab_size / dims.tp)
         if cfg.train.compile:
             # Regional compilation: one graph per block keeps start-up short and the
             # parameter names (and so the checkpoints) unchanged.
@@ -233,40 +233,3 @@ def _fsdp_offloaded(model: nn.Module) -> bool:
 
     group = state()._fsdp_param_group
     return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
-
-
-# ---- activation checkpointing ----------------------------------------------------------------
-
-# Selective: keep what is expensive to recompute (matrix multiplies and attention), recompute
-# the cheap element-wise ops (norms, activations, RoPE, residual adds) in the backward pass.
-SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
-    """Recompute each block's activations in backward. Overrides `forward` on the block
-    instance rather than wrapping the module, so parameter names do not change."""
-    for block in model.layers.values():
-        inner = block.forward
-        if mode == "selective":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-        else:
-            context_fn = None
-
-        def forward(*args, _inner=inner, _ctx=context_fn, **kwargs):  # noqa: ANN002, ANN003
-            extra = {"context_fn": _ctx} if _ctx is not None else {}
-            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
-
-        block.forward = forward  # type: ignore[method-assign]

@@ -65,6 +65,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
         )
     parallelize_module(model, tp_mesh, plan)
+    if model.output is not None and sp:
+        # The head's input gathered once, before the loss may split it into pieces
+        # (parallel.loss_chunks): each piece is then a slice of the whole sequence. The same
+        # all-gather the output projection's column-parallel input would make.
+        model.norm.register_forward_hook(_gather_sequence)
     if model.output is not None and model.vocab_mask is not None:
         # The -inf of the vocabulary's padding ids, sharded like the logits (Shard(-1)); on
         # meta here, filled per rank by Transformer.init_buffers after materialisation.
@@ -94,6 +99,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         parallelize_module(block, tp_mesh, block_plan)
     # parallelize_module replaced the embedding and the output weight separately: tie again.
     model.tie_weights()
+
+
+def _gather_sequence(_module: torch.nn.Module, _args: tuple, out: DTensor) -> DTensor:
+    """A sequence-sharded DTensor made whole on every tensor-parallel rank."""
+    return out.redistribute(out.device_mesh, [Replicate()] * out.device_mesh.ndim)
 
 
 def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:

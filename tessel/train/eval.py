@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tessel.data import Batch
-from tessel.models.loss import IGNORE_INDEX, token_loss_sum
+from tessel.models.loss import IGNORE_INDEX
 from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.step import TrainStep
@@ -77,8 +77,8 @@ class Evaluator:
                 batch, counted = next_batch()
                 x, y, docs, positions = s.shard(*s.on_device(batch))
                 with loss_context(s.dims.tp > 1), s.precision.autocast():
-                    logits = model(x, docs, positions)
-                    total += local_value(token_loss_sum(logits, y)).double()
+                    out = model(x, docs, positions, **s.loss_inputs(y))
+                    total += local_value(s.loss_sum(out, y)).double()
                     # this rank's share under context parallelism; fine-tuning counts the
                     # learned targets only (-100 is not counted, as in the loss)
                     if counted:

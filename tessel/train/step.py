@@ -52,6 +52,8 @@ class TrainStep:
         self.timer = timer or PhaseTimer(device)
         self.phase = phase or (lambda _what: None)
         self.context = model.context
+        self.loss_chunks = model.inner[-1].loss_chunks
+        """Pieces the last stage computes the loss in (parallel.loss_chunks)."""
         """Context parallelism: shards each micro-batch's sequences for this rank."""
         self.loss_factor = 1.0  # fault injection only (TESSEL_FAULT)
         self.replicas: Any = None
@@ -114,8 +116,8 @@ class TrainStep:
                 with (self.model.dp.micro_batch(self.model.parts, last),
                       loss_context(self.dims.tp > 1)):
                     with self.precision.autocast():
-                        logits = model(x, docs, positions)  # (B, T/cp, V)
-                    loss = token_loss_sum(logits, y) / divisor
+                        out = model(x, docs, positions, **self.loss_inputs(y))  # (B, T/cp, V)
+                    loss = self.loss_sum(out, y) / divisor
                     if self.loss_factor != 1.0:
                         loss = loss * self.loss_factor
                     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -158,8 +160,18 @@ class TrainStep:
         self.timer.end()
         return total, grad_norm
 
-    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = token_loss_sum(logits, targets) / self._loss_tokens
+    def loss_inputs(self, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the model takes besides its inputs for its output: the targets when it
+        computes the loss itself, over pieces (parallel.loss_chunks > 1)."""
+        return {"targets": targets} if self.loss_chunks > 1 else {}
+
+    def loss_sum(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed loss of a micro-batch from the model's output: its logits, or the loss
+        it computed itself (`loss_inputs`)."""
+        return out.sum() if self.loss_chunks > 1 else token_loss_sum(out, targets)
+
+    def _pipeline_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_sum(out, targets) / self._loss_tokens
         return loss * self.loss_factor if self.loss_factor != 1.0 else loss
 
     def _pipeline_step(self, batches: list[Batch], n_tokens: int) -> torch.Tensor:
@@ -169,7 +181,7 @@ class TrainStep:
         self._loss_tokens = n_tokens / self.dims.cp  # as in the plain step: cp ranks sum
         losses: list[torch.Tensor] = []
         args = (x,) if self.model.has_first else ()
-        kwargs = model_kwargs(docs, positions)
+        kwargs = {**model_kwargs(docs, positions), **self.loss_inputs(y)}
         target = y if self.model.has_last else None
         assert self.schedule is not None
         if self._pipeline_infers and self.moe.active:
@@ -192,7 +204,8 @@ class TrainStep:
         with loss_context(self.dims.tp > 1), self.precision.autocast():
             self.schedule.eval(*((x,) if self.model.has_first else ()),
                                target=y if self.model.has_last else None,
-                               losses=losses, **model_kwargs(docs, positions))
+                               losses=losses, **model_kwargs(docs, positions),
+                               **self.loss_inputs(y))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for v in losses:
             total += local_value(v).double()
