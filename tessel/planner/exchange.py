@@ -13,17 +13,25 @@ class ShapeExchange:
     def __init__(self, mode: str, size: int):
         self.size = size
         self.local_queries = mode == "allgather"
+        self.returned: list[torch.Tensor] = []
+        """What the real exchange's collectives would have returned (the per-op checkpointing
+        policy keeps those)."""
 
     def exchange(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.local_queries:  # (B, T/cp, H, hd) -> (B, T, H, hd), sequence-major like the gather's
             k, v = (torch.cat([t.transpose(0, 1)] * self.size).transpose(0, 1) for t in (k, v))
+            self.returned += [k, v]
             return q, k, v
         # (B, T/cp, H, hd) -> (B, T, H/cp, hd)
-        return tuple(torch.cat([t[:, :, : t.shape[2] // self.size]] * self.size, dim=1)
-                     for t in (q, k, v))  # type: ignore[return-value]
+        out = tuple(torch.cat([t[:, :, : t.shape[2] // self.size]] * self.size, dim=1)
+                    for t in (q, k, v))
+        self.returned += out
+        return out  # type: ignore[return-value]
 
     def restore(self, y: torch.Tensor) -> torch.Tensor:
         if self.local_queries:
             return y
-        return torch.cat([y[:, : y.shape[1] // self.size]] * self.size, dim=2)  # (B, T/cp, H, hd)
+        out = torch.cat([y[:, : y.shape[1] // self.size]] * self.size, dim=2)  # (B, T/cp, H, hd)
+        self.returned.append(out)
+        return out

@@ -131,6 +131,8 @@ BUILTIN: dict[str, GpuProfile] = {
                    device_names=("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB")),
         GpuProfile("h100-sxm", 989e12, 1979e12, 80.0, 450.0, 50.0, 8, hbm_gbps=3350, host_memory_gib=2048,
                    device_names=("H100 80GB HBM3", "H100 SXM")),
+        GpuProfile("h100-96gb-500w", 887e12, 1773e12, 95.0, 450.0, 50.0, 8, hbm_gbps=2400,
+                   host_memory_gib=2048, device_names=("H100 96GB HBM2e",)),
         GpuProfile("h100-pcie", 756e12, 1513e12, 80.0, 64.0, 25.0, 8, hbm_gbps=2000,
                    device_names=("H100 PCIe",)),
         GpuProfile("h800", 989e12, 1979e12, 80.0, 200.0, 50.0, 8, hbm_gbps=3350, host_memory_gib=2048,
@@ -151,6 +153,13 @@ SOURCES = {
                  "GB/s bidirectional; 200 Gb/s HDR IB per GPU",
     "h100-sxm": "NVIDIA H100 whitepaper: 989.4 dense BF16, 1979 dense FP8 TFLOP/s, 80 GB; "
                 "NVLink4 900 GB/s bidirectional (450 per direction); 400 Gb/s NDR per GPU",
+    "h100-96gb-500w": "H100 SXM5 with 96 GB HBM2e (2.4 TB/s) at the default 500 W power limit, "
+                      "as torchtitan's Dec 2024 benchmarks ran (Meta's Grand Teton; their doc: "
+                      "the peak lies between SXM's and NVL's). The same 132-SM die is rated "
+                      "989.4 dense BF16 TFLOP/s at 700 W (H100 SXM) and 835.5 at 400 W (H100 "
+                      "NVL, 1671 with sparsity); linear in the power limit between them, 500 W "
+                      "gives 887 (FP8 1773); 96 GB counted as an 80 GB H100's 79.6 GiB is "
+                      "counted (95 GiB); NVLink4 450 GB/s per direction; 400 Gb/s RDMA per GPU",
     "h100-pcie": "NVIDIA H100 whitepaper: 756 dense BF16, 1513 dense FP8 TFLOP/s, 80 GB; "
                  "PCIe Gen5 128 GB/s bidirectional (64 per direction), no NVLink assumed",
     "h800": "H100 SXM's figures (989 dense BF16, 1979 dense FP8 TFLOP/s, 80 GB, 3.35 TB/s) "

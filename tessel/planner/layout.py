@@ -31,6 +31,10 @@ class Layout:
     """How the cp ranks meet in attention: all-gather of keys/values, or Ulysses' all-to-all."""
     cp_load_balance: bool = True
     """Head-tail chunks (every cp rank the same causal work), else contiguous pieces."""
+    activation_checkpointing_every: int = 1
+    """Checkpointing applies to every N-th block only (the others keep everything)."""
+    loss_chunks: int = 0
+    """Pieces the output projection and loss run in (parallel.loss_chunks; 0: automatic)."""
 
     @property
     def dp(self) -> int:
@@ -60,7 +64,8 @@ class Layout:
             dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, resolve_zero(p),
             cfg.train.micro_batch_size, p.activation_checkpointing, p.offload, p.pp_schedule,
             p.pp_virtual_stages, p.pp_layers_first, p.pp_layers_last, p.sequence_parallel,
-            p.ep, p.cp_mode, p.cp_load_balance,
+            p.ep, p.cp_mode, p.cp_load_balance, p.activation_checkpointing_every,
+            p.loss_chunks,
         )
 
     def overrides(self) -> dict[str, Any]:
@@ -68,6 +73,9 @@ class Layout:
         out = {f"parallel.{k}": v for k, v in asdict(self).items() if k != "micro_batch"}
         if self.cp == 1:  # the context-parallel settings mean nothing without cp
             del out["parallel.cp_mode"], out["parallel.cp_load_balance"]
+        for key, default in (("activation_checkpointing_every", 1), ("loss_chunks", 0)):
+            if out[f"parallel.{key}"] == default:  # said only where chosen
+                del out[f"parallel.{key}"]
         out["train.micro_batch_size"] = self.micro_batch
         return out
 
@@ -89,7 +97,11 @@ class Layout:
                          + ("" if self.cp_load_balance else "/contiguous"))
         parts += [f"zero={self.zero}", f"mbs={self.micro_batch}"]
         if self.activation_checkpointing != "none":
-            parts.append(f"ac={self.activation_checkpointing}")
+            every = self.activation_checkpointing_every
+            parts.append(f"ac={self.activation_checkpointing}"
+                         + (f"/every{every}" if every > 1 else ""))
+        if self.loss_chunks:
+            parts.append(f"loss/{self.loss_chunks}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         if self.tp > 1 and not self.sequence_parallel:

@@ -16,8 +16,11 @@ import functools
 from dataclasses import dataclass, replace
 
 from tessel.config import LoraConfig, ModelConfig
+from tessel.models.loss import loss_pieces
+from tessel.parallel.checkpointing import checkpointed_blocks
 from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
+from tessel.planner.kept import head_bytes, moe_layer_count, stage_counts, unchecked_share
 from tessel.planner.layout import Layout
 from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes, cast_elements
 from tessel.planner.optimizer import ADAMW, OptimizerSpec, muon_transient_bytes
@@ -201,13 +204,6 @@ def _stage_ranges(n_layers: int, pp: int, virtual: int, first: int, last: int) -
     return [range(starts[s], starts[s + 1]) for s in range(n_stages)]
 
 
-def moe_layer_count(m: ModelConfig, layers: range | list[int]) -> int:
-    """How many of `layers` (indices) are MoE layers."""
-    if not m.moe_experts:
-        return 0
-    return sum(m.is_moe_layer(i) for i in layers)
-
-
 def rank_stages(layout: Layout, rank: int) -> list[int]:
     """The stage indices pipeline rank `rank` holds."""
     return [rank + v * layout.pp for v in range(layout.pp_virtual_stages)]
@@ -293,8 +289,7 @@ def memory_by_rank(
     out = []
     for rank in range(layout.pp):
         params = rank_parameters(m, layout, rank)
-        stages = {s: (len(ranges[s]), moe_layer_count(m, ranges[s]))
-                  for s in rank_stages(layout, rank)}
+        stages = {s: stage_counts(m, layout, ranges[s]) for s in rank_stages(layout, rank)}
         mem = rank_memory(m, layout, seq_len, precision, params, stages, rank, acts,
                           micro_batches, document_mask, lora, dense, optimizer)
         mem.stage = rank
@@ -368,7 +363,12 @@ def rank_memory(
         copies = compute * (p.root + 2 * p.block)
     elif compute == 2:
         # Autocast's weight casts, saved for backward; checkpointed blocks recompute theirs.
-        cast = p.matmul if layout.activation_checkpointing == "none" else p.head_matmul
+        # (the blocks checkpointing skips keep theirs: parallel.activation_checkpointing_every)
+        # and a chunked loss makes the head's again in backward
+        pieces = loss_pieces(layout.loss_chunks, layout.micro_batch * seq_len / layout.cp,
+                             m.padded_vocab_size / layout.tp)
+        head_cast = p.head_matmul if pieces == 1 else 0
+        cast = head_cast + (p.matmul - p.head_matmul) * unchecked_share(layout, m.n_layers)
         copies = acts.weight_casts_per_param * cast
     else:
         copies = 0.0
@@ -411,29 +411,35 @@ def rank_memory(
     # Activations saved for backward, for the micro-batches in flight.
     tokens = layout.micro_batch * seq_len / layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
-    ac = layout.activation_checkpointing
+    ac, every = layout.activation_checkpointing, layout.activation_checkpointing_every
     per_position = acts.per_position * seq_len
     moe_block = acts.moe_block or acts.block
-    per_layer, per_moe_layer = layer_bytes(acts, ac, tp, sp, seq_len)
+    kept_layer, kept_moe = layer_bytes(acts, ac, tp, sp, seq_len)
+    per_layer, per_moe_layer = layer_bytes(acts, "none", tp, sp, seq_len)
     # per MoE layer and micro-batch, whatever its tokens
-    router_copy = acts.moe_router_copy if ac == "none" else 0.0
+    router_copy = acts.moe_router_copy * unchecked_share(layout, m.n_layers)
     first_layer = 0.0  # what the model's first block keeps beyond a later one (LoRA: < 0)
     if acts.first is not None:
         moe_first = bool(m.moe_experts) and m.is_moe_layer(0)
-        first_layer = (layer_bytes(acts.first, ac, tp, sp, seq_len)[moe_first]
-                       - (per_moe_layer if moe_first else per_layer))
+        first_ac = ac if 0 in checkpointed_blocks(m.n_layers, every) else "none"
+        first_layer = (layer_bytes(acts.first, first_ac, tp, sp, seq_len)[moe_first]
+                       - layer_bytes(acts, first_ac, tp, sp, seq_len)[moe_first])
+    # A chunked loss keeps no logits: each piece makes its own again in backward.
+    pieces = loss_pieces(layout.loss_chunks, tokens, m.padded_vocab_size / tp)
+    head = head_bytes(acts, pieces)
     # With documents (and under context parallelism) every block is handed the same mask
     # and, with RoPE, each token's rotation (head_dim float32s): one per micro-batch, kept
     # until its backward whatever the checkpointing.
     shared = _shared_per_token(m, layout, seq_len, document_mask, dense_mask, compute)
     layers = p.layers
     chunk = {}  # bytes one micro-batch saves in each stage of this rank
-    for s, (n, n_moe) in stages.items():
-        chunk[s] = per_layer * (n - n_moe) + per_moe_layer * n_moe
+    for s, (n, n_moe, checked, checked_moe) in stages.items():
+        chunk[s] = (per_layer * (n - n_moe - checked) + kept_layer * checked
+                    + per_moe_layer * (n_moe - checked_moe) + kept_moe * checked_moe)
         chunk[s] += acts.embedding.per_token(tp, sp) if s == 0 else 0.0
         chunk[s] += first_layer if s == 0 and n else 0.0
         chunk[s] += shared if n else 0.0
-        chunk[s] += acts.head.per_token(tp, sp) if s == n_stages - 1 else 0.0
+        chunk[s] += head.per_token(tp, sp) if s == n_stages - 1 else 0.0
         chunk[s] = chunk[s] * tokens + router_copy * n_moe
     order = pipeline_order(layout, rank, micro_batches)
     if order is not None and layout.pp_schedule != "zero-bubble":
@@ -449,8 +455,12 @@ def rank_memory(
             largest = max(largest, moe_block.per_token(tp, sp))
         transient = (largest + per_position) * tokens
     if last:
+        # The loss's logits: all at once, or one piece's (kept and made) at a time.
         vocab = m.padded_vocab_size / tp
-        transient = max(transient, (compute + 4 * HEAD_TRANSIENT_FP32_COPIES) * vocab * tokens)
+        piece = (compute + 4 * HEAD_TRANSIENT_FP32_COPIES) * vocab
+        if pieces > 1:
+            piece += acts.head_vocab.per_token(tp, sp)
+        transient = max(transient, piece * tokens / pieces)
     activations += transient
 
     # Buffers that live in the allocator for communication.

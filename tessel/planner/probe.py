@@ -45,9 +45,11 @@ tests/distributed/test_layouts.py's LoRA layouts (4 layers, rank 4 on all seven
 projections, fp32), a rank keeps 8-15% less than the same layout trained in full, but under
 selective checkpointing 66% more (it keeps the output of every matmul, B's included).
 
-Selective activation checkpointing keeps the outputs of the operators in
-`tessel.parallel.apply.SAVE_OPS` (recorded by a dispatch mode during the same probe); full
-checkpointing keeps each block's input.
+Selective activation checkpointing keeps the outputs of the operators its policy's
+`tessel.parallel.checkpointing.KeepRule` keeps (recorded for each policy by a dispatch mode
+during the same probe); full checkpointing keeps each block's input. What the per-op policy
+keeps of tensor parallelism's collectives (the probe runs without them) is counted from the
+shapes: two gathered sub-layer inputs and two reduced projection outputs per block.
 
 Mixture-of-Experts layers are probed the same way, by a second 1-block model whose block is
 an MoE layer, with widths of its own that are pairwise distinct (d_model 64, 7 experts, top 3,
@@ -69,7 +71,7 @@ from tessel.config import LoraConfig, ModelConfig
 from tessel.planner.exchange import ShapeExchange
 from tessel.planner.lora import PROBE_RANK
 from tessel.planner.record import BATCH, POSITIONS, Saved, run_probe
-from tessel.planner.saved import ActivationProfile, ContextProfile, SavedBytes
+from tessel.planner.saved import ActivationProfile, ContextProfile, Kept, SavedBytes
 
 # Probe shape. Widths per token, all distinct: see the module docstring.
 _B, _T = BATCH, POSITIONS
@@ -180,12 +182,15 @@ class _Parts:
     mask_per_position: float = 0.0
     gathered: SavedBytes = SavedBytes()
     per_position_cp: float = 0.0
+    head_vocab: SavedBytes = SavedBytes()
+    head_input: SavedBytes = SavedBytes()
 
 
 def _split(records: list[Saved], m: ModelConfig, probe: ModelConfig, selective: bool = False,
            mode: str | None = None, rank: int = 0) -> _Parts:
     """The records summed by part and tensor-parallel class (`mode`, `rank`: see _scale)."""
-    parts = {p: [0.0, 0.0, 0.0] for p in ("block", "embedding", "head", "gathered")}
+    parts = {p: [0.0, 0.0, 0.0] for p in ("block", "embedding", "head", "gathered",
+                                          "head_vocab", "head_input")}
     positions = {"t": 0.0, "ht": 0.0, "tc": 0.0}
     for rec in records:
         kind, size = _scale(rec, m, probe, mode, rank)
@@ -214,9 +219,14 @@ def _split(records: list[Saved], m: ModelConfig, probe: ModelConfig, selective: 
         else:
             raise RuntimeError(f"activation probe: a tensor saved in {where!r} is not classified")
         parts[part][cls] += size
+        if part == "head" and kind == "v":
+            parts["head_vocab"][cls] += size
+        elif where == "output":  # the output projection's input (or its autocast copy)
+            parts["head_input"][cls] += size
     b = {k: SavedBytes(*v) for k, v in parts.items()}
     return _Parts(b["block"], b["embedding"], b["head"], positions["t"] + positions["ht"],
-                  positions["t"], b["gathered"], positions["tc"])
+                  positions["t"], b["gathered"], positions["tc"], b["head_vocab"],
+                  b["head_input"])
 
 
 def activation_profile(m: ModelConfig, regime: str, document_mask: bool = False,
@@ -249,28 +259,49 @@ def _measure(m: ModelConfig, regime: str, document_mask: bool, lora: LoraConfig 
              later_block: bool = False) -> ActivationProfile:
     probe = _probe_config(m, m.dropout)
     rank = lora.rank if lora is not None else 0
-    saved, selective_outputs, casts = run_probe(probe, regime, document_mask, lora=lora,
-                                                later_block=later_block)
+    saved, kept_outputs, casts = run_probe(probe, regime, document_mask, lora=lora,
+                                           later_block=later_block)
     parts = _split(saved, m, probe, rank=rank)
     block = parts.block
     block_input = _block_input(m, regime)
-    selective = _split(_block_outputs(selective_outputs), m, probe, selective=True, rank=rank)
-    sel_block = selective.block
+    kept = _kept(kept_outputs, m, probe, block_input, rank=rank)
     cast_elements = sum(c.shape[0] * c.shape[1] for c in casts)
     cast_bytes = sum(c.nbytes for c in casts)
-    moe = {}
+    moe_block, router_copy = None, 0.0
     if m.moe_experts:
-        moe = _moe_profile(m, regime, document_mask, block, sel_block + block_input,
-                           [r for r in saved if _in_mlp(r)],
-                           [r for r in selective_outputs if _in_mlp(r)], probe, lora)
+        moe_block, kept, router_copy = _moe_profile(
+            m, regime, document_mask, block, kept, [r for r in saved if _in_mlp(r)],
+            {p: [r for r in out if _in_mlp(r)] for p, out in kept_outputs.items()}, probe, lora)
+    gathered, reduced = _collective_outputs(m, regime)
     return ActivationProfile(
-        block=block, block_selective=sel_block + block_input, block_input=block_input,
+        block=block, kept=kept, block_input=block_input,
         per_position=parts.per_position, mask_per_position=parts.mask_per_position,
-        per_position_selective=selective.per_position, embedding=parts.embedding,
-        head=parts.head,
+        embedding=parts.embedding, head=parts.head, head_vocab=parts.head_vocab,
+        head_input=parts.head_input,
         weight_casts_per_param=cast_bytes / cast_elements if cast_elements else 0.0,
-        **moe,
+        moe_block=moe_block, tp_gathered=gathered, tp_reduced=reduced,
+        moe_router_copy=router_copy,
     )
+
+
+def _kept(outputs: dict[str, list[Saved]], m: ModelConfig, probe: ModelConfig,
+          block_input: SavedBytes, mode: str | None = None, rank: int = 0) -> dict[str, Kept]:
+    """What a block keeps under each selective policy: its kept outputs and its input."""
+    kept = {}
+    for policy, records in outputs.items():
+        parts = _split(_block_outputs(records), m, probe, selective=True, mode=mode, rank=rank)
+        kept[policy] = Kept(parts.block + block_input, parts.per_position + parts.per_position_cp,
+                            gathered=parts.gathered)
+    return kept
+
+
+def _collective_outputs(m: ModelConfig, regime: str) -> tuple[float, float]:
+    """Per token and block, (gathered, reduced) bytes the per-op policy keeps of tensor
+    parallelism's collectives: the two gathered sub-layer inputs (sequence parallelism; in the
+    residual stream's dtype) and the two reduced projection outputs (in the compute dtype)."""
+    residual = 2 if regime == "bf16_params" else 4
+    compute = 4 if regime == "fp32" else 2
+    return 2 * residual * m.d_model, 2 * compute * m.d_model
 
 
 def _block_input(m: ModelConfig, regime: str) -> SavedBytes:
@@ -309,17 +340,15 @@ def _measure_context(m: ModelConfig, regime: str, document_mask: bool, mode: str
                      lora: LoraConfig | None = None, later_block: bool = False) -> ContextProfile:
     probe = _probe_config(m, m.dropout)
     rank = lora.rank if lora is not None else 0
-    saved, selective_outputs, _ = run_probe(probe, regime, document_mask,
-                                            ShapeExchange(mode, _CP), lora, later_block)
+    saved, kept_outputs, _ = run_probe(probe, regime, document_mask,
+                                       ShapeExchange(mode, _CP), lora, later_block)
     parts = _split(saved, m, probe, mode=mode, rank=rank)
-    selective = _split(_block_outputs(selective_outputs), m, probe, selective=True, mode=mode,
-                       rank=rank)
     return ContextProfile(
         block=parts.block, gathered=parts.gathered, per_position=parts.per_position,
         mask_per_position=parts.mask_per_position, per_position_cp=parts.per_position_cp,
-        block_selective=selective.block + _block_input(m, regime),
-        per_position_selective=selective.per_position + selective.per_position_cp,
-        embedding=parts.embedding, head=parts.head)
+        kept=_kept(kept_outputs, m, probe, _block_input(m, regime), mode, rank),
+        embedding=parts.embedding, head=parts.head, head_vocab=parts.head_vocab,
+        head_input=parts.head_input)
 
 
 def _in_mlp(rec: Saved) -> bool:
@@ -327,28 +356,28 @@ def _in_mlp(rec: Saved) -> bool:
 
 
 def _moe_profile(m: ModelConfig, regime: str, document_mask: bool, block: SavedBytes,
-                 block_selective: SavedBytes, dense_mlp: list[Saved],
-                 dense_mlp_selective: list[Saved], probe: ModelConfig,
-                 lora: LoraConfig | None = None) -> dict[str, object]:
+                 kept: dict[str, Kept], dense_mlp: list[Saved],
+                 dense_mlp_kept: dict[str, list[Saved]], probe: ModelConfig,
+                 lora: LoraConfig | None = None
+                 ) -> tuple[SavedBytes, dict[str, Kept], float]:
     """An MoE block: the dense block with its MLP's saved tensors replaced by an MoE layer's
-    (measured on the MoE probe), under no and selective checkpointing; and the router's
-    per-micro-batch weight copy. With `lora` the MoE layer is frozen (adapters on its
-    attention only) and its input needs a gradient (the attention's adapters see to it)."""
-    saved, selective, casts = run_probe(_moe_probe_config(m, m.dropout), regime, document_mask,
-                                        lora=lora, later_block=lora is not None)
+    (measured on the MoE probe), without and under each selective policy (`kept`, returned
+    with each policy's moe_block); and the router's per-micro-batch weight copy. With `lora`
+    the MoE layer is frozen (adapters on its attention only) and its input needs a gradient
+    (the attention's adapters see to it)."""
+    saved, moe_kept, casts = run_probe(_moe_probe_config(m, m.dropout), regime, document_mask,
+                                       lora=lora, later_block=lora is not None)
     rank = lora.rank if lora is not None else 0
     mlp = _moe_bytes([r for r in saved if _in_mlp(r)], m)
-    mlp_selective = _moe_bytes([r for r in selective if _in_mlp(r)], m)
     router = ((_MOE_E, _MOE_D), (_MOE_D, _MOE_E))  # saved transposed by the matmul
     router_copy = sum(c.nbytes for c in casts if c.shape in router and c.where == _FFN_MODULE)
-    return {
-        "moe_block": block - _split(dense_mlp, m, probe, rank=rank).block + mlp,
-        "moe_block_selective": (block_selective
-                                - _split(dense_mlp_selective, m, probe, selective=True,
-                                         rank=rank).block
-                                + mlp_selective),
-        "moe_router_copy": router_copy * m.moe_experts * m.d_model / (_MOE_E * _MOE_D),
-    }
+    with_moe = {}
+    for policy, k in kept.items():
+        dense = _split(dense_mlp_kept[policy], m, probe, selective=True, rank=rank).block
+        moe = _moe_bytes([r for r in moe_kept[policy] if _in_mlp(r)], m)
+        with_moe[policy] = replace(k, moe_block=k.block - dense + moe)
+    return (block - _split(dense_mlp, m, probe, rank=rank).block + mlp, with_moe,
+            router_copy * m.moe_experts * m.d_model / (_MOE_E * _MOE_D))
 
 
 def _moe_bytes(records: list[Saved], m: ModelConfig) -> SavedBytes:

@@ -44,9 +44,13 @@ def _mfu_tokens(mfu: float, peak: float, gpus: int, preset: str, seq_len: int) -
     return mfu * peak * gpus / flops_per_token(ModelConfig(preset=preset), seq_len)
 
 
-_A100_NETWORK = ("network not published; ZeRO-3's collectives alone would take longer than "
-                 "the published step at 200 Gb/s per GPU (the a100-80gb profile), so the "
-                 "cluster's links were faster")
+A100_CLUSTER_GBPS = 75.0
+"""GB/s per GPU between nodes that torchtitan's A100 rows imply (not published)."""
+_A100_NETWORK = ("network not published: at the a100-80gb profile's 200 Gb/s per GPU ZeRO-3's "
+                 "collectives of the Llama 2 70B row alone take longer (15.6 s a step) than its "
+                 "published step (11.5 s); 600 Gb/s (75 GB/s) per GPU assumed, the least that "
+                 "leaves every row compute-bound; eager PyTorch (torch.compile not in "
+                 "torchtitan's runs of the time); per-op selective checkpointing")
 _H100_POWER = "GPUs capped at 500 W, below the SXM peak the h100-sxm profile assumes"
 
 
@@ -73,6 +77,11 @@ class PublishedRun:
     """Used to fit the matmul efficiency; False where the source leaves out something the
     time depends on (then `caveat` says what)."""
     caveat: str = ""
+    stack: str = "megatron-te"
+    """The software stack that ran it (tessel/planner/stack.py)."""
+    hardware: dict[str, Any] | None = None
+    """Profile fields of the cluster where they differ from the named profile's (assumed
+    where the source does not publish them: said in `assumed`)."""
 
 
 def _megatron(params: str, heads: int, d: int, layers: int, tp: int, pp: int, gpus: int,
@@ -103,7 +112,8 @@ def _titan_a100(model: str, shape: dict[str, Any], seq_len: int, micro_batch: in
         f"{model}, 64 x A100 ({'no' if ac == 'none' else ac} AC)", TORCHTITAN_A100, "a100-80gb",
         64, shape, seq_len, 64 * micro_batch,
         {"zero": 3, "micro_batch": micro_batch, "activation_checkpointing": ac},
-        per_gpu * 64, fit=False, caveat=_A100_NETWORK,
+        per_gpu * 64, assumed=_A100_NETWORK, stack="pytorch-eager",
+        hardware={"inter_node_gbps": A100_CLUSTER_GBPS},
     )
 
 
@@ -138,7 +148,7 @@ RUNS: tuple[PublishedRun, ...] = (
         {"preset": "llama3-405b", "max_seq_len": 131072}, 131072, 128,
         {"tp": 8, "cp": 16, "pp": 16, "zero": 1, "micro_batch": 1,
          "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 4, "pp_layers_first": 1,
-         "pp_layers_last": 1, "activation_checkpointing": "selective"},
+         "pp_layers_last": 1, "activation_checkpointing": "matmuls"},
         _mfu_tokens(380e12 / 989e12, 989e12, 16384, "llama3-405b", 131072),
         assumed="the 8K rows' pipeline (micro-batch 1, interleaved 1F1B, 4 virtual stages, "
                 "1-layer first and last stages), all-gather context parallelism, selective "
@@ -158,14 +168,17 @@ RUNS: tuple[PublishedRun, ...] = (
                 4096, 1, "selective", 355),
     *(
         PublishedRun(
-            f"Llama 3 8B, {gpus} x H100 (compile)", TORCHTITAN_H100, "h100-sxm", gpus,
+            f"Llama 3 8B, {gpus} x H100 96GB 500 W ({'compile' if compiled else 'eager'})",
+            TORCHTITAN_H100, "h100-96gb-500w", gpus,
             {"preset": "llama3-8b"}, 8192, 2 * gpus,
             {"zero": 3, "micro_batch": 2, "activation_checkpointing": "selective"},
             per_gpu * gpus,
-            assumed="seq 8192 (the default config of the time)",
-            fit=False, caveat=_H100_POWER,
+            assumed="seq 8192 (the default config of the time); torchtitan's per-op selective "
+                    "checkpointing, as tessel's selective",
+            stack="pytorch-compile" if compiled else "pytorch-eager",
         )
-        for gpus, per_gpu in ((8, 6667), (128, 6514))
+        for gpus, compiled, per_gpu in ((8, True, 6667), (128, True, 6514), (8, False, 5762),
+                                        (128, False, 5605))
     ),
     *(
         PublishedRun(
@@ -173,7 +186,7 @@ RUNS: tuple[PublishedRun, ...] = (
             {"preset": "gpt3-175b", "n_heads": 128, "vocab_size": 64000, "tie_embeddings": False},
             2048, gbs,
             {"tp": 8, "pp": 8, "zero": 1, "micro_batch": 1, "pp_schedule": "interleaved-1f1b",
-             "pp_virtual_stages": 6, "activation_checkpointing": "selective"},
+             "pp_virtual_stages": 6, "activation_checkpointing": "matmuls"},
             tokens,
             assumed="A100-80GB, micro-batch 1, selective recomputation",
         )

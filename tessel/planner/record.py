@@ -2,7 +2,7 @@
 
 One forward of a small model plus its loss, in a precision regime, under saved-tensor hooks:
 every tensor autograd saves, once per storage, with the module that saved it; the outputs of
-the operators selective checkpointing keeps (a dispatch mode); and the weights' low-precision
+the operators each selective checkpointing policy keeps (a dispatch mode); and the weights' low-precision
 copies autocast saves. What the model hands every block besides its hidden state (masks, the
 RoPE table) is shared by the blocks and left out. With `lora`, the probe's blocks carry
 adapters as the run's (`tessel.planner.lora.probe_adapters`); `later_block`: the block's
@@ -23,12 +23,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tessel.config import LoraConfig, ModelConfig
 from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import Transformer
-from tessel.parallel.apply import SAVE_OPS
+from tessel.parallel.checkpointing import KeepRule
 from tessel.parallel.context import chunk_positions
 from tessel.planner.exchange import ShapeExchange
 from tessel.planner.lora import probe_adapters
 
 BATCH, POSITIONS = 2, 8  # the probe's micro-batch and (its rank's) positions
+KEEPING = ("selective", "matmuls")
+"""The checkpointing policies that keep operator outputs (tessel.parallel.checkpointing)."""
 _B, _T = BATCH, POSITIONS
 
 
@@ -71,19 +73,25 @@ def _where(qualified: str) -> str:
 
 
 class _OutputRecorder(TorchDispatchMode):
-    """Records the outputs of the operators selective checkpointing keeps."""
+    """Records the outputs each selective checkpointing policy keeps (its `KeepRule`, new
+    for every block as a checkpointed region's is)."""
 
     def __init__(self, modules: _ModuleStack):
         super().__init__()
         self.modules = modules
-        self.outputs: list[tuple[str, torch.Tensor]] = []
+        self.rules = {policy: KeepRule(policy) for policy in KEEPING}
+        self.outputs: dict[str, list[tuple[str, torch.Tensor]]] = {p: [] for p in KEEPING}
+
+    def new_region(self, _module: nn.Module, _args: tuple) -> None:
+        self.rules = {policy: KeepRule(policy) for policy in KEEPING}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        if func in SAVE_OPS:
-            for t in out if isinstance(out, tuple) else (out,):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    self.outputs.append((self.modules.current, t))
+        for policy, rule in self.rules.items():
+            if rule.keeps(func):
+                for t in out if isinstance(out, tuple) else (out,):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        self.outputs[policy].append((self.modules.current, t))
         return out
 
 
@@ -108,8 +116,9 @@ def _autocast(regime: str) -> Iterator[None]:
 
 def run_probe(probe: ModelConfig, regime: str, document_mask: bool,
               exchange: ShapeExchange | None = None, lora: LoraConfig | None = None,
-              later_block: bool = False) -> tuple[list[Saved], list[Saved], list[Saved]]:
-    """(saved tensors, selective-checkpointing outputs, weight casts) of one forward of a
+              later_block: bool = False
+              ) -> tuple[list[Saved], dict[str, list[Saved]], list[Saved]]:
+    """(saved tensors, the outputs each of KEEPING keeps, weight casts) of one forward of a
     1-block model plus its loss, each storage once; with `exchange`, of context-parallel
     rank 0 of exchange.size; `lora`, `later_block`: see the module docstring."""
     torch.manual_seed(0)
@@ -162,6 +171,7 @@ def run_probe(probe: ModelConfig, regime: str, document_mask: bool,
                       if isinstance(a, torch.Tensor) and a is not model.rope_freqs)
 
     hooks = [b.register_forward_pre_hook(block_inputs) for b in model.layers.values()]
+    hooks += [b.register_forward_pre_hook(recorder.new_region) for b in model.layers.values()]
     if later_block:
         hooks += [b.register_forward_pre_hook(_needs_gradient) for b in model.layers.values()]
     try:
@@ -175,11 +185,18 @@ def run_probe(probe: ModelConfig, regime: str, document_mask: bool,
             hook.remove()
     del loss
     saved = [r for p, r in records.items() if p not in shared]
-    selective: dict[int, Saved] = {}
-    for where, t in recorder.outputs:
-        ptr = t.untyped_storage().data_ptr()
-        selective.setdefault(ptr, Saved(_where(where), tuple(t.shape), t.untyped_storage().nbytes()))
-    return saved, list(selective.values()), list(casts.values())
+    if exchange is not None:  # what context parallelism's collectives return
+        recorder.outputs["selective"] += [("layers.0.attention", t) for t in exchange.returned]
+    kept = {policy: _once_per_storage(outputs) for policy, outputs in recorder.outputs.items()}
+    return saved, kept, list(casts.values())
+
+
+def _once_per_storage(outputs: list[tuple[str, torch.Tensor]]) -> list[Saved]:
+    seen: dict[int, Saved] = {}
+    for where, t in outputs:
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), Saved(_where(where), tuple(t.shape), storage.nbytes()))
+    return list(seen.values())
 
 
 def _needs_gradient(_module: nn.Module, args: tuple) -> tuple:

@@ -37,13 +37,29 @@ class SavedBytes:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """What one block keeps under a selective checkpointing policy (`selective`, `matmuls`:
+    tessel.parallel.checkpointing), per token."""
+
+    block: SavedBytes
+    """The kept operator outputs and the block's input."""
+    per_position: float = 0.0
+    """Per token per position (attention scores, if the kernel materialises them)."""
+    moe_block: SavedBytes | None = None
+    """An MoE block's (None for a dense model)."""
+    gathered: SavedBytes = SavedBytes()
+    """Under context parallelism, times cp: the whole sequence's keys and values that the
+    all-gather returned (kept by the per-op policy)."""
+
+
+@dataclass(frozen=True)
 class ActivationProfile:
     """What one micro-batch of a model saves for backward, per token (scaled to the model)."""
 
     block: SavedBytes
     """One transformer block without recomputation."""
-    block_selective: SavedBytes
-    """One block under selective checkpointing: the saved operator outputs and its input."""
+    kept: dict[str, Kept]
+    """One block under each selective checkpointing policy, by its name."""
     block_input: SavedBytes
     """One block's input: all that full checkpointing keeps per block."""
     per_position: float
@@ -52,20 +68,27 @@ class ActivationProfile:
     mask_per_position: float
     """Of per_position, the additive mask SDPA makes of a dense boolean one (none with
     FlexAttention's block masks)."""
-    per_position_selective: float
-    """The same under selective checkpointing (the attention scores it keeps, if the
-    attention kernel materialises them)."""
     embedding: SavedBytes
     """The first stage's embedding work (token ids, dropout)."""
     head: SavedBytes
     """The last stage's final norm, output projection input, logits and loss."""
+    head_vocab: SavedBytes
+    """Of `head`, what has the vocabulary's width (what the loss keeps of the logits): kept
+    by no piece of a chunked loss (parallel.loss_chunks), which makes it again in backward."""
+    head_input: SavedBytes
+    """Of `head`, the output projection's saved input (autocast's copy of the final hidden
+    state under bf16 autocast), which a chunked loss keeps as the hidden state itself."""
     weight_casts_per_param: float
     """Autocast's low-precision copies of the matmul weights, bytes per weight element,
     saved anew by every micro-batch's forward (0 without autocast over fp32 weights)."""
     moe_block: SavedBytes | None = None
     """One Mixture-of-Experts block without recomputation (None for a dense model)."""
-    moe_block_selective: SavedBytes | None = None
-    """One MoE block under selective checkpointing."""
+    tp_gathered: float = 0.0
+    """Per token and block, what the per-op policy keeps of the sequence-parallel all-gathers
+    (the attention's and the MLP's gathered inputs), held whole by every tp rank."""
+    tp_reduced: float = 0.0
+    """Per token and block, what it keeps of the reductions after wo and w2 (all-reduced, or
+    reduce-scattered along the sequence with sequence parallelism)."""
     moe_router_copy: float = 0.0
     """Bytes an MoE layer saves per micro-batch whatever its tokens: the router's fp32 copy
     of its weight when the parameters are bf16 (FSDP), which the fp32 router matmul keeps."""
@@ -93,11 +116,12 @@ class ContextProfile:
     per_position_cp: float
     """Per layer, times seq_len x cp: a dense mask of the whole sequence (Ulysses, whose
     ranks run every query row)."""
-    block_selective: SavedBytes
-    """One block under selective checkpointing."""
-    per_position_selective: float
+    kept: dict[str, Kept]
+    """One block under each selective checkpointing policy (dense: no moe_block)."""
     embedding: SavedBytes
     head: SavedBytes
+    head_vocab: SavedBytes
+    head_input: SavedBytes
     first: ContextProfile | None = None
     """A stage's first block's, where it differs (LoRA: see ActivationProfile.first)."""
 
@@ -115,15 +139,19 @@ def rank_profile(acts: ActivationProfile, context: ContextProfile | None, cp: in
                              dense_mask)
     if context is not None:
         block = context.block + context.gathered * cp
+        kept = {}
+        for policy, k in context.kept.items():
+            whole = k.block + k.gathered * cp
+            moe = acts.kept[policy].moe_block
+            kept[policy] = Kept(whole, k.per_position, moe and (
+                whole + (moe - acts.kept[policy].block)))
         acts = replace(
-            acts, block=block, block_selective=context.block_selective,
+            acts, block=block, kept=kept,
             per_position=context.per_position + context.per_position_cp * cp,
             mask_per_position=context.mask_per_position + context.per_position_cp * cp,
-            per_position_selective=context.per_position_selective,
-            embedding=context.embedding, head=context.head,
-            moe_block=acts.moe_block and block + (acts.moe_block - acts.block),
-            moe_block_selective=acts.moe_block_selective and (
-                context.block_selective + (acts.moe_block_selective - acts.block_selective)))
+            embedding=context.embedding, head=context.head, head_vocab=context.head_vocab,
+            head_input=context.head_input,
+            moe_block=acts.moe_block and block + (acts.moe_block - acts.block))
     if not dense_mask:
         acts = replace(acts, per_position=acts.per_position - acts.mask_per_position,
                        mask_per_position=0.0)
@@ -136,11 +164,13 @@ def layer_bytes(acts: ActivationProfile, checkpointing: str, tp: int, sp: bool,
     activation checkpointing `checkpointing` on a tensor-parallel rank."""
     if checkpointing == "full":
         return acts.block_input.per_token(tp, sp), acts.block_input.per_token(tp, sp)
-    if checkpointing == "selective":
-        scores = acts.per_position_selective * seq_len
-        moe = acts.moe_block_selective or acts.block_selective
-        return (acts.block_selective.per_token(tp, sp) + scores,
-                moe.per_token(tp, sp) + scores)
+    if checkpointing in acts.kept:
+        kept = acts.kept[checkpointing]
+        scores = kept.per_position * seq_len
+        if checkpointing == "selective" and tp > 1:  # what the collectives returned
+            scores += (acts.tp_gathered + acts.tp_reduced / tp) if sp else acts.tp_reduced
+        moe = kept.moe_block or kept.block
+        return kept.block.per_token(tp, sp) + scores, moe.per_token(tp, sp) + scores
     per_position = acts.per_position * seq_len
     moe = acts.moe_block or acts.block
     return acts.block.per_token(tp, sp) + per_position, moe.per_token(tp, sp) + per_position

@@ -22,6 +22,7 @@ from tessel.planner.layout import Layout
 from tessel.planner.memory import GIB, Memory, estimate_memory
 from tessel.planner.optimizer import OptimizerSpec
 from tessel.planner.speed import MIN_CP_POSITIONS, StepTime, estimate_step
+from tessel.planner.stack import Stack, on_stack, tessel_stack
 
 MAX_MICRO_BATCH = 64
 MAX_CP = 64  # context-parallel degrees tried: 1, 2, 4, ... up to this (and MIN_CP_POSITIONS)
@@ -81,8 +82,9 @@ def precision_for(cfg: Config, device_type: str = "cuda") -> str:
 
 
 def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str | None = None,
-             dp_overlap: float | None = None) -> Plan:
-    """`device_type` None: the profile's (`hw.device_type`)."""
+             dp_overlap: float | None = None, stack: Stack | None = None) -> Plan:
+    """`device_type` None: the profile's (`hw.device_type`); `stack` None: tessel's own
+    (planner/stack.py: compiled blocks or eager, as train.compile says)."""
     device_type = device_type or hw.device_type
     t, m = cfg.train, cfg.model
     precision = precision_for(cfg, device_type)
@@ -90,8 +92,9 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str | Non
     mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
                           cfg.data.document_mask, cfg.lora if cfg.lora.enabled else None,
                           flex_attention=device_type == "cuda", optimizer=opt)
-    step = estimate_step(m, layout, hw, t.seq_len, t.global_batch_size, precision, dp_overlap,
-                         opt)
+    run_hw = on_stack(hw, stack or tessel_stack(t.compile))
+    step = estimate_step(m, layout, run_hw, t.seq_len, t.global_batch_size, precision,
+                         dp_overlap, opt)
     tokens = t.global_batch_size * t.seq_len
     tps = tokens / step.total
     # MoE: FLOPs of the active parameters (the top_k experts a token is sent to).
@@ -223,7 +226,7 @@ def candidates(cfg: Config, gpus: int, hw: GpuProfile,
                                         break
                                     if pp > 1 and per_rank // mbs < pp:
                                         continue
-                                    for ac in ("none", "selective", "full"):
+                                    for ac in ("none", "selective", "matmuls", "full"):
                                         for offload in offloads:
                                             out.append(Layout(
                                                 rep, dp // rep, tp, pp, cp, zero, mbs, ac,

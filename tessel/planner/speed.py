@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from tessel.config import ModelConfig
+from tessel.models.loss import loss_pieces
 from tessel.planner.calls import (
     GLOO_SCATTER,
     on_curve,
@@ -24,6 +25,7 @@ from tessel.planner.calls import (
 )
 from tessel.planner.calls import ring_seconds as _ring
 from tessel.planner.hardware import GpuProfile
+from tessel.planner.kept import unchecked_share
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (
     StageParams,
@@ -45,9 +47,11 @@ FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide b
 # of gradients): DDP's backward with its all-reduce took 12-31 ms longer than without
 # (no_sync), the all-reduce alone 8-17 ms.
 CPU_OVERLAP = 0.0
-# Recomputed FLOPs: full checkpointing runs each block's forward again; selective recomputes
-# only element-wise work (its time, not its FLOPs, shows).
-RECOMPUTE = {"none": 0.0, "selective": 0.03, "full": 1.0 / 3.0}
+# Recomputed work as a share of a micro-batch's: full checkpointing runs each block's forward
+# again; matmuls (every matmul output kept) recomputes only element-wise work (its time, not
+# its FLOPs, shows). The per-op `selective` policy's share is counted from the shapes of the
+# matmuls it recomputes (`recompute_seconds`).
+RECOMPUTE = {"none": 0.0, "matmuls": 0.03, "full": 1.0 / 3.0}
 HOST_LINK_BYTES_PER_S = 25e9  # device <-> host, PCIe 5 x16 achievable per GPU
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # AdamW on the host, parameters per second per rank
 ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
@@ -202,6 +206,32 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
     return total, layers * attention
 
 
+def recompute_seconds(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
+                      t_mb: float, peak: float, layers: int, last: bool) -> float:
+    """Seconds one micro-batch spends again in its backward: the share RECOMPUTE gives of its
+    compute `t_mb` (full, matmuls), or the per-op policy's recomputed matmuls (the 2nd, 4th,
+    6th of each block: wk, wo and w3 in a SwiGLU block, wk, wo and w2 in a GELU one), on the
+    blocks checkpointing applies to; and the output projection's forward again for each
+    piece of a chunked loss on the last stage."""
+    ac = layout.activation_checkpointing
+    share = 1.0 - unchecked_share(layout, m.n_layers)
+    tokens = layout.micro_batch * seq_len / layout.cp
+    tp, d = layout.tp, m.d_model
+    rate = peak * hw.matmul_efficiency
+    seconds = t_mb * RECOMPUTE.get(ac, 0.0) * share
+    if ac == "selective":
+        kv = m.n_kv_heads * m.head_dim
+        hidden = m.ffn_hidden / tp
+        even = [(d, kv / tp), (m.q_dim / tp, d),
+                (d, hidden) if m.mlp == "swiglu" else (hidden, d)]
+        seconds += share * layers * sum(
+            2 * tokens * k * n / (rate * _size_efficiency(min(tokens, k, n))) for k, n in even)
+    if last and loss_pieces(layout.loss_chunks, tokens, m.padded_vocab_size / tp) > 1:
+        v = m.padded_vocab_size / tp
+        seconds += 2 * tokens * d * v / (rate * _size_efficiency(min(tokens, d, v)))
+    return seconds
+
+
 def all_to_all(nbytes: float, n: int, hw: GpuProfile, stride: int = 1) -> float:
     """Seconds for each of `n` ranks, `stride` apart, to send `nbytes` spread evenly over the
     group (1/n of it stays local): over NVLink when the group fits in a node, else the part
@@ -278,8 +308,14 @@ def estimate_step(
             t += layers * hw.tp_block_overhead_s
         if t > t_mb:
             t_mb, busiest = t, rank
-    recompute = RECOMPUTE[layout.activation_checkpointing]
-    t_mb *= 1 + recompute
+    busiest_ids = rank_stages(layout, busiest)
+    t_recompute = recompute_seconds(
+        m, layout, hw, seq_len, t_mb, peak,
+        sum(len(ranges[s]) for s in busiest_ids), n_stages - 1 in busiest_ids)
+    # Collectives are made again with the recomputed work, except under the per-op policy,
+    # which keeps what they return.
+    recompute = 0.0 if layout.activation_checkpointing == "selective" else t_recompute / t_mb
+    t_mb += t_recompute
     compute = micro_batches * t_mb
 
     intra = hw.intra_node_gbps * 1e9 * hw.comm_efficiency
@@ -304,7 +340,7 @@ def estimate_step(
 
     # Context parallel: every layer's exchange in the forward, the backward and a
     # recomputation, not overlapped.
-    passes = 2 + (layout.activation_checkpointing != "none")
+    passes = 2 + (layout.activation_checkpointing not in ("none", "selective"))
     cp_comm = micro_batches * passes * layers * (
         cp_exchange(m, layout, hw, seq_len, act_bytes)
         + (CP_CALLS[layout.cp_mode] * lat if cp > 1 else 0.0))

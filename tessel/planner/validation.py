@@ -12,6 +12,7 @@ from tessel.planner.hardware import GpuProfile, get_profile
 from tessel.planner.layout import Layout
 from tessel.planner.published import RUNS, PublishedRun
 from tessel.planner.search import Plan, check_layout, evaluate
+from tessel.planner.stack import STACKS
 
 
 @dataclass
@@ -38,11 +39,14 @@ def run_config(run: PublishedRun) -> tuple[Config, Layout]:
 
 def check(run: PublishedRun, hw: GpuProfile | None = None) -> Check:
     cfg, layout = run_config(run)
+    hw = hw or get_profile(run.gpu)
+    if run.hardware:  # the cluster's own figures, where it differs from the profile
+        hw = dataclasses.replace(hw, **run.hardware)
     reason = check_layout(cfg, layout)
     if reason is not None:
         raise ValueError(f"{run.name}: tessel cannot run this layout: {reason}")
-    return Check(run, evaluate(cfg, layout, hw or get_profile(run.gpu),
-                               dp_overlap=run.dp_overlap))
+    return Check(run, evaluate(cfg, layout, hw,
+                               dp_overlap=run.dp_overlap, stack=STACKS[run.stack]))
 
 
 def check_all(matmul_efficiency: float | None = None) -> list[Check]:

@@ -16,7 +16,7 @@ from test_planner_memory import ALL, LAYOUTS, adapters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import tessel.parallel.apply as apply
+import tessel.parallel.checkpointing as apply
 from tessel.config import Config, ModelConfig
 from tessel.models.lora import add_lora, cast_base
 from tessel.models.loss import token_loss_sum
@@ -175,10 +175,12 @@ def test_the_exchange_and_the_attention_by_hand():
     assert last == pytest.approx(share * 7 / 4)
 
 
-@pytest.mark.parametrize("ac, passes", [("none", 2), ("selective", 3), ("full", 3)])
+@pytest.mark.parametrize("ac, passes", [("none", 2), ("selective", 2), ("matmuls", 3),
+                                       ("full", 3)])
 def test_the_exchange_is_exposed_once_a_pass(ac, passes):
-    """Forward, backward (reduce-scatter of the gradients) and, under checkpointing, the
-    recomputed forward: every layer, every micro-batch, not hidden."""
+    """Forward, backward (reduce-scatter of the gradients) and, under checkpointing that
+    does not keep what the exchange returned (full, matmuls), the recomputed forward: every
+    layer, every micro-batch, not hidden. The per-op selective policy keeps it."""
     m = ModelConfig(preset="llama3-8b")
     layout = lay(4, tp=2, dp_shard=2, zero=1, activation_checkpointing=ac)
     step = estimate_step(m, layout, H100, 32768, 8, "bf16")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from saved_memory import SavedTensorMeter, metered_contexts
 
-import tessel.parallel.apply as apply
+import tessel.parallel.checkpointing as apply
 from tessel.config import LoraConfig, ModelConfig
 from tessel.models.lora import add_lora, cast_base
 from tessel.models.loss import token_loss_sum
@@ -54,6 +54,12 @@ CASES = [
     (MOE, "bf16", "full", True, 0.0),
     (SWITCH, "fp32", "none", False, 0.1),
     (SWITCH, "bf16", "selective", False, 0.0),
+    # Megatron's "selective" (every matmul output kept), as tessel's selective was before the
+    # per-op policy
+    (LLAMA, "fp32", "matmuls", False, 0.0),
+    (GPT, "bf16", "matmuls", True, 0.1),
+    (MOE, "fp32", "matmuls", False, 0.0),
+    (QWEN, "bf16", "matmuls", True, 0.0),
 ]
 # LoRA: the shape and adapters of tests/distributed/test_layouts.py's LORA_2 (4 layers, rank
 # 4 on every projection, documents, fp32), whose layouts measured these figures per rank;
@@ -87,10 +93,32 @@ LORA_CASES = [
 ]
 
 
+# Checkpointing on every N-th block only, and the loss over pieces of the tokens: (shape,
+# precision, policy, every, loss_chunks)
+PARTIAL_CASES = [
+    (LLAMA, "fp32", "full", 2, 1),
+    (GPT, "bf16", "selective", 2, 1),
+    (MOE, "fp32", "selective", 3, 4),
+    (LLAMA, "bf16", "none", 1, 4),
+    (QWEN, "fp32", "selective", 1, 3),
+    (GPT, "fp32", "matmuls", 4, 2),
+]
+
+
 @pytest.mark.parametrize("shape, precision, ac, mask, dropout, lora",
                          [(*case, None) for case in CASES] + LORA_CASES)
 def test_saved_activations_match_the_prediction(monkeypatch, shape, precision, ac, mask, dropout,
                                                 lora):
+    _check_saved(monkeypatch, shape, precision, ac, mask, dropout, lora)
+
+
+@pytest.mark.parametrize("shape, precision, ac, every, chunks", PARTIAL_CASES)
+def test_per_layer_checkpointing_and_a_chunked_loss_match_the_prediction(
+        monkeypatch, shape, precision, ac, every, chunks):
+    _check_saved(monkeypatch, shape, precision, ac, False, 0.0, None, every, chunks)
+
+
+def _check_saved(monkeypatch, shape, precision, ac, mask, dropout, lora, every=1, chunks=1):
     monkeypatch.setattr(apply, "create_selective_checkpoint_contexts",
                         metered_contexts(apply.create_selective_checkpoint_contexts))
     torch.manual_seed(0)
@@ -102,16 +130,22 @@ def test_saved_activations_match_the_prediction(monkeypatch, shape, precision, a
         add_lora(model, lora.targets, lora.rank, lora.alpha, lora.dropout)
         if lora.base_dtype == "bfloat16":
             cast_base(model, torch.bfloat16)
-    if ac != "none":
-        apply.apply_activation_checkpointing(model, ac)
+    apply.apply_activation_checkpointing(model, ac, every)
+    model.loss_chunks = chunks
     tokens = torch.randint(0, m.vocab_size, (mbs, T))
     docs = torch.tensor([[0] * (T // 3) + [1] * (T - T // 3)] * mbs) if mask else None
     meter = SavedTensorMeter.for_modules([model])
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
+    targets = torch.randint(0, m.vocab_size, (mbs, T))
     with meter.measuring(), autocast:
-        loss = token_loss_sum(model(tokens, docs), torch.randint(0, m.vocab_size, (mbs, T)))
-    mem = estimate_memory(m, Layout(1, 1, 1, 1, 1, 0, mbs, ac), T, mbs, precision, mask, lora)
+        if chunks > 1:
+            loss = model(tokens, docs, targets=targets).sum()
+        else:
+            loss = token_loss_sum(model(tokens, docs), targets)
+    layout = Layout(1, 1, 1, 1, 1, 0, mbs, ac, activation_checkpointing_every=every,
+                    loss_chunks=chunks)
+    mem = estimate_memory(m, layout, T, mbs, precision, mask, lora)
     # Autocast's weight casts are saved tensors too; the planner counts them with the
     # parameters (their copies), above the masters (fp32; a LoRA base: lora.base_dtype).
     casts = mem.parameters - sum(p.numel() * p.element_size() for p in model.parameters())

@@ -38,8 +38,11 @@ def layouts(draw) -> Layout:
     zero = draw(st.integers(0, 3))
     return Layout(1, draw(st.sampled_from([1, 2, 8])), tp, 1, 1, zero,
                   draw(st.sampled_from([1, 2, 4])),
-                  draw(st.sampled_from(["none", "selective", "full"])),
-                  sequence_parallel=draw(st.booleans()))
+                  draw(st.sampled_from(["none", "selective", "matmuls", "full"])),
+                  sequence_parallel=draw(st.booleans()),
+                  activation_checkpointing_every=draw(st.sampled_from([1, 2])),
+                  # a given number of loss pieces (the automatic count: its own property)
+                  loss_chunks=draw(st.sampled_from([1, 4])))
 
 
 precisions = st.sampled_from(["fp32", "bf16"])
@@ -107,3 +110,17 @@ def test_splitting_the_sequence_never_needs_more_activation_memory_on_a_gpu(m, l
     whole = estimate_memory(m, lay, 4096, gb, "bf16", flex_attention=True)
     part = estimate_memory(m, split, 4096, gb, "bf16", flex_attention=True)
     assert part.saved <= whole.saved and part.activations <= whole.activations
+
+
+@settings(max_examples=40, deadline=None)
+@given(models(), layouts(), precisions, st.sampled_from([1024, 4096, 8192]))
+def test_the_automatic_loss_pieces_never_need_more_memory_than_whole_logits(m, lay, precision,
+                                                                          seq_len):
+    """parallel.loss_chunks = 0 splits the loss only where the logits are large, and then the
+    rank holds less than with the whole logits at once."""
+    gb = lay.micro_batch * lay.dp
+    whole = estimate_memory(m, Layout(**{**lay.__dict__, "loss_chunks": 1}), seq_len, gb,
+                            precision)
+    auto = estimate_memory(m, Layout(**{**lay.__dict__, "loss_chunks": 0}), seq_len, gb,
+                           precision)
+    assert auto.total <= whole.total

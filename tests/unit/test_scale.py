@@ -20,6 +20,7 @@ from tessel.planner import search
 from tessel.planner.hardware import get_profile
 from tessel.planner.layout import Layout
 from tessel.planner.scaling import COMMUNICATION
+from tessel.planner.stack import MEGATRON
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = str(ROOT / "configs/gpt2-124m.toml")  # global batch 512, seq 1024
@@ -274,7 +275,7 @@ def test_gpt3_175b_strong_scaling_reads_like_megatron_lm_s_published_curve():
     for gpus, (rep, shard, tp, pp, zero, schedule, v) in MEGATRON_VOCAB_PICKS.items():
         layout = Layout(rep, shard, tp, pp, 1, zero, 1, pp_schedule=schedule, pp_virtual_stages=v)
         assert layout.world == gpus
-        plan = search.evaluate(cfg, layout, hw)
+        plan = search.evaluate(cfg, layout, hw, stack=MEGATRON)  # Megatron-LM's kernels
         assert plan.fits
         mfu[gpus] = plan.mfu
     values = list(mfu.values())

@@ -1,0 +1,45 @@
+"""What a rank keeps of its layers and its head under activation checkpointing on some
+blocks (parallel.activation_checkpointing_every) and a chunked loss (parallel.loss_chunks)."""
+
+from __future__ import annotations
+
+from tessel.config import ModelConfig
+from tessel.parallel.checkpointing import checkpointed_blocks
+from tessel.planner.layout import Layout
+from tessel.planner.saved import ActivationProfile, SavedBytes
+
+
+def moe_layer_count(m: ModelConfig, layers: range | list[int]) -> int:
+    """How many of `layers` (indices) are MoE layers."""
+    if not m.moe_experts:
+        return 0
+    return sum(m.is_moe_layer(i) for i in layers)
+
+
+def stage_counts(m: ModelConfig, layout: Layout, layers: range) -> tuple[int, int, int, int]:
+    """A stage's (layers, MoE layers, checkpointed dense layers, checkpointed MoE layers)."""
+    n, n_moe = len(layers), moe_layer_count(m, layers)
+    if layout.activation_checkpointing == "none":
+        return n, n_moe, 0, 0
+    checked = [i for i in checkpointed_blocks(m.n_layers, layout.activation_checkpointing_every)
+               if i in layers]
+    checked_moe = moe_layer_count(m, checked)
+    return n, n_moe, len(checked) - checked_moe, checked_moe
+
+
+def head_bytes(acts: ActivationProfile, loss_chunks: int) -> SavedBytes:
+    """What the head keeps: with a chunked loss no logits (each piece makes its own again in
+    backward), and the final hidden state in the residual dtype instead of the output
+    projection's (autocast) copy of it, held whole by every tensor-parallel rank."""
+    if loss_chunks == 1:
+        return acts.head
+    return (acts.head - acts.head_vocab - acts.head_input
+            + SavedBytes(replicated=acts.block_input.sequence))
+
+
+def unchecked_share(layout: Layout, n_layers: int) -> float:
+    """The share of the blocks that keep everything (no checkpointing on them)."""
+    if layout.activation_checkpointing == "none" or not n_layers:
+        return 1.0
+    every = layout.activation_checkpointing_every
+    return 1 - len(checkpointed_blocks(n_layers, every)) / n_layers
