@@ -175,10 +175,10 @@ def _prepare(files: list[Path], tok: Tokenizer | None, template: ChatTemplate, s
             "assistant turns out, or renders the same text whatever they say); use a "
             "data.chat_template that writes them")
     if tok is None:
-        texts = [text for text, _ in rendered]
-        tok = prep.in_thread(
-            lambda: train_bpe(texts, vocab_size, special_tokens=template_tokens(template)),
-            f"training a tokenizer on {len(texts):,} conversations ({prep.rendered / 1e6:,.1f} MB)")
+        doing = (f"training a tokenizer on {len(rendered):,} conversations "
+                 f"({prep.rendered / 1e6:,.1f} MB)")
+        tok = train_bpe((text for text, _ in rendered), vocab_size,
+                        special_tokens=template_tokens(template), waiting=lambda: prep.tick(doing))
     hf = chat_encoder(tok)
     examples = []
     for lo in range(0, len(rendered), _ENCODE_BATCH):  # the library encodes a batch in parallel

@@ -13,17 +13,15 @@ take hours or the machine's memory either (module constants: tests lower them):
 
 Past either, preparation stops with one line (`DataError`). Every `PROGRESS_SECONDS` a line
 on stderr says how far it got (only once it has run that long: a quick preparation, or one
-refused at once, says nothing more). The tokenizer trains in a thread of its own, so a signal
-(SIGTERM, Ctrl-C) stops the command at once instead of when the training ends.
+refused at once, says nothing more), the tokenizer's training included (`train_bpe` trains in
+a thread of its own, so a signal stops the command at once then too).
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from tessel.errors import DataError
 
@@ -90,24 +88,3 @@ class Preparation:
                 f"{CHARS_PER_MESSAGE:,} a message), which would all be held in memory; use a "
                 "data.chat_template that writes the conversations, not more")
         self.tick(f"{self.conversations:,} conversations rendered ({self._mb()})")
-
-    def in_thread(self, work: Callable[[], Any], doing: str) -> Any:
-        """work() in a thread of its own, this one waiting, awake for signals and progress:
-        a SIGTERM or Ctrl-C raises here at once and the thread is left to the process's
-        end (it writes nothing). Its result, or what it raised."""
-        out: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                out["value"] = work()
-            except BaseException as exc:  # noqa: BLE001 (raised again in the caller)
-                out["error"] = exc
-
-        thread = threading.Thread(target=run, name="tessel-sft-prepare", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.2)
-            self.tick(doing)
-        if "error" in out:
-            raise out["error"]
-        return out["value"]

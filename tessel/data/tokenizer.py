@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -158,9 +159,16 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
-              special_tokens: tuple[str, ...] = ()) -> Tokenizer:
+              special_tokens: tuple[str, ...] = (),
+              waiting: Callable[[], None] | None = None) -> Tokenizer:
     """Train a byte-level BPE (GPT-2 style) on an iterator of documents; `special_tokens`
-    (a chat template's markers, say) are added after the end-of-document token."""
+    (a chat template's markers, say) are added after the end-of-document token.
+
+    The library trains in native code, where no signal handler runs: it trains in a thread of
+    its own while this one waits, awake, so SIGTERM while preparing data and Ctrl-C stop the
+    command at once rather than at the end of the training (the thread, abandoned, writes
+    nothing and ends with the process). `waiting()` is called about every 0.2 s meanwhile
+    (progress lines)."""
     if vocab_size < 257 + 1:
         raise TokenizerError(f"vocab size {vocab_size} is too small; a byte-level BPE needs > 257")
     tok = _byte_level(HFTokenizer(models.BPE()))
@@ -171,7 +179,22 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_nonempty(texts), trainer=trainer)
+    failed: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            tok.train_from_iterator(_nonempty(texts), trainer=trainer)
+        except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
+            failed.append(exc)
+
+    thread = threading.Thread(target=train, name="tessel-bpe-training", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        if waiting is not None:
+            waiting()
+    if failed:
+        raise failed[0]
     return Tokenizer(tok, "bpe")
 
 

@@ -180,3 +180,32 @@ def test_unknown_tiktoken_encoding_names_the_known_ones(tmp_path):
     _ranks_file(tmp_path / "mine.tiktoken")
     with pytest.raises(TokenizerError, match="unknown encoding 'mine'.*tiktoken:NAME=PATH"):
         load_tokenizer(f"tiktoken:{tmp_path / 'mine.tiktoken'}")
+
+
+def test_the_caller_stays_awake_while_a_bpe_trains():
+    """The BPE trained in the caller's thread, in native code, where no signal handler runs:
+    SIGTERM while preparing data and Ctrl-C waited for the end of the training (27-41 s on
+    17 MB). Here the caller stops it (as a signal handler raising would) while the documents
+    are still coming; the training thread, abandoned, ends when they stop."""
+    import threading
+    import time
+
+    class Stop(Exception):
+        pass
+
+    fed = threading.Event()
+
+    def documents():
+        while not fed.is_set():  # as many as it takes: the training cannot end by itself
+            yield "the quick brown fox jumps over the lazy dog " * 8
+
+    def waiting():
+        fed.set()
+        raise Stop
+
+    with pytest.raises(Stop):
+        train_bpe(documents(), 300, waiting=waiting)
+    deadline = time.monotonic() + 60  # (generous: only the documents already read are left)
+    while any(t.name == "tessel-bpe-training" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the abandoned training never ended"
+        time.sleep(0.05)
