@@ -6,8 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+STALE_SECONDS = 24 * 3600.0
+"""A temporary build directory untouched for this long is one a killed process left (a build
+writes into it all along; the SFT preparation only once its data is ready), removed by the
+next build of the same target."""
 
 
 def default_cache_dir() -> Path:
@@ -30,6 +36,8 @@ def build_once(target: Path | None, build: Callable[[Path], Path | None],
     where = target.parent if target is not None else cache
     assert where is not None, "build_once needs a target or a cache directory"
     where.mkdir(parents=True, exist_ok=True)
+    if target is not None:
+        _remove_stale(where, f".tmp-{target.name}-")
     # A directory of its own, not one named by the pid: the processes of several machines
     # sharing this cache (a cluster's shared home) may have the same pid.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name if target else 'build'}-", dir=where))
@@ -45,3 +53,15 @@ def build_once(target: Path | None, build: Callable[[Path], Path | None],
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _remove_stale(where: Path, prefix: str) -> None:
+    """Remove the temporary directories `where/prefix*` no process has touched for
+    `STALE_SECONDS` (another machine's build under way keeps its own fresh)."""
+    now = time.time()
+    for tmp in where.glob(f"{prefix}*"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:  # removed meanwhile by another process
+            pass

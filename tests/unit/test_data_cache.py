@@ -30,3 +30,22 @@ def test_two_nodes_whose_builders_share_a_process_id_each_build_their_own(tmp_pa
     assert build_once(target, on_node_a) == target
     assert (target / "data.bin").read_text() == (target / "data.idx").read_text() == "b"
     assert [p.name for p in tmp_path.iterdir()] == ["corpus-key"]  # no temporary left behind
+
+
+def test_a_temporary_directory_a_killed_build_left_is_removed_by_the_next(tmp_path: Path):
+    """A process killed while building (the tokenizer aborting for memory, exit 134) left its
+    `.tmp-sft-*` directory in the cache for good."""
+    import time
+
+    target = tmp_path / "sft-key"
+    stale, fresh = tmp_path / ".tmp-sft-key-old", tmp_path / ".tmp-sft-key-busy"
+    for d in (stale, fresh):
+        d.mkdir()
+    day_ago = time.time() - 25 * 3600
+    os.utime(stale, (day_ago, day_ago))
+
+    def build(tmp: Path) -> None:
+        (tmp / "data.idx").write_text("x")
+
+    assert build_once(target, build) == target
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-sft-key-busy", "sft-key"]
