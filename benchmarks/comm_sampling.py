@@ -18,7 +18,8 @@ Method
   the order flipped each round; the median step time of each side. On several processes
   every rank does the same, so the collectives stay matched; rank 0 prints.
 - ratio = profiled / plain step time; what it costs a run at interval N is
-  (ratio - 1) / N of its step time (printed for N = 20, the default, and 100).
+  (ratio - 1) / N of its step time (printed for N = 20, 100 and the default,
+  metrics.comm_sample_interval).
 - the cost of a step that is *not* sampled: `CommMeter.sampled(step)` entered and left
   100,000 times with sampling off, per call, against the plain step time.
 
@@ -45,9 +46,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import overhead  # noqa: E402
 
 from tessel.bench import synchronize
-from tessel.config import Config
+from tessel.config import Config, MetricsConfig
 from tessel.observe.comm import CommMeter
 from tessel.train.trainer import Trainer
+
+DEFAULT_INTERVAL = MetricsConfig.model_fields["comm_sample_interval"].default
 
 
 def make_config(a: argparse.Namespace, run_dir: str) -> Config:
@@ -102,6 +105,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "ratio_profiled_over_plain": round(ratio, 3),
             "run_cost_pct_every_20": round(100 * (ratio - 1) / 20, 2),
             "run_cost_pct_every_100": round(100 * (ratio - 1) / 100, 3),
+            "default_interval": DEFAULT_INTERVAL,
+            "run_cost_pct_default": round(100 * (ratio - 1) / DEFAULT_INTERVAL, 3),
             "not_sampled_call_us": round(off * 1e6, 3),
             "not_sampled_cost_pct": round(100 * off / plain, 5),
             "steps_per_side": len(sides["plain"]),

@@ -25,12 +25,12 @@ class MetricsConfig(Section):
     prometheus_port: int | None = Field(None, ge=0, le=65535)
     """Serve the latest metrics as Prometheus text on http://HOST:PORT/metrics from rank 0
     (0: any free port, printed at start; unset: no endpoint)."""
-    comm_sample_interval: int = Field(20, ge=0)
+    comm_sample_interval: int = Field(200, ge=0)
     """Profile one training step in every N (the last of each N) to measure how long each
     rank was held up by communication (`time_comm_exposed_s`, `comm_exposed_share` in the
     next log record; docs/monitoring.md); the other steps run unprofiled. 0: never. A
-    profiled step took 1.4-1.8x a plain one on toy CPU models (2-4% of the run at 20;
-    docs/performance.md)."""
+    profiled step took 1.4-1.8x a plain one on toy CPU models, so one in 200 costs under
+    0.5% of a run (2-4% at 20; benchmarks/comm_sampling.py, docs/performance.md)."""
     comm_sample_after: int = Field(0, ge=0)
     """No step up to this one (the run's step number) is profiled for communication; the
     sampling counts from here (steps after+N, after+2N, ...). For a benchmark or a scaling
