@@ -11,6 +11,7 @@ from tessel.planner.memory import GIB
 from tessel.planner.optimizer import ASSUMPTIONS as OPTIMIZER_ASSUMPTIONS
 from tessel.planner.search import Plan, SearchResult, precision_for
 from tessel.planner.speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
+from tessel.planner.stack import generation, tessel_stack
 
 ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS]
 TOP_REJECTED = 3
@@ -54,6 +55,17 @@ def header(cfg: Config, gpus: int, hw: GpuProfile) -> str:
         f"{t.global_batch_size} ({t.global_batch_size * t.seq_len:,} tokens/step), "
         f"{precision_for(cfg, hw.device_type)}, {t.steps:,} steps"
     )
+
+
+def stack_line(cfg: Config, hw: GpuProfile) -> str:
+    """Which software stack the speed assumes (planner/stack.py), and what replaces it."""
+    if hw.device_type != "cuda":
+        return "speed: as measured on these CPU processes (the profile's own figures)"
+    stack = tessel_stack(cfg.train.compile)
+    return (f"speed: tessel's stack, {stack.description} ({stack.name}): "
+            f"{stack.factor(hw):.2f} x the profile's matmul efficiency {hw.matmul_efficiency:.3f} "
+            f"on {generation(hw)} GPUs, fitted on torchtitan's published runs; "
+            "`--calibrate` with a tessel bench JSON of this GPU replaces the assumption")
 
 
 def table_head(device_type: str) -> str:
@@ -140,7 +152,7 @@ def no_fit_headline(result: SearchResult) -> str:
 
 def search_text(cfg: Config, gpus: int, hw: GpuProfile, result: SearchResult, seconds: float,
                 cfg_path: str | None, top: int) -> str:
-    lines = [header(cfg, gpus, hw),
+    lines = [header(cfg, gpus, hw), stack_line(cfg, hw),
              f"evaluated {result.evaluated:,} valid layouts in {seconds:.1f} s; "
              f"the {min(top, len(result.plans))} fastest that fit:", "",
              table_head(hw.device_type)]
@@ -158,7 +170,7 @@ def search_text(cfg: Config, gpus: int, hw: GpuProfile, result: SearchResult, se
 
 
 def single_text(cfg: Config, gpus: int, hw: GpuProfile, p: Plan, nearest: list[Plan]) -> str:
-    lines = [header(cfg, gpus, hw), "", table_head(hw.device_type),
+    lines = [header(cfg, gpus, hw), stack_line(cfg, hw), "", table_head(hw.device_type),
              plan_row("-", p, hw.device_type), breakdown(p, hw)]
     if nearest:
         lines += ["", "nearest layouts that fit:"] + [plan_row("", q, hw.device_type)
@@ -175,6 +187,8 @@ def as_json(cfg: Config, gpus: int, hw: GpuProfile, plans: list[Plan], too_big: 
         "model": cfg.model.preset, "gpus": gpus, "gpu": hw.name,
         "seq_len": cfg.train.seq_len, "global_batch_size": cfg.train.global_batch_size,
         "precision": precision_for(cfg, hw.device_type),
+        "stack": (tessel_stack(cfg.train.compile).name if hw.device_type == "cuda"
+                  else "measured"),
         "layouts": [p.as_dict() for p in plans],
         "too_big": [p.as_dict() for p in too_big],
         "rejected": [{"count": c, "reason": r} for c, r in (invalid or {}).values()],

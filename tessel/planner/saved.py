@@ -167,10 +167,14 @@ def layer_bytes(acts: ActivationProfile, checkpointing: str, tp: int, sp: bool,
     if checkpointing in acts.kept:
         kept = acts.kept[checkpointing]
         scores = kept.per_position * seq_len
-        if checkpointing == "selective" and tp > 1:  # what the collectives returned
-            scores += (acts.tp_gathered + acts.tp_reduced / tp) if sp else acts.tp_reduced
+        returned = 0.0  # what tensor parallelism's collectives returned, kept by the per-op policy
+        if checkpointing == "selective" and tp > 1:
+            returned = (acts.tp_gathered + acts.tp_reduced / tp) if sp else acts.tp_reduced
         moe = kept.moe_block or kept.block
-        return kept.block.per_token(tp, sp) + scores, moe.per_token(tp, sp) + scores
+        # An MoE layer's MLP runs on the rank's own part of the sequence: only its
+        # attention's gather and reduction (half of a dense block's).
+        return (kept.block.per_token(tp, sp) + scores + returned,
+                moe.per_token(tp, sp) + scores + returned / 2)
     per_position = acts.per_position * seq_len
     moe = acts.moe_block or acts.block
     return acts.block.per_token(tp, sp) + per_position, moe.per_token(tp, sp) + per_position

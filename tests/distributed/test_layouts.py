@@ -95,9 +95,15 @@ LAYOUTS_2 = {
     "zero1": {"parallel.zero": 1},
     "zero2": {"parallel.zero": 2},
     "zero3": {"parallel.zero": 3},
-    "tp2_sp": {"parallel.tp": 2},
-    "tp2_nosp": {"parallel.tp": 2, "parallel.sequence_parallel": False},
-    "pp2_1f1b": {"parallel.pp": 2},
+    # tp2 + SP under the per-op checkpointing policy (it keeps what the collectives return)
+    # and the loss over 3 pieces of vocabulary-sharded logits; tp2 without SP, 2 pieces
+    "tp2_sp": {"parallel.tp": 2, "parallel.activation_checkpointing": "selective",
+               "parallel.loss_chunks": 3},
+    "tp2_nosp": {"parallel.tp": 2, "parallel.sequence_parallel": False,
+                 "parallel.loss_chunks": 2},
+    # the pipeline's last stage computes its loss in pieces (the targets passed to every stage)
+    "pp2_1f1b": {"parallel.pp": 2, "parallel.loss_chunks": 2,
+                 "parallel.activation_checkpointing": "selective"},
     "pp2_gpipe_uneven": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe",
                          "parallel.pp_layers_first": 1, "parallel.pp_layers_last": 3},
     "pp2_interleaved": {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
@@ -125,7 +131,9 @@ LAYOUTS_4 = {
     "zero1_dp4": {"parallel.zero": 1},
     "zero2_dp4": {"parallel.zero": 2},
     "zero3_dp4": {"parallel.zero": 3},
-    "tp2_pp2": {"parallel.tp": 2, "parallel.pp": 2},
+    # Megatron's "selective" (every matmul output kept) on every second block
+    "tp2_pp2": {"parallel.tp": 2, "parallel.pp": 2, "parallel.activation_checkpointing": "matmuls",
+                "parallel.activation_checkpointing_every": 2},
     "dp2_tp2": {"parallel.tp": 2, "parallel.zero": 1},
     "tp2_zero3": {"parallel.tp": 2, "parallel.zero": 3},
     "hsdp_2x2": {"parallel.dp_replicate": 2, "parallel.zero": 3},
@@ -197,7 +205,7 @@ MOE = {"model.preset": "tiny-moe", "model.n_layers": 4, "model.moe_bias_update_r
        "model.head_dim": 24, "model.qk_norm": True}  # Qwen3-MoE's attention
 LAYOUTS_2.update({
     "moe_ep2": {**MOE, "parallel.ep": 2},
-    "moe_tp2": {**MOE, "parallel.tp": 2},
+    "moe_tp2": {**MOE, "parallel.tp": 2, "parallel.activation_checkpointing": "selective"},
     "moe_ddp": {**MOE, "parallel.zero": 0},
 })
 LAYOUTS_4.update({
@@ -217,7 +225,7 @@ LAYOUTS_4.update({
 # (GPT), LoRA (LORA_2), and the head-count split of Ulysses.
 CP = {"parallel.cp": 2}
 LAYOUTS_2.update({
-    "cp2": CP,
+    "cp2": {**CP, "parallel.activation_checkpointing": "selective"},  # keeps the exchange's
     "cp2_ulysses": {**CP, "parallel.cp_mode": "ulysses"},
     "cp2_replicated": {**CP, "parallel.zero": 0},
     "gpt_cp2_zero3": {**GPT, **CP, "parallel.zero": 3},
