@@ -66,6 +66,10 @@ class Point:
 
 @dataclass(frozen=True)
 class Sweep:
+    """A scaling study: the planner's best layout at each GPU count (`tessel scale`), with
+    what real runs measured where it measured them (a measured record read back for
+    calibration is `tessel.planner.sweep_fit.MeasuredSweep`)."""
+
     mode: str
     hw: GpuProfile
     points: list[Point]

@@ -54,7 +54,10 @@ class SweepRun:
 
 
 @dataclass(frozen=True)
-class Sweep:
+class MeasuredSweep:
+    """What a measured sweep's record holds for calibration: the runs that measured a
+    throughput (not `tessel.planner.scaling.Sweep`, the planner's predicted study)."""
+
     runs: list[SweepRun]
     """The points that measured a throughput, in the sweep's order."""
     profile: GpuProfile | None
@@ -68,7 +71,7 @@ def is_sweep(data: dict[str, Any]) -> bool:
     return isinstance(data.get("measurement"), dict) and isinstance(data.get("points"), list)
 
 
-def read_sweep(data: dict[str, Any], where: str) -> Sweep:
+def read_sweep(data: dict[str, Any], where: str) -> MeasuredSweep:
     """The measured points of a sweep record; one line naming what is wrong otherwise."""
     m = data["measurement"]
     device_type = m.get("device_type", "cpu" if m.get("machine") else "cuda")
@@ -108,7 +111,7 @@ def read_sweep(data: dict[str, Any], where: str) -> Sweep:
     if not runs:
         raise TesselError(f"{where}: no point of the sweep measured a throughput; nothing "
                           "to calibrate on")
-    return Sweep(runs, profile, device_type)
+    return MeasuredSweep(runs, profile, device_type)
 
 
 def _stretched(hw: GpuProfile, factor: float) -> GpuProfile:
@@ -121,7 +124,7 @@ def _stretched(hw: GpuProfile, factor: float) -> GpuProfile:
                                                       for b, t in hw.collective_curve))
 
 
-def fit(hw: GpuProfile, sweep: Sweep,
+def fit(hw: GpuProfile, sweep: MeasuredSweep,
         plan: Callable[[Config, Layout, GpuProfile, str], Plan]) -> tuple[GpuProfile, str]:
     """The profile calibrated on the sweep, and one line saying what was fitted.
     `plan(config, layout, profile, device_type)` is the planner's evaluation of a layout."""
