@@ -79,6 +79,8 @@ class PublishedRun:
     caveat: str = ""
     stack: str = "megatron-te"
     """The software stack that ran it (tessel/planner/stack.py)."""
+    fp8: bool = False
+    """Ran its linears in float8 (train.fp8)."""
     hardware: dict[str, Any] | None = None
     """Profile fields of the cluster where they differ from the named profile's (assumed
     where the source does not publish them: said in `assumed`)."""
@@ -179,6 +181,19 @@ RUNS: tuple[PublishedRun, ...] = (
         )
         for gpus, compiled, per_gpu in ((8, True, 6667), (128, True, 6514), (8, False, 5762),
                                         (128, False, 5605))
+    ),
+    *(
+        PublishedRun(
+            f"Llama 3 8B, {gpus} x H100 96GB 500 W (compile + Float8)",
+            TORCHTITAN_H100, "h100-96gb-500w", gpus,
+            {"preset": "llama3-8b"}, 8192, 2 * gpus,
+            {"zero": 3, "micro_batch": 2, "activation_checkpointing": "selective"},
+            per_gpu * gpus,
+            assumed="seq 8192; torchao's float8 linears with tensorwise scaling (the default "
+                    "of the time) on every block projection, the output layer in bf16",
+            stack="pytorch-compile", fp8=True,
+        )
+        for gpus, per_gpu in ((8, 8532), (128, 8380))
     ),
     *(
         PublishedRun(

@@ -11,6 +11,7 @@ from tessel.planner.memory import GIB
 from tessel.planner.optimizer import ASSUMPTIONS as OPTIMIZER_ASSUMPTIONS
 from tessel.planner.search import Plan, SearchResult, precision_for
 from tessel.planner.speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
+from tessel.planner.speed import FP8_EFFICIENCY
 from tessel.planner.stack import generation, tessel_stack
 
 ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS]
@@ -65,7 +66,13 @@ def stack_line(cfg: Config, hw: GpuProfile) -> str:
     return (f"speed: tessel's stack, {stack.description} ({stack.name}): "
             f"{stack.factor(hw):.2f} x the profile's matmul efficiency {hw.matmul_efficiency:.3f} "
             f"on {generation(hw)} GPUs, fitted on torchtitan's published runs; "
-            "`--calibrate` with a tessel bench JSON of this GPU replaces the assumption")
+            "`--calibrate` with a tessel bench JSON of this GPU replaces the assumption"
+            + ("; train.fp8: the blocks' projections (attention's, the dense MLPs' and shared "
+               f"experts') at the FP8 peak x {FP8_EFFICIENCY} (casts and scales), attention, "
+               "the router, routed experts and the output layer at the BF16 rate"
+               if cfg.train.fp8 and hw.fp8_flops else
+               "; train.fp8: this GPU has no FP8 peak, all at the BF16 rate"
+               if cfg.train.fp8 else ""))
 
 
 def table_head(device_type: str) -> str:

@@ -94,7 +94,7 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str | Non
                           flex_attention=device_type == "cuda", optimizer=opt)
     run_hw = on_stack(hw, stack or tessel_stack(t.compile))
     step = estimate_step(m, layout, run_hw, t.seq_len, t.global_batch_size, precision,
-                         dp_overlap, opt)
+                         dp_overlap, opt, fp8=t.fp8 and hw.fp8_flops is not None)
     tokens = t.global_batch_size * t.seq_len
     tps = tokens / step.total
     # MoE: FLOPs of the active parameters (the top_k experts a token is sent to).

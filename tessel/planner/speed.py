@@ -66,6 +66,11 @@ GROUPED_GEMM_EFFICIENCY = 0.5
 # and calls but not the masked kernel's lower efficiency on short pieces, which would credit
 # splitting short sequences with more than they give.
 MIN_CP_POSITIONS = 4096
+# train.fp8 (torchao's float8 linears, tensorwise scaling): the fraction of the FP8 peak x
+# matmul efficiency its matmuls reach, casts and scales included (they run beside each
+# matmul, memory-bound). Fitted on torchtitan's Float8 rows (Llama 3 8B, 8 and 128 H100s at
+# 500 W with torch.compile: 8,532 and 8,380 tokens/s per GPU against 6,667 and 6,514 in bf16).
+FP8_EFFICIENCY = 0.74
 DDP_BUCKET_MB = 25  # tessel.parallel.fsdp's DDP gradient buckets (a test checks): one call each
 # Collective calls of one layer's context-parallel exchange, one way: the keys' and values'
 # all-gathers; Ulysses' all-to-alls of queries, keys, values and the attention output.
@@ -152,16 +157,19 @@ def _size_efficiency(k: float) -> float:
 
 
 def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
-                        layers: int, last: bool, peak: float, moe_layers: int = 0
-                        ) -> tuple[float, float]:
+                        layers: int, last: bool, peak: float, moe_layers: int = 0,
+                        fp8_peak: float | None = None) -> tuple[float, float]:
     """(seconds of one micro-batch's forward + backward on one GPU of a pipeline rank with
     `layers` blocks, `moe_layers` of them Mixture-of-Experts layers, of which attention)
-    without recomputation."""
+    without recomputation. `fp8_peak`: the blocks' projections (train.fp8's float8 linears:
+    attention's and the dense MLPs', shared experts' included) run at that peak x
+    FP8_EFFICIENCY; attention, the router, routed experts and the head stay at `peak`."""
     tokens = layout.micro_batch * seq_len / layout.cp
     tp = layout.tp
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1
     rate = peak * hw.matmul_efficiency
+    linear = fp8_peak * hw.matmul_efficiency * FP8_EFFICIENCY if fp8_peak else rate
 
     def matmuls(shapes: list[tuple[float, float]], rows: float, at: float) -> float:
         """Seconds of forward + backward of (K, N) matmuls over `rows` rows at rate `at`."""
@@ -171,8 +179,8 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
         return [(d, hidden / tp)] * n_in + [(hidden / tp, d)]
 
     # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
-    attn_mm = matmuls([(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)], tokens, rate)
-    block = attn_mm + matmuls(mlp(f), tokens, rate)
+    attn_mm = matmuls([(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)], tokens, linear)
+    block = attn_mm + matmuls(mlp(f), tokens, linear)
     # Attention: QK^T and PV over the causal half of the (gathered) sequence, per head: each
     # context-parallel rank 1/cp of it (Ulysses: every row, heads/cp heads); contiguous
     # pieces leave the last rank (2cp-1)/cp of the mean.
@@ -193,7 +201,7 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
         moe = attn_mm + attention + matmuls([(d, E)], moe_tokens, rate / 2)
         if m.moe_shared_experts:
             shared = m.moe_shared_experts * h
-            moe += matmuls([(d, shared)] * n_in + [(shared, d)], moe_tokens, rate)
+            moe += matmuls([(d, shared)] * n_in + [(shared, d)], moe_tokens, linear)
         slots = moe_tokens * k
         rows = slots * layout.ep / E
         moe += sum(6 * slots * a * b / (rate * GROUPED_GEMM_EFFICIENCY
@@ -282,6 +290,7 @@ def fsdp_calls(zero: int, micro_batches: int) -> tuple[int, int]:
 def estimate_step(
     m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int, global_batch: int,
     precision: str, dp_overlap: float | None = None, optimizer: OptimizerSpec = ADAMW,
+    fp8: bool = False,
 ) -> StepTime:
     """`dp_overlap` replaces the fraction of compute data-parallel communication hides
     behind (DDP_OVERLAP / FSDP_OVERLAP): 0 models an implementation that reduces gradients
@@ -290,7 +299,8 @@ def estimate_step(
     collectives (planner/optimizer.py), all in `optimizer_s`."""
     pp, v, tp, cp = layout.pp, layout.pp_virtual_stages, layout.tp, layout.cp
     micro_batches = global_batch // (layout.micro_batch * layout.dp)
-    peak = hw.fp8_flops if precision == "fp8" and hw.fp8_flops else hw.bf16_flops
+    peak = hw.bf16_flops
+    fp8_peak = hw.fp8_flops if fp8 else None  # train.fp8: the blocks' projections
     if precision == "fp32":
         peak = peak / 2  # TF32 tensor cores: half the BF16 rate
     n_stages = pp * v
@@ -303,7 +313,7 @@ def estimate_step(
         layers = sum(len(ranges[s]) for s in ids)
         moe = sum(moe_layer_count(m, ranges[s]) for s in ids)
         t, _ = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak,
-                                   moe)
+                                   moe, fp8_peak)
         if tp > 1:  # DTensor's host work per block (0 in GPU profiles: hidden, see GpuProfile)
             t += layers * hw.tp_block_overhead_s
         if t > t_mb:

@@ -32,7 +32,8 @@ def run_config(run: PublishedRun) -> tuple[Config, Layout]:
     overrides = {f"model.{k}": v for k, v in run.model.items()}
     overrides.update({f"parallel.{k}": v for k, v in layout.items()})
     overrides.update({"train.seq_len": run.seq_len, "train.global_batch_size": run.global_batch,
-                      "train.micro_batch_size": micro_batch, "train.precision": "bf16"})
+                      "train.micro_batch_size": micro_batch, "train.precision": "bf16",
+                      "train.fp8": run.fp8})
     cfg = Config.load(None, overrides)
     return cfg, Layout.from_config(cfg, run.gpus)
 
