@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from tessel.config.base import ConfigError, table_model
-from tessel.models.presets import PRESETS
+from tessel.config.presets import PRESETS
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from tessel.config.base import Section
 from tessel.config.load import INIT_FIELDS
-from tessel.models.presets import PRESETS
+from tessel.config.presets import PRESETS
 
 
 class ModelConfig(Section):

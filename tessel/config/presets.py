@@ -7,6 +7,9 @@ Megatron-LM uses for the sizes whose published head dim does not divide d_model)
 (Meta 2024; `llama3-1b` is the Llama 3.2 1B shape). The Mixture-of-Experts shapes follow the
 published Hugging Face config.json of each model; what tessel cannot express yet is said at
 each of them, and `tessel presets` prints tessel's own exact total and active counts.
+
+Data only, in the config layer (which validates preset names without importing torch);
+`tessel.models.presets` re-exports it.
 """
 
 from __future__ import annotations
