@@ -19,6 +19,7 @@ from tessel.config.blend import weighted_paths
 from tessel.config.evaluation import LMEvalConfig
 from tessel.config.fault_tolerance import FaultToleranceConfig
 from tessel.config.load import merge, read_toml, validate
+from tessel.config.lora import LoraConfig
 from tessel.config.model import SHAPE_FIELDS, ModelConfig
 from tessel.config.monitoring import (
     AlertConfig,
@@ -308,45 +309,6 @@ class CheckpointConfig(Section):
     --drop-expert-bias` does: Mixtral and Qwen3-MoE route without one, so those copies
     compute other logits (hf-export.log says how far they move). Without it such a config is
     refused."""
-
-
-class LoraConfig(Section):
-    """Low-rank adapters (LoRA): train small matrices beside chosen projections of a frozen
-    base model (model.init_from). See docs/finetuning.md."""
-
-    enabled: bool = False
-    """Train LoRA adapters instead of the whole model: every base parameter is frozen (no
-    gradients, no optimizer state) and checkpoints hold only the adapters."""
-    rank: int = Field(8, gt=0)
-    """Rank r of each adapter pair (A: r x in, B: out x r)."""
-    alpha: float = Field(16.0, gt=0)
-    """Scale of the adapters' term: it is multiplied by alpha / rank (peft's lora_alpha)."""
-    dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapters' input (peft's lora_dropout)."""
-    targets: list[str] = ["wq", "wv"]
-    """Projections of every block that get adapters: tessel's names (wq, wk, wv, wo, w1, w2,
-    w3) or Hugging Face's (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
-    base_dtype: Literal["float32", "bfloat16"] = "float32"
-    """dtype the frozen base weights of the blocks' projections are held in (bfloat16 halves
-    their memory; their input is cast to it and their output back); adapters stay float32."""
-    export: Literal["merged", "peft"] = "merged"
-    """What checkpoint.hf_export_interval writes: a Hugging Face model with the adapters
-    merged into its weights (W + alpha/rank B A), or a peft adapter directory
-    (adapter_config.json + adapter_model.safetensors) for the Hugging Face base."""
-
-    @model_validator(mode="after")
-    def _check(self) -> LoraConfig:
-        from tessel.models.lora import LoraError, resolve_targets
-
-        if self.enabled:
-            if not self.targets:
-                raise ValueError("lora.targets is empty; name at least one projection, e.g. "
-                                 '["q_proj", "v_proj"]')
-            try:
-                resolve_targets(self.targets)
-            except LoraError as exc:
-                raise ValueError(str(exc)) from None
-        return self
 
 
 class RunConfig(Section):

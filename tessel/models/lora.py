@@ -30,39 +30,23 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from tessel.errors import TesselError
+# The projection names (and their check) are data of the config layer, which validates
+# lora.targets without torch; re-exported here for the code that imports them from the model.
+from tessel.config.lora import (
+    HF_TARGETS,
+    TESSEL_TARGETS,
+    TESSEL_TO_HF,
+    LoraError,
+    resolve_targets,
+)
 
-# tessel's projection names in a block, and where each lives.
-TESSEL_TARGETS = {
-    "wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo",
-    "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3",
-}
-# The names Hugging Face Llama models (and so peft's target_modules) use for the same ones.
-HF_TARGETS = {
-    "q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-    "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3",
-}
-TESSEL_TO_HF = {v: k for k, v in HF_TARGETS.items()}
+__all__ = [
+    "ADAPTER_SUFFIXES", "HF_TARGETS", "TESSEL_TARGETS", "TESSEL_TO_HF", "AdapterState",
+    "LoraError", "adapted_modules", "add_lora", "attach", "cast_base", "initial_value",
+    "is_adapter", "merged_weight", "resolve_targets",
+]
+
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-
-
-class LoraError(TesselError):
-    """LoRA asked of a projection that does not exist, or adapters that do not fit."""
-
-
-def resolve_targets(names: Iterable[str]) -> list[str]:
-    """User target names (tessel's `wq`/`attention.wq` or HF's `q_proj`) -> tessel's short
-    names, deduplicated, in tessel's order; LoraError on an unknown name."""
-    out = set()
-    for name in names:
-        short = name.split(".")[-1] if name.startswith(("attention.", "feed_forward.")) else name
-        short = HF_TARGETS.get(short, short)
-        if short not in TESSEL_TARGETS or (name != short and name not in HF_TARGETS
-                                           and TESSEL_TARGETS[short] != name):
-            known = ", ".join(list(TESSEL_TARGETS) + list(HF_TARGETS))
-            raise LoraError(f"lora.targets: no projection named {name!r}; use some of {known}")
-        out.add(short)
-    return [t for t in TESSEL_TARGETS if t in out]
 
 
 def is_adapter(name: str) -> bool:
