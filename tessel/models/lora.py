@@ -32,13 +32,7 @@ from torch import nn
 
 # The projection names (and their check) are data of the config layer, which validates
 # lora.targets without torch; re-exported here for the code that imports them from the model.
-from tessel.config.lora import (
-    HF_TARGETS,
-    TESSEL_TARGETS,
-    TESSEL_TO_HF,
-    LoraError,
-    resolve_targets,
-)
+from tessel.config.lora import HF_TARGETS, TESSEL_TARGETS, TESSEL_TO_HF, LoraError, resolve_targets
 
 __all__ = [
     "ADAPTER_SUFFIXES", "HF_TARGETS", "TESSEL_TARGETS", "TESSEL_TO_HF", "AdapterState",
