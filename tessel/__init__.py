@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = ["Config", "ConfigError", "TesselError", "TrainResult", "Trainer", "__version__",
            "load_config"]
 
-# Imported on first use: `python -m tessel.parallel.node` (and every `tessel` command) would
+# Imported on first use: `python -m tessel.launch.node` (and every `tessel` command) would
 # otherwise import torch and the whole trainer before doing anything (~2.5 s).
 _LAZY = {"load_config": "tessel.checkpoint.init_from", "Config": "tessel.config",
          "ConfigError": "tessel.config", "TesselError": "tessel.errors",

@@ -76,16 +76,16 @@ def cmd_launch(argv: list[str]) -> int:
         raise TesselError(f"{prog} needs a config file, e.g. {prog} configs/gpt2-124m.toml --nodes 2")
 
     from tessel.checkpoint.init_from import load_config
-    from tessel.parallel import launch
+    from tessel.launch import slurm
+    from tessel.launch.elastic import check_node_counts
+    from tessel.launch.rendezvous import NodeRange
     from tessel.parallel.dims import ParallelDims
-    from tessel.parallel.elastic import check_node_counts
-    from tessel.parallel.rendezvous import NodeRange
     from tessel.train.harness_check import check_lm_eval_layout
 
     cfg = load_config(args.config, overrides)  # what `tessel train` would load: fail now
     span = NodeRange.parse(args.nodes, "--nodes")
     if args.target == "slurm":
-        text = launch.slurm_script(
+        text = slurm.slurm_script(
             args.config, overrides, nodes=span.high, min_nodes=span.low,
             gpus_per_node=args.gpus_per_node,
             nproc_per_node=args.nproc_per_node, cpus_per_task=args.cpus_per_task,
@@ -93,7 +93,7 @@ def cmd_launch(argv: list[str]) -> int:
             account=args.account, port=args.port, python=args.python,
             grace_s=args.signal_grace, output_dir=args.output_dir)
     else:
-        from tessel.parallel.k8s import k8s_manifest
+        from tessel.launch.k8s import k8s_manifest
 
         try:
             config_text = Path(args.config).read_text(encoding="utf-8")

@@ -11,7 +11,7 @@ from tessel.errors import TesselError
 
 if TYPE_CHECKING:
     from tessel.config import Config
-    from tessel.parallel.rendezvous import Rendezvous
+    from tessel.launch.rendezvous import Rendezvous
 
 EXIT_CODES = """\
 exit codes: 0 done (or stopped by SIGTERM/SIGUSR1 with a checkpoint), 2 bad input,
@@ -111,8 +111,8 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from tessel.parallel.launch import split_nproc
-    from tessel.parallel.rendezvous import rendezvous_from, split_launch
+    from tessel.launch.local import split_nproc
+    from tessel.launch.rendezvous import rendezvous_from, split_launch
 
     # --nproc and the multi-node options are taken out first: the workers get the other
     # arguments exactly as given.
@@ -157,7 +157,7 @@ def cmd_train(argv: list[str]) -> int:
     if rdzv is not None:
         return _launch_nodes(cfg, nproc or 1, rdzv, argv)
     if nproc is not None and nproc > 1:
-        from tessel.parallel.launch import run_local
+        from tessel.launch.local import run_local
 
         check_before_launch(cfg, nproc)
         return run_local(nproc, argv)
@@ -181,10 +181,10 @@ def cmd_train(argv: list[str]) -> int:
 def _launch_nodes(cfg: Config, nproc: int, rdzv: Rendezvous, train_args: list[str]) -> int:
     """This node's part of a multi-node run: every node count it may run on checked first
     (one line naming the counts that fit), then torchrun with the c10d rendezvous."""
+    from tessel.launch.elastic import check_node_counts, replan
+    from tessel.launch.local import launched_by_torchrun, run_torchrun
+    from tessel.launch.rendezvous import multinode_command, torchrun_env
     from tessel.parallel.dims import ParallelDims
-    from tessel.parallel.elastic import check_node_counts, replan
-    from tessel.parallel.launch import launched_by_torchrun, run_torchrun
-    from tessel.parallel.rendezvous import multinode_command, torchrun_env
 
     if launched_by_torchrun():
         raise TesselError("--nnodes starts torchrun itself; drop the multi-node options when "

@@ -3,7 +3,7 @@
 
 The names are torchtitan's (`[fault_tolerance]` enable, replica_id, group_size,
 min_replica_size), so a torchtitan user's settings carry over. What a layout may combine
-with the mode is checked when the run starts (`tessel.parallel.replicas.check_replicas`).
+with the mode is checked when the run starts (`tessel.parallel.replica_group.check_replicas`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Elastic world size: what changes, and what may not, when a run restarts on another number
-of nodes (`--nnodes MIN:MAX`, tessel/parallel/rendezvous.py).
+of nodes (`--nnodes MIN:MAX`, tessel/launch/rendezvous.py).
 
 Kept: the global batch (train.global_batch_size sequences per optimizer step) and with it the
 learning-rate schedule (a function of the step) and the data order (the loader's position is
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from tessel.config import Config
 from tessel.errors import TesselError
+from tessel.launch.rendezvous import ELASTIC_ENV
 from tessel.parallel.dims import ParallelDims
-from tessel.parallel.rendezvous import ELASTIC_ENV
 
 
 def micro_batch_for(global_batch: int, micro_batch: int, dp: int) -> int | None:

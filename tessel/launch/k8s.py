@@ -18,8 +18,8 @@ import re
 import shlex
 
 from tessel.errors import TesselError
-from tessel.parallel.launch import MAX_RESTARTS, check_count, check_text, default_name, train_args
-from tessel.parallel.rendezvous import ELASTIC_ENV, SEPARATE_STORE_EXPORT
+from tessel.launch.job_text import MAX_RESTARTS, check_count, check_text, default_name, train_args
+from tessel.launch.rendezvous import ELASTIC_ENV, SEPARATE_STORE_EXPORT
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 CONFIG_DIR = "/etc/tessel"  # where the ConfigMap is mounted

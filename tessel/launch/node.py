@@ -1,6 +1,6 @@
 """One node of a cluster job: start this node's training processes and see them through.
 
-    python -m tessel.parallel.node --nproc-per-node P --master-addr HOST --master-port PORT \\
+    python -m tessel.launch.node --nproc-per-node P --master-addr HOST --master-port PORT \\
         [--nnodes N --node-rank R] -- TRAIN_ARGS...
 
 The SLURM script (`tessel launch slurm`) runs this on every node instead of torchrun, for two
@@ -39,7 +39,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m tessel.parallel.node")
+    p = argparse.ArgumentParser(prog="python -m tessel.launch.node")
     if "--" not in argv:  # argparse's own one-line usage error, exit 2
         p.error("the training arguments must follow '--': OPTIONS -- TRAIN_ARGS")
     cut = argv.index("--")

@@ -4,7 +4,7 @@ a multi-node run, through torchrun's c10d rendezvous (run the same command on ev
 With MIN:MAX the run is elastic: torchrun's rendezvous admits between MIN and MAX nodes; when
 a node is lost the survivors' workers fail, torchrun restarts them (up to --max-restarts
 times) with the nodes still there, and `--auto-resume` continues the run from its latest
-checkpoint at the new world size (tessel/parallel/elastic.py re-plans the batch split). A
+checkpoint at the new world size (tessel/launch/elastic.py re-plans the batch split). A
 node that comes back (the same command started on it again) is taken in at the next round:
 the running agents stop their workers (a checkpoint, as on preemption) and all restart at
 the larger world size (SEPARATE_STORE_ENV says what that needs from torchrun;
@@ -29,7 +29,7 @@ from tessel.numbers import whole_number
 
 ELASTIC_ENV = "TESSEL_NNODES"
 """Set (to MIN:MAX) in the workers of an elastic run: they re-plan the micro-batch for the
-data-parallel size they find (tessel/parallel/elastic.py)."""
+data-parallel size they find (tessel/launch/elastic.py)."""
 SEPARATE_STORE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """torchrun's agents, by default, hand their workers the rendezvous's own TCP store, and each
 agent looks up where that store is only at its first rendezvous. A node that joins a later
@@ -186,7 +186,7 @@ def multinode_command(nproc: int, rdzv: Rendezvous, train_args: list[str]) -> li
     """torchrun for this node's `nproc` workers of the run (the module of this Python, like
     `launch.torchrun_command`). PET_RDZV_CONF (torchrun's own variable for --rdzv-conf) may
     add rendezvous settings; tessel adds is_host, a short last call and --rdzv-timeout. It is
-    run through tessel.parallel.torchrun, which ends with the workers' exit code and says in
+    run through tessel.launch.torchrun, which ends with the workers' exit code and says in
     one line why a rendezvous failed."""
     host, port = rdzv.host_port()
     conf = {"last_call_timeout": str(LAST_CALL_S)}
@@ -196,7 +196,7 @@ def multinode_command(nproc: int, rdzv: Rendezvous, train_args: list[str]) -> li
     if rdzv.timeout_s is not None:
         conf["read_timeout"] = conf["join_timeout"] = str(rdzv.timeout_s)
     conf["is_host"] = "1" if is_local(host) else "0"
-    return [sys.executable, "-m", "tessel.parallel.torchrun", "--nnodes", str(rdzv.nodes),
+    return [sys.executable, "-m", "tessel.launch.torchrun", "--nnodes", str(rdzv.nodes),
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", rdzv.endpoint, "--rdzv-id", rdzv.run_id,
             "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()),

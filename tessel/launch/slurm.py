@@ -1,33 +1,21 @@
-"""Starting training processes: `tessel train --nproc N` on this machine (through torchrun), and
-the sbatch script `tessel launch slurm` prints (Kubernetes: k8s.py).
+"""The sbatch script `tessel launch slurm` prints (Kubernetes: k8s.py; what both share:
+job_text.py).
 
 Every launcher ends in the same worker command, `python -m tessel train ARGS`, so a run
-behaves the same however it was started. The builders here are pure (text in, text out) so
-that tests can check them without a cluster.
+behaves the same however it was started. The builder here is pure (text in, text out) so
+that tests can check it without a cluster.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
-import unicodedata
-from collections.abc import Callable
-from pathlib import Path
 
 from tessel.errors import TesselError
-from tessel.parallel.node import EXIT_REQUEUE
-from tessel.parallel.rendezvous import ELASTIC_ENV
-
-# torchrun restarts a failed worker group this many times before giving up on the job.
-MAX_RESTARTS = 3
-
-# torchrun sets these in every worker; seeing one means we are already a launched worker.
-_TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+from tessel.launch.job_text import MAX_RESTARTS, check_count, check_text, default_name, train_args
+from tessel.launch.node import EXIT_REQUEUE
+from tessel.launch.rendezvous import ELASTIC_ENV
 
 _SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _SLURM_LIST = re.compile(r"[A-Za-z0-9._,-]+")  # partitions may be a comma-separated list
@@ -35,117 +23,6 @@ _SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+:[0-5][0-9]:[0-5][0-9]")
 _SBATCH_SEPARATORS = ("packjob", "hetjob")  # split a job wherever an #SBATCH line has them
 # What an #SBATCH argument may hold unquoted (anything else is quoted for sbatch).
 _SBATCH_PLAIN = re.compile(r"[A-Za-z0-9._/%+,:=@-]+")
-
-
-# ---- tessel train --nproc N -----------------------------------------------------------------
-
-
-def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
-    """(N from `--nproc N` / `--nproc=N`, or None; the other arguments unchanged)."""
-    nproc: int | None = None
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--nproc" or arg.startswith("--nproc="):
-            if "=" in arg:
-                value = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                i += 1
-                value = argv[i]
-            else:
-                value = ""
-            try:
-                nproc = int(value)
-            except ValueError:
-                nproc = 0
-            if nproc < 1:
-                raise TesselError(f"--nproc needs a whole number >= 1 (got {value!r}), e.g. --nproc 2")
-        else:
-            rest.append(arg)
-        i += 1
-    if nproc is not None and launched_by_torchrun():
-        raise TesselError("--nproc starts processes itself; drop it when launching with torchrun")
-    return nproc, rest
-
-
-def launched_by_torchrun() -> bool:
-    """Whether this process is already a launched worker (torchrun sets these in each)."""
-    return any(os.environ.get(name) for name in _TORCHRUN_ENV)
-
-
-def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
-    """The command that runs `tessel train TRAIN_ARGS` as `nproc` processes on this machine.
-
-    torchrun is run as a module of this Python so it is the torch tessel was installed with,
-    whatever is on PATH; --standalone gives a private rendezvous on a free local port.
-    """
-    return [sys.executable, "-m", "tessel.parallel.torchrun", "--standalone",
-            "--nproc-per-node", str(nproc), "-m", "tessel", "train", *train_args]
-
-
-def run_local(nproc: int, train_args: list[str]) -> int:
-    """Run `tessel train TRAIN_ARGS` as `nproc` local processes; the exit code of torchrun.
-
-    torchrun runs in its own process group, so a Ctrl-C in the terminal reaches only us and
-    each worker sees exactly one SIGINT (torchrun forwards what it gets to the workers, which
-    save a checkpoint). SIGINT and SIGTERM sent to us are passed on to that group.
-
-    torchrun runs inside tessel (tessel.parallel.torchrun), which ends with the workers' own
-    exit code rather than torchrun's traceback and exit 1; after a Ctrl-C we return 130 if
-    that code is not 0, as `tessel train` does in one process.
-    """
-    return run_torchrun(torchrun_command(nproc, train_args))
-
-
-def run_torchrun(command: list[str], env: dict[str, str] | None = None) -> int:
-    """Run a torchrun `command` (this machine's part of the run) in its own process group,
-    passing SIGINT and SIGTERM on, as `run_local` describes; torchrun's exit code."""
-    child: subprocess.Popen[bytes] | None = None
-    forwarded: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        forwarded.append(signum)
-        if child is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signum)
-
-    # Installed before the child exists so that no signal can slip between start and wait.
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        child = subprocess.Popen(command, start_new_session=True, env=env)
-        while True:
-            # A timed wait, not one blocking waitpid: a signal that the kernel hands to another
-            # thread (torch starts some) must still get our handler run promptly.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = child.wait(timeout=0.5)
-                break
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if code != 0 and signal.SIGINT in forwarded:
-        return 130
-    return code if code >= 0 else 128 - code  # killed by signal S: 128 + S, like a shell
-
-
-# ---- tessel launch slurm / k8s ----------------------------------------------------------------
-
-
-def check_count(flag: str, value: int) -> None:
-    if value < 1:
-        raise TesselError(f"{flag} must be >= 1 (got {value})")
-
-
-def check_text(what: str, text: str) -> None:
-    """Refuse text that a job file cannot carry. Job files are line-based (sbatch directives,
-    bash comments, YAML blocks): a control character (a newline, a tab, C1 codes such as
-    NEL), a Unicode line or paragraph separator (YAML breaks lines there too), a lone
-    surrogate (not text) or a non-character would silently change their meaning or make them
-    unreadable rather than fail."""
-    for c in text:
-        if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in "\ufffe\uffff":
-            raise TesselError(f"{what} {text!r} contains a control character or line break "
-                              f"({c!r}); remove it")
 
 
 def check_sbatch_text(what: str, text: str) -> None:
@@ -167,27 +44,6 @@ def sbatch_quote(text: str) -> str:
     if _SBATCH_PLAIN.fullmatch(text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def train_args(
-    config_path: str, overrides: list[str], quote: Callable[[str], str] = shlex.quote
-) -> list[str]:
-    """Bash lines that set TRAIN to the `tessel train` arguments. `--auto-resume` makes every
-    start of the job (the first, a requeue, a resubmission, a pod restart, and torchrun's own
-    --max-restarts) continue the run when its directory already holds one. `quote` makes
-    one argument a bash word."""
-    for text in (config_path, *overrides):
-        check_text("argument", text)
-    return [
-        "# Start the run, or continue it from its latest checkpoint when it exists already.",
-        "TRAIN=(" + " ".join([*map(quote, [config_path, *overrides]), "--auto-resume"]) + ")",
-    ]
-
-
-def default_name(config_path: str) -> str:
-    """`tessel-<config file stem>`, made a valid DNS-1123 label (and SLURM job name)."""
-    stem = re.sub(r"[^a-z0-9-]+", "-", Path(config_path).stem.lower()).strip("-")
-    return ("tessel-" + stem)[:63].rstrip("-")
 
 
 def slurm_script(
@@ -213,7 +69,7 @@ def slurm_script(
 
     `gpus_per_node` 0 is a CPU job: `nproc_per_node` processes (default 1) on
     `cpus_per_task` cores (default one per process), no GPU resources asked for. Every node
-    runs `python -m tessel.parallel.node` (not torchrun: see that module), through srun when
+    runs `python -m tessel.launch.node` (not torchrun: see that module), through srun when
     there are several nodes and directly with one (so `scancel --full` cannot make srun kill
     the step before it saves). `python` (default: this interpreter) runs it, overridable at
     submission with TESSEL_PYTHON. The rendezvous port comes from the job id unless `port`
@@ -269,7 +125,7 @@ def slurm_script(
                 (("partition", partition), ("account", account), ("time", time),
                  ("gpus-per-node", None if cpu else gpus_per_node),
                  ("cpus-per-task", cpus_per_task)) if value]
-    node = (f'NODE=("$PYTHON" -m tessel.parallel.node --nproc-per-node {nproc_per_node} '
+    node = (f'NODE=("$PYTHON" -m tessel.launch.node --nproc-per-node {nproc_per_node} '
             '--master-addr "$HEAD" --master-port "$PORT" -- "${TRAIN[@]}")')
     # One task per node: it starts that node's training processes. Not asked for by an
     # elastic job: from --ntasks-per-node sbatch fixes the job's task count at MIN x 1, and

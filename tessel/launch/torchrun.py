@@ -1,5 +1,5 @@
-"""torchrun inside a tessel process: `python -m tessel.parallel.torchrun TORCHRUN_ARGS`, what
-`tessel train --nproc N` and `--nnodes` start (tessel/parallel/launch.py).
+"""torchrun inside a tessel process: `python -m tessel.launch.torchrun TORCHRUN_ARGS`, what
+`tessel train --nproc N` and `--nnodes` start (tessel/launch/local.py).
 
 It is torchrun's own launcher (`torch.distributed.run`), whose ending is made tessel's:
 torchrun ends every failure with a traceback and exit 1, losing the codes that

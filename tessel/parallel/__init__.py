@@ -1,1 +1,2 @@
-"""Placing a model on a device mesh: degrees, TP/PP/DP, launch."""
+"""Placing a model on a device mesh: degrees, TP/PP/DP/CP/EP, the replica groups (starting
+the processes: tessel.launch)."""

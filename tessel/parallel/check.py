@@ -11,7 +11,7 @@ import torch
 from tessel.config import Config
 from tessel.parallel.dims import ParallelDims, ParallelError, resolve_zero
 from tessel.parallel.fsdp import check_offload
-from tessel.parallel.replicas import check_replicas
+from tessel.parallel.replica_group import check_replicas
 
 
 def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,

@@ -75,7 +75,7 @@ def _attempt_store(info: ProcessInfo, timeout: datetime.timedelta) -> dict:
     attempt's keys remain: gloo's rendezvous could read a dead worker's address ("Gloo
     connectFullMesh failed ... Connection refused", seen in about 1 of 4 restarts here).
     Prefixing every key with the restart count keeps the attempts apart. Without the agent
-    store (multi-node runs: tessel.parallel.rendezvous.SEPARATE_STORE_ENV) rank 0 of every
+    store (multi-node runs: tessel.launch.rendezvous.SEPARATE_STORE_ENV) rank 0 of every
     attempt starts a store of its own, so there is nothing to keep apart, and the restart count
     must not be used: it is each node's own, and a node that joins a running elastic job starts
     at 0 while the others are at 1 or more (their workers would never meet).

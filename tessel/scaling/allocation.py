@@ -4,7 +4,7 @@ its devices.
 
 A point of N processes runs on K nodes, K the largest divisor of N that is at most the
 allocation's node count (N/K processes on each): `srun` starts one `python -m
-tessel.parallel.node` per node (the launcher the `tessel launch slurm` script runs), which
+tessel.launch.node` per node (the launcher the `tessel launch slurm` script runs), which
 starts that node's processes; they meet at the allocation's first node. The commands are
 pure (`command_for`), so that tests can check them without a cluster.
 """
@@ -71,7 +71,7 @@ def command_for(alloc: Allocation, gpus: bool = False, python: str | None = None
                 f"--nodelist={','.join(alloc.hosts[:k])}", "--kill-on-bad-exit=1",
                 f"--cpus-per-task={per_node}",  # under CPU binding one core per process
                 *([f"--gpus-per-node={per_node}"] if gpus else []),
-                python or sys.executable, "-m", "tessel.parallel.node",
+                python or sys.executable, "-m", "tessel.launch.node",
                 "--nproc-per-node", str(per_node), "--nnodes", str(k),
                 "--master-addr", alloc.hosts[0], "--master-port", str(port),
                 "--", *train_args]

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from tessel.errors import Stopped
+from tessel.launch.node import STOPPED_EXIT_ENV
 from tessel.numbers import whole_number
 from tessel.observe.alerts import ACTIONS
-from tessel.parallel.node import STOPPED_EXIT_ENV
 
 # Exit codes of runs that end early on purpose (docs/exit-codes.md).
 EXIT_INTERRUPTED, EXIT_PAUSED, EXIT_STOPPED = 130, 4, 5
@@ -50,7 +50,7 @@ def catch_early_signals() -> Any:
             except ValueError:  # not the main thread
                 pass
     if previous and hasattr(signal, "pthread_sigmask"):
-        # tessel.parallel.node starts its workers with these signals blocked, so one that
+        # tessel.launch.node starts its workers with these signals blocked, so one that
         # arrives before this point waits, pending, and is delivered here, not lost
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(previous))
 

@@ -1,5 +1,5 @@
 """The trainer's side of fault-tolerant replica groups ([fault_tolerance], torchft through
-tessel.parallel.replicas): what a recovering peer receives, the quorum at every step, the
+tessel.parallel.replica_group): what a recovering peer receives, the quorum at every step, the
 timeline events of lost, returned and recovered groups, and a discarded step's data.
 
 A group's state for a peer is everything a resume from a checkpoint restores: the weights,
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessel.errors import CollectiveTimeout, TesselError
-from tessel.parallel.replicas import ReplicaGroup
+from tessel.parallel.replica_group import ReplicaGroup
 from tessel.train.state import load_run_state, run_state
 
 if TYPE_CHECKING:

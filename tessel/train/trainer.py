@@ -23,6 +23,7 @@ from tessel.config import Config
 from tessel.data import build_data
 from tessel.data.chat_files import run_tokenizer_config
 from tessel.errors import TesselError
+from tessel.launch.elastic import replan_if_elastic
 from tessel.observe.alerts import check_alerts
 from tessel.observe.comm import CommMeter
 from tessel.observe.console import ConsoleDisplay
@@ -35,9 +36,8 @@ from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.check import check_layout
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolved
 from tessel.parallel.dist import init_distributed, process_info, shutdown
-from tessel.parallel.elastic import replan_if_elastic
 from tessel.parallel.fp8 import check_fp8
-from tessel.parallel.replicas import data_share, replica_groups
+from tessel.parallel.replica_group import data_share, replica_groups
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
 from tessel.train import lifecycle
 from tessel.train.control import StopControl, stop_at_once

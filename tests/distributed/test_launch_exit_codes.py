@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tessel.parallel import launch
-from tessel.parallel.torchrun import workers_after_signal
+from tessel.launch import local
+from tessel.launch.torchrun import workers_after_signal
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def _torchrun(tmp_path: Path, *codes: str) -> list[str]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     (tmp_path / "ready").mkdir()
-    return [sys.executable, "-m", "tessel.parallel.torchrun", "--standalone",
+    return [sys.executable, "-m", "tessel.launch.torchrun", "--standalone",
             "--nproc-per-node", "2", str(script), str(tmp_path / "ready"), *codes]
 
 
@@ -86,7 +86,7 @@ def test_a_signal_ends_the_launch_with_the_workers_codes(tmp_path: Path, capfd, 
         signal.raise_signal(sig)  # handled by the main thread, inside run_torchrun
 
     threading.Thread(target=signal_us_when_ready, daemon=True).start()
-    assert launch.run_torchrun(command) == want
+    assert local.run_torchrun(command) == want
     _no_traceback(capfd.readouterr().err)
 
 
@@ -144,11 +144,11 @@ def test_rdzv_timeout_sets_how_long_torchrun_waits_for_the_rendezvous(capsys, mo
     from tessel.cli import main
 
     calls: list[list[str]] = []
-    monkeypatch.setattr(launch, "run_torchrun", lambda cmd, env=None: calls.append(cmd) or 0)
+    monkeypatch.setattr(local, "run_torchrun", lambda cmd, env=None: calls.append(cmd) or 0)
     assert main(["train", CONFIG, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29511",
                  "--rdzv-timeout", "7"]) == 0
     cmd, = calls
-    assert cmd[1:3] == ["-m", "tessel.parallel.torchrun"]  # the workers' exit codes, one line
+    assert cmd[1:3] == ["-m", "tessel.launch.torchrun"]  # the workers' exit codes, one line
     conf = dict(kv.split("=") for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
     assert conf["read_timeout"] == conf["join_timeout"] == "7"
     assert main(["train", CONFIG, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29511",

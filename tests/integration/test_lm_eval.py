@@ -201,12 +201,12 @@ def test_launchers_refuse_what_the_workers_would_before_starting_them(
     """`tessel train --nproc 2` refuses lm_eval under pipeline parallelism (and a task that
     does not load) itself, in one line, instead of starting torchrun; `tessel launch`
     refuses the layout before printing a job."""
-    import tessel.parallel.launch
+    import tessel.launch.local
 
     def launched(*args):
         raise AssertionError(f"torchrun was started: {args}")
 
-    monkeypatch.setattr(tessel.parallel.launch, "run_local", launched)
+    monkeypatch.setattr(tessel.launch.local, "run_local", launched)
     tasks = write_task(tmp_path / "tasks")
     run = tmp_path / "run"
     for extra, needle in (({"parallel.pp": 2}, "does not run under parallel.pp=2"),

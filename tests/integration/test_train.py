@@ -188,9 +188,9 @@ def test_a_signal_after_the_last_step_stops_nothing(tiny_config, monkeypatch):
     """A SIGTERM (a time limit's warning) that arrives during the final evaluation comes too
     late to stop anything: the run finished and says so (a `finish` event, exit 0), not a
     preemption that a SLURM job would requeue itself for. One before the last step does stop
-    it, with the code tessel's node launcher asks for (tessel.parallel.node)."""
+    it, with the code tessel's node launcher asks for (tessel.launch.node)."""
+    from tessel.launch.node import EXIT_REQUEUE, STOPPED_EXIT_ENV
     from tessel.observe.events import read_events
-    from tessel.parallel.node import EXIT_REQUEUE, STOPPED_EXIT_ENV
 
     monkeypatch.setenv(STOPPED_EXIT_ENV, str(EXIT_REQUEUE))
     for last, at_step in (("late", 3), ("early", 2)):

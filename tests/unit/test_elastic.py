@@ -15,12 +15,9 @@ from tessel.checkpoint import latest_checkpoint
 from tessel.cli import main
 from tessel.config import AlertConfig, Config
 from tessel.errors import TesselError
-from tessel.observe.alerts import AlertRules
-from tessel.observe.events import read_events
-from tessel.parallel import launch
-from tessel.parallel.dims import ParallelDims
-from tessel.parallel.elastic import check_node_counts, micro_batch_for, replan, replan_if_elastic
-from tessel.parallel.rendezvous import (
+from tessel.launch import local
+from tessel.launch.elastic import check_node_counts, micro_batch_for, replan, replan_if_elastic
+from tessel.launch.rendezvous import (
     ELASTIC_ENV,
     SEPARATE_STORE_EXPORT,
     NodeRange,
@@ -28,6 +25,9 @@ from tessel.parallel.rendezvous import (
     is_local,
     multinode_command,
 )
+from tessel.observe.alerts import AlertRules
+from tessel.observe.events import read_events
+from tessel.parallel.dims import ParallelDims
 from tessel.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +45,8 @@ def one_line_error(capsys, argv: list[str]) -> str:
 def launched(monkeypatch):
     """What `tessel train` would start: (command, env) of each torchrun, none started."""
     calls: list[tuple[list[str], dict | None]] = []
-    monkeypatch.setattr(launch, "run_torchrun", lambda cmd, env=None: calls.append((cmd, env)) or 0)
-    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch locally"))
+    monkeypatch.setattr(local, "run_torchrun", lambda cmd, env=None: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(local, "run_local", lambda *a: pytest.fail("must not launch locally"))
     return calls
 
 
@@ -272,7 +272,7 @@ def test_namespaces_that_cannot_be_made_skip_in_one_line_but_fail_under_ci(monke
 
 
 def test_a_users_own_store_setting_reaches_torchrun(monkeypatch):
-    from tessel.parallel.rendezvous import torchrun_env
+    from tessel.launch.rendezvous import torchrun_env
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     env = torchrun_env(NodeRange(2, 2))
@@ -282,7 +282,7 @@ def test_a_users_own_store_setting_reaches_torchrun(monkeypatch):
 def _counted_fits(monkeypatch) -> list[int]:
     """The world sizes `fits` is asked about; more than a thousand fails the test at once (the
     old check tried every node count of the range, a billion of them)."""
-    from tessel.parallel import elastic
+    from tessel.launch import elastic
 
     real, worlds = elastic.fits, []
 
@@ -316,7 +316,7 @@ def test_a_huge_node_range_is_answered_without_trying_every_count(capsys, launch
     ({"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2}, 2),
 ])
 def test_the_counts_found_arithmetically_are_the_ones_that_fit(overrides, nproc):
-    from tessel.parallel.elastic import candidate_counts, fits
+    from tessel.launch.elastic import candidate_counts, fits
 
     cfg = Config.load(CONFIG, overrides)
     counts = range(1, 61)

@@ -20,7 +20,7 @@ import pytest
 
 from tessel.cli import main
 from tessel.errors import TesselError
-from tessel.parallel import launch
+from tessel.launch import job_text, local, slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs/tiny.toml")
@@ -63,8 +63,8 @@ def k8s_expand(arg: str) -> str:
 
 
 def test_torchrun_command_runs_tessel_train_with_the_arguments_unchanged():
-    assert launch.torchrun_command(4, ["cfg.toml", "--train.steps", "5"]) == [
-        sys.executable, "-m", "tessel.parallel.torchrun", "--standalone", "--nproc-per-node", "4",
+    assert local.torchrun_command(4, ["cfg.toml", "--train.steps", "5"]) == [
+        sys.executable, "-m", "tessel.launch.torchrun", "--standalone", "--nproc-per-node", "4",
         "-m", "tessel", "train", "cfg.toml", "--train.steps", "5",
     ]
 
@@ -75,13 +75,13 @@ def test_torchrun_command_runs_tessel_train_with_the_arguments_unchanged():
     (["cfg.toml", "--x.y=1"], None),
 ])
 def test_split_nproc_takes_out_only_the_nproc_flag(argv: list[str], nproc: int | None):
-    assert launch.split_nproc(argv) == (nproc, ["cfg.toml", "--x.y=1"])
+    assert local.split_nproc(argv) == (nproc, ["cfg.toml", "--x.y=1"])
 
 
 @pytest.mark.parametrize("args", [["--nproc", "two"], ["--nproc=0"], ["--nproc", "-1"], ["--nproc"],
                                   ["--nproc=1.5"]])
 def test_bad_nproc_is_one_line_and_exit_2(capsys, monkeypatch, args: list[str]):
-    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    monkeypatch.setattr(local, "run_local", lambda *a: pytest.fail("must not launch"))
     code, _, err = run_cli(capsys, "train", *args)
     assert_one_line_error(code, err, "--nproc needs a whole number >= 1")
 
@@ -94,7 +94,7 @@ def test_nproc_is_refused_inside_torchrun(capsys, monkeypatch, var: str):
 
 
 def test_nproc_validates_the_config_in_the_parent_before_spawning(capsys, monkeypatch):
-    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    monkeypatch.setattr(local, "run_local", lambda *a: pytest.fail("must not launch"))
     code, _, err = run_cli(capsys, "train", CONFIG, "--nproc", "2", "--train.steps=-1")
     assert_one_line_error(code, err, "train.steps")
     code, _, err = run_cli(capsys, "train", "--nproc", "2", "--resume", "/nonexistent/run")
@@ -103,13 +103,13 @@ def test_nproc_validates_the_config_in_the_parent_before_spawning(capsys, monkey
 
 def test_nproc_passes_the_other_arguments_to_the_workers(capsys, monkeypatch):
     calls = []
-    monkeypatch.setattr(launch, "run_local", lambda n, args: calls.append((n, args)) or 7)
+    monkeypatch.setattr(local, "run_local", lambda n, args: calls.append((n, args)) or 7)
     assert main(["train", CONFIG, "--nproc", "2", "--train.steps", "5", "--quiet"]) == 7
     assert calls == [(2, [CONFIG, "--train.steps", "5", "--quiet"])]
 
 
 def test_nproc_1_trains_in_this_process(monkeypatch):
-    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    monkeypatch.setattr(local, "run_local", lambda *a: pytest.fail("must not launch"))
     trained = []
 
     class FakeTrainer:
@@ -139,7 +139,7 @@ def test_run_local_forwards_signals_and_returns_the_exit_code(tmp_path: Path, mo
              f"signal.signal({int(sig)}, lambda *a: sys.exit({child_code}))\n"
              f"pathlib.Path({str(ready)!r}).touch()\n"
              "time.sleep(60)\n")
-    monkeypatch.setattr(launch, "torchrun_command", lambda n, args: [sys.executable, "-c", child])
+    monkeypatch.setattr(local, "torchrun_command", lambda n, args: [sys.executable, "-c", child])
 
     def signal_us_when_ready() -> None:
         deadline = time.monotonic() + 30
@@ -149,7 +149,7 @@ def test_run_local_forwards_signals_and_returns_the_exit_code(tmp_path: Path, mo
 
     before = signal.getsignal(sig)
     threading.Thread(target=signal_us_when_ready, daemon=True).start()
-    assert launch.run_local(2, []) == code
+    assert local.run_local(2, []) == code
     assert signal.getsignal(sig) is before  # our handlers are put back
 
 
@@ -175,7 +175,7 @@ def test_slurm_script_is_valid_bash_with_rendezvous_requeue_and_resume(capsys, t
     assert "PORT=29555\n" in script and '--master-addr "$HEAD" --master-port "$PORT"' in script
     assert f"PYTHON={shlex.quote(sys.executable)}\n" in script  # TESSEL_PYTHON overrides it
     assert 'PYTHON="${TESSEL_PYTHON:-$PYTHON}"\n' in script
-    assert re.search(r'NODE=\("\$PYTHON" -m tessel.parallel.node --nproc-per-node 2 .* -- '
+    assert re.search(r'NODE=\("\$PYTHON" -m tessel.launch.node --nproc-per-node 2 .* -- '
                      r'"\$\{TRAIN\[@\]\}"\)', script)
     # several nodes: srun starts one launcher per node; the shell's signal goes to the steps
     assert 'srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &' in script
@@ -194,7 +194,7 @@ def test_an_elastic_slurm_job_leaves_its_task_count_to_slurm():
     with both free (measured: tests/integration/test_slurm.py). srun still starts one node
     launcher per node of whatever was allocated; a fixed-size job keeps asking for one each."""
     def sbatch_lines(**kw: int) -> list[str]:
-        script = launch.slurm_script("cfg.toml", [], gpus_per_node=0, python="python", **kw)
+        script = slurm.slurm_script("cfg.toml", [], gpus_per_node=0, python="python", **kw)
         assert 'srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &' in script
         return [line for line in script.splitlines() if line.startswith("#SBATCH")]
 
@@ -207,7 +207,7 @@ def test_an_elastic_slurm_job_leaves_its_task_count_to_slurm():
 def _run_two_node_script(tmp_path: Path, srun: str, restarts: int) -> tuple[int, str, str]:
     """The two-node CPU script run by bash with stub srun, scancel and scontrol (which record
     their arguments in calls.txt); `srun` is the stub's body. (exit code, stdout, calls)"""
-    script = launch.slurm_script("cfg.toml", [], nodes=2, gpus_per_node=0, python="python")
+    script = slurm.slurm_script("cfg.toml", [], nodes=2, gpus_per_node=0, python="python")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = 'echo "$(basename "$0") $*" >> "$CALLS"\n'
@@ -273,7 +273,7 @@ def test_slurm_optional_directives_are_left_out(capsys, tmp_path: Path, monkeypa
 
 
 def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_code():
-    from tessel.parallel import node
+    from tessel.launch import node
 
     a, train = node._parse(["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1",
                             "--master-addr", "h", "--master-port", "1234", "--", "cfg.toml"])
@@ -281,11 +281,11 @@ def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_cod
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == \
         ("7", "3", "8", "4")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], train) == ("h", "1234", ["cfg.toml"])
-    out = subprocess.run([sys.executable, "-m", "tessel.parallel.node", "--nproc-per-node", "2",
+    out = subprocess.run([sys.executable, "-m", "tessel.launch.node", "--nproc-per-node", "2",
                           "--master-port", "29999", "--", CONFIG, "--train.steps=-1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "train.steps" in out.stderr  # bad input: not requeued
-    out = subprocess.run([sys.executable, "-m", "tessel.parallel.node", "--nproc-per-node", "2"],
+    out = subprocess.run([sys.executable, "-m", "tessel.launch.node", "--nproc-per-node", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "must follow '--'" in out.stderr
 
@@ -300,7 +300,7 @@ def test_the_node_launcher_requeues_only_a_run_its_signal_stopped_early(monkeypa
     (the signal came during the final evaluation or save) end the job (0). The workers here
     stand in for `tessel train`: they wait for the forwarded signal, then exit one way or the
     other."""
-    from tessel.parallel import node
+    from tessel.launch import node
 
     code_at_exit = (f"int(os.environ[{node.STOPPED_EXIT_ENV!r}])" if worker_ends == "stopped"
                     else "0")
@@ -519,11 +519,11 @@ def test_bad_launch_input_is_one_line_and_exit_2(capsys, args: list[str], needle
 
 
 def test_builders_check_their_own_arguments():
-    from tessel.parallel.k8s import k8s_manifest
+    from tessel.launch.k8s import k8s_manifest
 
     with pytest.raises(TesselError, match="--nodes must be >= 1"):
         k8s_manifest("c.toml", "", [], nodes=0, image="i", pvc="p")
-    assert launch.default_name("configs/GPT2_124M.toml") == "tessel-gpt2-124m"
+    assert job_text.default_name("configs/GPT2_124M.toml") == "tessel-gpt2-124m"
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -536,7 +536,7 @@ def test_builders_check_their_own_arguments():
      "context parallelism cuts train.seq_len=30 into 2*cp = 4 equal chunks"),
 ])
 def test_nproc_checks_the_layout_in_the_parent(capsys, monkeypatch, args, needle):
-    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    monkeypatch.setattr(local, "run_local", lambda *a: pytest.fail("must not launch"))
     code, _, err = run_cli(capsys, "train", CONFIG, *args)
     assert_one_line_error(code, err, needle)
 
@@ -561,7 +561,7 @@ def test_launch_checks_the_layout_against_nodes_times_gpus(capsys):
 ])
 def test_context_parallel_rules_are_one_line_and_nothing_is_written(capsys, monkeypatch, tmp_path,
                                                                     args, needle):
-    monkeypatch.setattr(launch, "run_local", lambda *a: pytest.fail("must not launch"))
+    monkeypatch.setattr(local, "run_local", lambda *a: pytest.fail("must not launch"))
     run = tmp_path / "run"
     code, out, err = run_cli(capsys, "train", CONFIG, *args, f"--run.dir={run}")
     assert_one_line_error(code, err, needle)

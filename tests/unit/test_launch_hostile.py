@@ -42,7 +42,7 @@ fd, _ = tempfile.mkstemp(dir=os.environ["RECORD_DIR"], suffix=".json")
 with os.fdopen(fd, "w") as f:
     json.dump({{"argv": [os.fsencode(a).hex() for a in sys.argv], "cwd": os.getcwd()}}, f)
 name = os.path.basename(sys.argv[0])
-if "tessel.parallel.node" in sys.argv:
+if "tessel.launch.node" in sys.argv:
     # A one-node job starts its relay step (srun --overlap) in the background and kills it when
     # the launcher ends: the launcher waits until srun has recorded its call, or a stub this
     # fast could end first and the relay be killed before it records anything.
@@ -185,7 +185,7 @@ def test_slurm_one_node_carries_every_value_intact(capsys, place: Path):
         "--signal=B:TERM@90", "--open-mode=append",
         f"--output={log_dir.replace('%', '%%')}/%x-%j.out"]  # SLURM reads %% as %
     assert Path(log_dir).is_dir()  # made now, under its exact name
-    node = ["-m", "tessel.parallel.node", "--nproc-per-node", "2", "--master-addr", "node1",
+    node = ["-m", "tessel.launch.node", "--nproc-per-node", "2", "--master-addr", "node1",
             "--master-port", "29999", "--", config, *PASSED]
     calls = run(place, ["bash", str(place / "job.sh")], cwd=Path.cwd(), SLURM_JOB_ID="7",
                 SLURM_JOB_NODELIST="node1")
@@ -209,7 +209,7 @@ def test_slurm_nodes_run_the_default_interpreter_through_srun_intact(capsys, pla
     assert "--job-name=tessel-cfg" in sbatch_arguments(script)
     calls = run(place, ["bash", "-c", script], cwd=Path.cwd(), SLURM_JOB_ID="123",
                 SLURM_JOB_NODELIST="node[1-2]")
-    node = [str(python), "-m", "tessel.parallel.node", "--nproc-per-node", "2", "--master-addr",
+    node = [str(python), "-m", "tessel.launch.node", "--nproc-per-node", "2", "--master-addr",
             "node1", "--master-port", str(20000 + 123), "--", str(place / NASTY / "cfg.toml"),
             *PASSED]
     assert called(calls, "srun") == [[str(place / "bin/srun"), "--kill-on-bad-exit=1",

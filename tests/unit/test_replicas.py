@@ -22,7 +22,7 @@ from tessel.observe.report.run import read_run
 from tessel.observe.report.summary import summary
 from tessel.parallel.check import check_layout
 from tessel.parallel.dims import ParallelDims, ParallelError
-from tessel.parallel.replicas import data_share
+from tessel.parallel.replica_group import data_share
 from tessel.train import Trainer
 from tessel.train.replicas import MAX_DISCARDS
 
@@ -238,7 +238,7 @@ def test_a_peers_state_is_read_without_running_code(tiny_config, lighthouse, tmp
 
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    from tessel.parallel.replicas import weights_only_transport
+    from tessel.parallel.replica_group import weights_only_transport
 
     cfg = tiny_config(**{**FT, "fault_tolerance.group_size": 1,
                          "fault_tolerance.lighthouse": lighthouse(1)})
@@ -321,7 +321,7 @@ def test_a_group_started_with_a_taken_replica_id_is_refused(lighthouse):
     import threading
 
     from tessel.config import FaultToleranceConfig
-    from tessel.parallel.replicas import ReplicaGroup
+    from tessel.parallel.replica_group import ReplicaGroup
 
     address = lighthouse(2)
 

@@ -28,7 +28,7 @@ def test_a_point_runs_one_node_launcher_per_node_meeting_at_the_first():
     assert cmd[:cut] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
                          "--nodelist=n0,n1", "--kill-on-bad-exit=1", "--cpus-per-task=2"]
     port = cmd[cmd.index("--master-port") + 1]
-    assert cmd[cut:] == ["/venv/bin/python", "-m", "tessel.parallel.node", "--nproc-per-node",
+    assert cmd[cut:] == ["/venv/bin/python", "-m", "tessel.launch.node", "--nproc-per-node",
                          "2", "--nnodes", "2", "--master-addr", "n0", "--master-port", port,
                          "--", *args]
     # every point of a sweep, and every job, its own rendezvous port
