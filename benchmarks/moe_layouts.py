@@ -29,7 +29,7 @@ from tessel.config import Config
 from tessel.models.transformer import active_param_count, flops_per_token, param_count
 from tessel.planner.hardware import get_profile
 from tessel.planner.layout import Layout
-from tessel.planner.search import Plan, check_layout, evaluate, search
+from tessel.planner.search import Plan, evaluate, search, trainer_refusal
 
 DEEPSEEK_TOKENS_PER_GPU_S = 1e12 / (180e3 * 3600)  # 180K H800 GPU hours per trillion tokens
 
@@ -54,7 +54,7 @@ def main() -> None:
         print(_row(f"deepseek-v3, 2,048 H800, batch {batch:,}: picked", result.plans[0]))
         for ac in ("none", "selective", "full"):
             lay = Layout(1, 128, 1, 16, 1, 1, 1, ac, pp_layers_first=2, pp_layers_last=3, ep=64)
-            assert check_layout(cfg, lay) is None
+            assert trainer_refusal(cfg, lay) is None
             p = evaluate(cfg, lay, h800)
             fits = "" if p.fits else " (does not fit)"
             print(_row(f"batch {batch:,}: published pp16 x ep64 ZeRO-1, ac={ac}{fits}", p))

@@ -114,7 +114,7 @@ def cmd_plan(argv: list[str]) -> int:
     from tessel.planner.layout import Layout
 
     layout = Layout.from_config(cfg, args.gpus)
-    reason = search.check_layout(cfg, layout, full=True, device_type=hw.device_type)
+    reason = search.trainer_refusal(cfg, layout, hw.device_type, full=True)
     if reason is not None:
         raise TesselError(reason)
     plan = search.evaluate(cfg, layout, hw)

@@ -68,6 +68,17 @@ class Layout:
             p.loss_chunks,
         )
 
+    def applied(self, cfg: Config) -> Config:
+        """`cfg` running this layout, without re-validating the whole config (the planner
+        checks thousands of layouts): the parallel section takes every setting of the layout
+        (parallel.auto off), train.micro_batch_size its micro-batch. Its combination rules,
+        which a copy skips, are `parallel.check_combinations()`; `cfg.with_overrides(
+        self.overrides())` is the validated way to the same layout."""
+        settings = {k: v for k, v in asdict(self).items() if k != "micro_batch"}
+        parallel = cfg.parallel.model_copy(update={**settings, "auto": False})
+        train = cfg.train.model_copy(update={"micro_batch_size": self.micro_batch})
+        return cfg.model_copy(update={"parallel": parallel, "train": train})
+
     def overrides(self) -> dict[str, Any]:
         """The config settings that select this layout."""
         out = {f"parallel.{k}": v for k, v in asdict(self).items() if k != "micro_batch"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from tessel.config import Config, ModelConfig
@@ -123,49 +122,22 @@ def _flops_per_token(m: ModelConfig, seq_len: int) -> int:
     return hit[2]
 
 
-def _light_config(cfg: Config, layout: Layout) -> Any:
-    """`cfg` with `layout` applied, without re-validating the whole config (the search checks
-    thousands): the sections tessel's layout checks read."""
-    parallel = cfg.parallel.model_copy(update={
-        "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp,
-        "pp": layout.pp, "cp": layout.cp, "zero": layout.zero, "offload": layout.offload,
-        "activation_checkpointing": layout.activation_checkpointing,
-        "pp_schedule": layout.pp_schedule, "pp_virtual_stages": layout.pp_virtual_stages,
-        "pp_layers_first": layout.pp_layers_first, "pp_layers_last": layout.pp_layers_last,
-        "sequence_parallel": layout.sequence_parallel, "ep": layout.ep, "auto": False,
-        "cp_mode": layout.cp_mode, "cp_load_balance": layout.cp_load_balance,
-    })
-    train = cfg.train.model_copy(update={"micro_batch_size": layout.micro_batch})
-    return SimpleNamespace(model=cfg.model, data=cfg.data, train=train, parallel=parallel,
-                           optim=cfg.optim, fault_tolerance=cfg.fault_tolerance)
+def trainer_refusal(cfg: Config, layout: Layout, device_type: str = "cuda", full: bool = False
+                    ) -> str | None:
+    """None if the trainer runs `layout` for `cfg` on `device_type` devices, else what it says
+    (one line): the config's combination rules, then `tessel.parallel.check.check_layout`
+    (the one layout check, ParallelDims.validate and expert parallelism's rules included), as
+    the trainer calls it. `full` also re-validates the whole config (what a launch does)."""
+    from tessel.parallel.check import check_layout
 
-
-def check_layout(cfg: Config, layout: Layout, full: bool = False, device_type: str = "cuda"
-                 ) -> str | None:
-    """None if tessel can run `layout` for `cfg` on `device_type` devices, else why not (one
-    line): the trainer's own rules (ParallelDims.validate, expert parallelism's included).
-    `full` also re-validates the whole config (what a launch does)."""
-    from tessel.parallel.check import check_layout as check_parallel_layout
-
-    return _check_trainer_layout(cfg, layout, full, device_type, check_parallel_layout)
-
-
-def trainer_refusal(cfg: Config, layout: Layout, device_type: str = "cuda") -> str | None:
-    """What the trainer itself says of `layout` (without the planner's own limits)."""
-    from tessel.parallel.check import check_layout as check_parallel_layout
-
-    return _check_trainer_layout(cfg, layout, False, device_type, check_parallel_layout)
-
-
-def _check_trainer_layout(cfg: Config, layout: Layout, full: bool, device_type: str,
-                          check_parallel_layout: Any) -> str | None:
-    """The trainer's own checks (config combinations, ParallelDims, device) of `layout`."""
     try:
-        c = cfg.with_overrides(layout.overrides()) if full else _light_config(cfg, layout)
-        if not full:  # the config's own combination rules, which model_copy skips
-            c.parallel.check_combinations()
+        if full:
+            c = cfg.with_overrides(layout.overrides())
+        else:
+            c = layout.applied(cfg)
+            c.parallel.check_combinations()  # the config's own rules, which a copy skips
         dims = ParallelDims.from_config(c.parallel, layout.world)
-        check_parallel_layout(c, dims, device_type, precision_for(cfg, device_type))
+        check_layout(c, dims, device_type, precision_for(cfg, device_type))
     except (TesselError, ValueError) as exc:
         return str(exc)
     return None
@@ -292,7 +264,7 @@ def search(cfg: Config, gpus: int, hw: GpuProfile, keep: int = 10,
                layout.pp_schedule, layout.pp_virtual_stages, layout.pp_layers_first,
                layout.micro_batch, layout.offload, layout.ep, layout.cp_mode)
         if key not in checked:
-            checked[key] = check_layout(cfg, layout, device_type=device_type)
+            checked[key] = trainer_refusal(cfg, layout, device_type)
         reason = checked[key]
         if reason is not None:
             kind = kinds.get(reason) or kinds.setdefault(reason, _reason_kind(reason))

@@ -11,7 +11,7 @@ from tessel.config import Config
 from tessel.planner.hardware import GpuProfile, get_profile
 from tessel.planner.layout import Layout
 from tessel.planner.published import RUNS, PublishedRun
-from tessel.planner.search import Plan, check_layout, evaluate
+from tessel.planner.search import Plan, evaluate, trainer_refusal
 from tessel.planner.stack import STACKS
 
 
@@ -43,7 +43,7 @@ def check(run: PublishedRun, hw: GpuProfile | None = None) -> Check:
     hw = hw or get_profile(run.gpu)
     if run.hardware:  # the cluster's own figures, where it differs from the profile
         hw = dataclasses.replace(hw, **run.hardware)
-    reason = check_layout(cfg, layout)
+    reason = trainer_refusal(cfg, layout)
     if reason is not None:
         raise ValueError(f"{run.name}: tessel cannot run this layout: {reason}")
     return Check(run, evaluate(cfg, layout, hw,

@@ -30,7 +30,7 @@ from tessel.planner.memory import (
 )
 from tessel.planner.prelaunch import check_memory, choose_layout
 from tessel.planner.report import as_json
-from tessel.planner.search import candidates, check_layout, evaluate, search
+from tessel.planner.search import candidates, evaluate, search, trainer_refusal
 from tessel.planner.speed import (
     EP_CALLS_EACH_WAY,
     _ring,
@@ -236,7 +236,7 @@ def test_search_returns_valid_layouts_fastest_first_and_says_why_others_are_out(
     assert all(a > b * 0.99 for a, b in zip(speeds, speeds[1:])), speeds
     assert speeds[0] > max(speeds) * 0.99
     for p in result.plans:
-        assert p.fits and check_layout(c, p.layout, full=True) is None
+        assert p.fits and trainer_refusal(c, p.layout, full=True) is None
         assert p.layout.world == 64
     assert all(p.shortfall_gib > 0 for p in result.too_big)
     # Context parallelism is searched from 8K positions on (4,096 or more per rank).
@@ -247,7 +247,7 @@ def test_search_returns_valid_layouts_fastest_first_and_says_why_others_are_out(
 
 def test_an_impossible_layout_is_explained_not_evaluated():
     c = cfg(**{"parallel.tp": 3})
-    assert "not divisible by tp=3" in check_layout(c, Layout.from_config(c, 3))
+    assert "not divisible by tp=3" in trainer_refusal(c, Layout.from_config(c, 3))
 
 
 def test_auto_layout_and_the_memory_refusal():
@@ -368,7 +368,7 @@ def test_gpt3_175b_on_1024_a100s_gets_a_3d_layout_that_fits():
     result = search(c, 1024, hardware.get_profile("a100-80gb"), keep=3)
     best = result.plans[0]
     assert best.fits and best.layout.tp > 1 and best.layout.pp > 1 and best.layout.dp > 1
-    assert check_layout(c, best.layout, full=True) is None
+    assert trainer_refusal(c, best.layout, full=True) is None
     # The recipe in configs/ is one of the layouts that fit.
     recipe = Config.load(Path(__file__).parents[2] / "configs/gpt3-175b.toml")
     plan = evaluate(recipe, Layout.from_config(recipe, 1024), hardware.get_profile("a100-80gb"))
@@ -465,7 +465,7 @@ def test_moe_mfu_counts_active_parameters():
 ])
 def test_bad_expert_parallel_layouts_are_one_line(overrides, gpus, needle):
     c = Config.load(None, overrides)
-    why = check_layout(c, Layout.from_config(c, gpus), full=True)
+    why = trainer_refusal(c, Layout.from_config(c, gpus), full=True)
     assert why is not None and needle in why and "\n" not in why
 
 
@@ -480,12 +480,12 @@ def test_deepseek_v3_on_2048_h800s_gets_a_layout_with_expert_and_pipeline_parall
     result = search(c, 2048, h800, keep=3)
     best = result.plans[0]
     assert best.fits and best.layout.ep > 1 and best.layout.world == 2048
-    assert check_layout(c, best.layout, full=True) is None
+    assert trainer_refusal(c, best.layout, full=True) is None
     assert 0.05 < best.mfu < 0.6 and best.step.ep_comm_s > 0
     # DeepSeek's published layout (pp16 x ep64, ZeRO-1, no tp) runs here, fits with selective
     # recomputation, and is predicted within a factor of two of the pick.
     published = Layout(1, 128, 1, 16, 1, 1, 1, "selective", pp_layers_first=2, pp_layers_last=3,
                        ep=64)
-    assert check_layout(c, published) is None
+    assert trainer_refusal(c, published) is None
     p = evaluate(c, published, h800)
     assert p.fits and 0.5 < p.tokens_per_s / best.tokens_per_s <= 1.0

@@ -26,7 +26,7 @@ from tessel.planner import hardware
 from tessel.planner.layout import Layout
 from tessel.planner.memory import estimate_memory
 from tessel.planner.report import breakdown, launch_line
-from tessel.planner.search import check_layout, evaluate, search
+from tessel.planner.search import evaluate, search, trainer_refusal
 from tessel.planner.speed import (
     CP_CALLS,
     _ring,
@@ -224,6 +224,6 @@ def test_llama3_405b_at_128k_on_16384_h100s_is_planned_with_context_parallelism(
     result = search(c, 16384, H100, keep=3)
     best = result.plans[0]
     assert best.fits and best.layout.cp > 1 and best.layout.tp == 8
-    assert check_layout(c, best.layout, full=True) is None
+    assert trainer_refusal(c, best.layout, full=True) is None
     assert all(p.layout.cp > 1 for p in result.plans)
     assert best.step.cp_comm_s > 0 and 0.3 < best.mfu < 0.5
