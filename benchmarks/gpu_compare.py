@@ -31,7 +31,7 @@ import overhead  # noqa: E402
 
 from tessel.config import Config  # noqa: E402
 from tessel.models import flops_per_token  # noqa: E402
-from tessel.observe.mfu import device_peak_flops  # noqa: E402
+from tessel.planner.prelaunch import device_peak_flops  # noqa: E402
 
 # Sequences per micro-batch at seq 2048 that leave room for both sides on 80 GB.
 DEFAULT_MBS = {"gpt2-124m": 16, "gpt2-350m": 8, "gpt3-1.3b": 4}

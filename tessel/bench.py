@@ -10,10 +10,10 @@ FLOPs per token are the model's own formula (`tessel.models.flops_per_token`: 6 
 parameters + 12 x layers x n_heads x head_dim x seq_len, the PaLM appendix-B count used by
 nanoGPT and Megatron; attention counted at full, not causal, size; in MoE layers only the
 parameters a token uses: router, top_k routed experts, shared experts). MFU is TFLOP/s over the device's
-dense BF16 peak from the table in `tessel.observe.mfu` (unknown devices, CPUs included, get
-none) and over the peak of a large matrix multiply measured on the same device in the same
-run (bf16 on a GPU, fp32 on a CPU). The planner's memory prediction for the layout is printed
-beside the measured peak.
+dense BF16 peak from the planner's GPU profiles (`tessel.planner.prelaunch.device_peak_flops`;
+unknown devices, CPUs included, get none) and over the peak of a large matrix multiply measured
+on the same device in the same run (bf16 on a GPU, fp32 on a CPU). The planner's memory
+prediction for the layout is printed beside the measured peak.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from tessel.config import Config
 from tessel.config.monitoring import COMM_CONDITIONS
 from tessel.errors import TesselError
 from tessel.models import flops_per_token, param_count
-from tessel.observe.mfu import device_peak_flops
 
 GIB = 2**30
 
@@ -137,6 +136,8 @@ def _timed_steps(trainer: Any, steps: int) -> list[float]:
 
 
 def _figures(cfg: Config, trainer: Any, times: list[float], memory: dict[str, float]) -> dict[str, Any]:
+    from tessel.planner.prelaunch import device_peak_flops
+
     t, device = cfg.train, trainer.device
     tokens_per_step = t.global_batch_size * t.seq_len
     median = statistics.median(times)

@@ -114,7 +114,12 @@ class GpuProfile:
     0.6-1.5 ms at 1-4 KB, 1.6-2.5 ms at 64 KB-2 MB, 12 ms at 16 MB). Measured on CPU
     processes by `tessel scale --measure`; empty in the built-in GPU profiles."""
     device_names: tuple[str, ...] = ()
-    """Substrings of torch.cuda.get_device_name() that identify this GPU."""
+    """Substrings of torch.cuda.get_device_name() that identify this GPU (case aside; where
+    several profiles' names match, the longest name wins: "H100 NVL" over "H100")."""
+    rated_bf16_flops: float | None = None
+    """The dense BF16 rating MFU is reported against (docs/monitoring.md) where bf16_flops
+    models the device below it (a power limit); None: bf16_flops. Built-in profiles only
+    (no TOML key): MFU reads the built-in profiles."""
     device_type: str = "cuda"
     """What runs the model: "cuda" (GPUs: bf16 by default, FlexAttention), or "cpu" for a
     profile measured on CPU processes (`tessel scale --measure`: fp32, dense masks)."""
@@ -122,19 +127,26 @@ class GpuProfile:
     def with_memory(self, memory_gib: float) -> GpuProfile:
         return dataclasses.replace(self, memory_gib=memory_gib)
 
+    @property
+    def mfu_peak_flops(self) -> float:
+        """The dense BF16 peak MFU divides by, FLOP/s."""
+        return self.rated_bf16_flops or self.bf16_flops
+
 
 BUILTIN: dict[str, GpuProfile] = {
     p.name: p for p in (
         GpuProfile("a100-40gb", 312e12, None, 40.0, 300.0, 25.0, 8, hbm_gbps=1555, host_memory_gib=1024,
                    device_names=("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB")),
         GpuProfile("a100-80gb", 312e12, None, 80.0, 300.0, 25.0, 8, hbm_gbps=2039, host_memory_gib=1024,
-                   device_names=("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB")),
+                   device_names=("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB", "A100")),
         GpuProfile("h100-sxm", 989e12, 1979e12, 80.0, 450.0, 50.0, 8, hbm_gbps=3350, host_memory_gib=2048,
-                   device_names=("H100 80GB HBM3", "H100 SXM")),
+                   device_names=("H100 80GB HBM3", "H100 SXM", "H100")),
         GpuProfile("h100-96gb-500w", 887e12, 1773e12, 95.0, 450.0, 50.0, 8, hbm_gbps=2400,
-                   host_memory_gib=2048, device_names=("H100 96GB HBM2e",)),
+                   host_memory_gib=2048, device_names=("H100 96GB HBM2e",), rated_bf16_flops=989e12),
         GpuProfile("h100-pcie", 756e12, 1513e12, 80.0, 64.0, 25.0, 8, hbm_gbps=2000,
                    device_names=("H100 PCIe",)),
+        GpuProfile("h100-nvl", 835e12, 1670e12, 93.5, 64.0, 50.0, 8, hbm_gbps=3900, host_memory_gib=2048,
+                   device_names=("H100 NVL",)),
         GpuProfile("h800", 989e12, 1979e12, 80.0, 200.0, 50.0, 8, hbm_gbps=3350, host_memory_gib=2048,
                    device_names=("H800",)),
         GpuProfile("h200", 989e12, 1979e12, 141.0, 450.0, 50.0, 8, hbm_gbps=4800,
@@ -143,6 +155,9 @@ BUILTIN: dict[str, GpuProfile] = {
                    host_memory_gib=4096, device_names=("B200",)),
         GpuProfile("mi300x", 1307e12, 2615e12, 192.0, 448.0, 50.0, 8, hbm_gbps=5300, host_memory_gib=2048,
                    device_names=("MI300X", "AMD Instinct MI300X")),
+        GpuProfile("l40s", 362e12, 733e12, 48.0, 32.0, 25.0, 8, hbm_gbps=864, device_names=("L40S",)),
+        GpuProfile("l4", 121e12, 242e12, 24.0, 32.0, 12.5, 8, hbm_gbps=300, device_names=("L4",)),
+        GpuProfile("a10g", 70e12, None, 24.0, 32.0, 12.5, 8, hbm_gbps=600, device_names=("A10G",)),
     )
 }
 
@@ -159,9 +174,13 @@ SOURCES = {
                       "989.4 dense BF16 TFLOP/s at 700 W (H100 SXM) and 835.5 at 400 W (H100 "
                       "NVL, 1671 with sparsity); linear in the power limit between them, 500 W "
                       "gives 887 (FP8 1773); 96 GB counted as an 80 GB H100's 79.6 GiB is "
-                      "counted (95 GiB); NVLink4 450 GB/s per direction; 400 Gb/s RDMA per GPU",
+                      "counted (95 GiB); NVLink4 450 GB/s per direction; 400 Gb/s RDMA per GPU; "
+                      "MFU against the die's 989 rating, as torchtitan reports it",
     "h100-pcie": "NVIDIA H100 whitepaper: 756 dense BF16, 1513 dense FP8 TFLOP/s, 80 GB; "
                  "PCIe Gen5 128 GB/s bidirectional (64 per direction), no NVLink assumed",
+    "h100-nvl": "NVIDIA H100 NVL datasheet: 835 dense BF16, 1670 dense FP8 TFLOP/s, 94 GB HBM3 "
+                "(93.5 GiB counted), 3.9 TB/s; NVLink bridges only pairs: PCIe Gen5 64 GB/s per "
+                "direction assumed between GPUs; 400 Gb/s per GPU assumed",
     "h800": "H100 SXM's figures (989 dense BF16, 1979 dense FP8 TFLOP/s, 80 GB, 3.35 TB/s) "
             "with NVLink cut to 400 GB/s bidirectional (200 per direction), NVIDIA's export "
             "variant; DeepSeek-V3 technical report (arXiv 2412.19437) section 3.1: 8 GPUs a "
@@ -173,6 +192,12 @@ SOURCES = {
     "mi300x": "AMD ROCm MI300X page: 1307.4 BF16, 2614.9 FP8 TFLOP/s (matrix, dense), 192 GB "
               "HBM3; 7 Infinity Fabric links, 896 GB/s aggregate (448 per direction); 400 "
               "Gb/s per GPU assumed",
+    "l40s": "NVIDIA L40S datasheet: 362 dense BF16, 733 dense FP8 TFLOP/s, 48 GB GDDR6, 864 GB/s; "
+            "no NVLink: PCIe Gen4 32 GB/s per direction; 200 Gb/s per GPU assumed",
+    "l4": "NVIDIA L4 datasheet: 121 dense BF16, 242 dense FP8 TFLOP/s, 24 GB GDDR6, 300 GB/s; "
+          "PCIe Gen4 32 GB/s per direction; 100 Gb/s per GPU assumed",
+    "a10g": "AWS A10G (g5 instances): 70 dense BF16 TFLOP/s (the figure MFU always used), 24 GB "
+            "GDDR6, 600 GB/s; PCIe Gen4 32 GB/s per direction; 100 Gb/s per GPU assumed",
 }
 
 _POSITIVE = {"bf16_tflops": (1e6, "TFLOP/s"), "fp8_tflops": (1e6, "TFLOP/s; 0 for none"),
@@ -348,11 +373,15 @@ def get_profile(name: str, profiles: dict[str, GpuProfile] | None = None) -> Gpu
 
 def profile_for_device(device_name: str, profiles: dict[str, GpuProfile] | None = None
                        ) -> GpuProfile | None:
-    """The profile whose device_names match torch.cuda.get_device_name(), if any."""
+    """The profile whose device_names match torch.cuda.get_device_name(), if any: of several,
+    the one with the longest matching name (the most specific), the first on a tie."""
+    name = device_name.lower()
+    best, length = None, -1
     for profile in (profiles or BUILTIN).values():
-        if any(s.lower() in device_name.lower() for s in profile.device_names):
-            return profile
-    return None
+        matched = max((len(s) for s in profile.device_names if s.lower() in name), default=-1)
+        if matched > length:
+            best, length = profile, matched
+    return best
 
 
 def calibrate(profile: GpuProfile, predict: Callable[[GpuProfile], float],

@@ -1,5 +1,6 @@
 """What `tessel train` asks the planner before it builds anything: the layout to use when
-`parallel.auto = true`, and whether the layout is predicted to fit in device memory."""
+`parallel.auto = true`, whether the layout is predicted to fit in device memory, and the
+device's peak that MFU is reported against."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def device_profile(device: torch.device, local_world: int) -> GpuProfile:
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return GpuProfile(name="cpu", memory_gib=host / max(local_world, 1),
                       gpus_per_node=max(local_world, 1), **_NOMINAL)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The dense BF16 peak MFU is measured against (docs/monitoring.md), FLOP/s: that of the
+    built-in profile this GPU is (`profile_for_device`); None for a device none describes,
+    CPUs included: MFU is never guessed."""
+    if device.type != "cuda":
+        return None
+    known = profile_for_device(torch.cuda.get_device_name(device))
+    return None if known is None else known.mfu_peak_flops
 
 
 def choose_layout(cfg: Config, world: int, hw: GpuProfile, device_type: str = "cuda"

@@ -28,7 +28,6 @@ from tessel.observe.alerts import check_alerts
 from tessel.observe.comm import CommMeter
 from tessel.observe.console import ConsoleDisplay
 from tessel.observe.events import EventLog
-from tessel.observe.mfu import device_peak_flops
 from tessel.observe.secrets import redact_config
 from tessel.observe.timing import PhaseTimer
 from tessel.observe.watchdog import Watchdog
@@ -38,7 +37,7 @@ from tessel.parallel.dims import ParallelDims, flat_mesh, resolved
 from tessel.parallel.dist import init_distributed, process_info, shutdown
 from tessel.parallel.fp8 import check_fp8
 from tessel.parallel.replica_group import data_share, replica_groups
-from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
+from tessel.planner.prelaunch import auto_layout, device_peak_flops, refuse_if_too_big
 from tessel.train import lifecycle
 from tessel.train.control import StopControl, stop_at_once
 from tessel.train.device import pick_device
