@@ -27,11 +27,11 @@ import torch
 from tessel.config import Config
 from tessel.models import build_model
 from tessel.observe.metrics import read_metrics
+from tessel.optim.build import build_optimizer
 from tessel.planner.layout import Layout
 from tessel.planner.memory import estimate_memory
 from tessel.planner.optimizer import OptimizerSpec
 from tessel.train import Trainer
-from tessel.train.optim import build_optimizer
 
 
 def train(root: Path, name: str, lr: float, steps: int, eval_interval: int) -> dict[int, float]:

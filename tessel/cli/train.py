@@ -88,12 +88,12 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
     (memory, bf16, fp8) stays with the workers: this process, which waits for torchrun the
     whole run, never starts CUDA."""
     from tessel.observe.alerts import check_alerts
+    from tessel.optim.build import check_muon_force
     from tessel.parallel.check import check_layout
     from tessel.parallel.dims import ParallelDims, resolved
     from tessel.train.device import pick_device
     from tessel.train.faults import check_faults
     from tessel.train.harness_check import check_lm_eval
-    from tessel.train.optim import check_muon_force
     from tessel.train.run_dir import RunDir
 
     dims = ParallelDims.from_config(cfg.parallel, nproc)

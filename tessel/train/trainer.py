@@ -31,6 +31,8 @@ from tessel.observe.events import EventLog
 from tessel.observe.secrets import redact_config
 from tessel.observe.timing import PhaseTimer
 from tessel.observe.watchdog import Watchdog
+from tessel.optim.build import build_optimizer, check_muon_force
+from tessel.optim.lr_schedule import lr_at
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.check import check_layout
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolved
@@ -45,7 +47,6 @@ from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
 from tessel.train.harness import Harness
 from tessel.train.harness_check import check_lm_eval
-from tessel.train.optim import build_optimizer, check_muon_force, lr_at
 from tessel.train.precision import resolve_precision
 from tessel.train.recovery import Recovery, RecoveryGaveUp, SkipList, TrainingDiverged, check_finite
 from tessel.train.replicas import replicas_for

@@ -12,8 +12,8 @@ import torch
 from tessel.config import Config, ModelConfig, OptimConfig
 from tessel.errors import TesselError
 from tessel.models import build_model
-from tessel.train.muon import Muon, newton_schulz
-from tessel.train.optim import build_optimizer, muon_groups
+from tessel.optim.build import build_optimizer, muon_groups
+from tessel.optim.muon import Muon, newton_schulz
 
 MUON = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1, muon_ns_dtype="bfloat16")
 """As torch.optim.Muon (on CPU "auto" means float32: see test_newton_schulz_precision)."""

@@ -5,7 +5,8 @@ import torch
 
 from tessel.config import ModelConfig, OptimConfig
 from tessel.models import build_model
-from tessel.train.optim import build_optimizer, lr_at, param_groups
+from tessel.optim.build import build_optimizer, param_groups
+from tessel.optim.lr_schedule import lr_at
 
 
 def test_no_weight_decay_on_norms_biases_embeddings():
@@ -51,7 +52,7 @@ def _steps(opt: torch.optim.Optimizer, model: torch.nn.Module, n: int, seed: int
 
 def test_host_offloaded_adamw_is_adamw_bit_for_bit_and_checkpoints_alike(tmp_path):
     from tessel.checkpoint import load_optimizer, save_checkpoint
-    from tessel.train.offload import HostAdamW
+    from tessel.optim.offload import HostAdamW
 
     cfg = OptimConfig(weight_decay=0.1)
     ref, off = (build_model(ModelConfig(preset="tiny-llama"), seed=0) for _ in range(2))

@@ -10,13 +10,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tessel.config import Config
 from tessel.models import build_model
+from tessel.optim.build import build_optimizer, muon_groups
+from tessel.optim.muon import newton_schulz
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
 from tessel.planner.memory import estimate_memory, parameter_elements
 from tessel.planner.optimizer import OptimizerSpec, muon_matrices, ns_flops
 from tessel.planner.speed import estimate_step
-from tessel.train.muon import newton_schulz
-from tessel.train.optim import build_optimizer, muon_groups
 
 H100 = GpuProfile("h100-sxm", 989e12, 1979e12, 80.0, 450.0, 50.0, 8, hbm_gbps=3350)
 

@@ -20,6 +20,7 @@ from tessel.config import Config
 from tessel.data import Batch
 from tessel.errors import Stopped
 from tessel.observe.console import ConsoleDisplay
+from tessel.optim.build import build_optimizer
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.dims import ParallelDims
 from tessel.train.control import (
@@ -29,7 +30,6 @@ from tessel.train.control import (
     stop_at_once,
 )
 from tessel.train.eval import Evaluator
-from tessel.train.optim import build_optimizer
 from tessel.train.precision import resolve_precision
 from tessel.train.recovery import Recovery, RecoveryGaveUp, SkipList
 from tessel.train.run_dir import RunDir

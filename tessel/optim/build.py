@@ -1,10 +1,9 @@
-"""The optimizer (AdamW, or Muon with AdamW beside it) with conventional parameter groups,
-and the learning-rate schedule."""
+"""The optimizer (AdamW, or Muon with AdamW beside it) with conventional parameter groups
+(the learning-rate schedule: lr_schedule.py)."""
 
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
@@ -120,9 +119,9 @@ def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device, offload: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer of `model`'s parameters: AdamW (with `offload`, its state and update in
-    host memory: `tessel.train.offload.HostAdamW`) or Muon (`tessel.train.muon`)."""
+    host memory: `tessel.optim.offload.HostAdamW`) or Muon (`tessel.optim.muon`)."""
     if cfg.name == "muon":
-        from tessel.train.muon import Muon
+        from tessel.optim.muon import Muon
 
         assert not offload, "refused by tessel.parallel.check.check_layout"
         # Muon's AdamW part: the same kernels as optim.name = "adamw".
@@ -134,7 +133,7 @@ def build_optimizer(
                     eps=cfg.eps, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
                     ns_dtype=ns_dtype, state_dtype=cfg.state_dtype, **impl)
     if cfg.state_dtype != "float32":
-        from tessel.train.lowbit import StateAdamW, adamw_8bit
+        from tessel.optim.lowbit import StateAdamW, adamw_8bit
 
         assert not offload, "refused by tessel.parallel.check.check_layout"
         hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
@@ -143,7 +142,7 @@ def build_optimizer(
             return adamw_8bit(groups, **hyper)
         return StateAdamW(groups, state_dtype=cfg.state_dtype, **hyper)
     if offload:
-        from tessel.train.offload import HostAdamW
+        from tessel.optim.offload import HostAdamW
 
         return HostAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                          betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -157,26 +156,3 @@ def build_optimizer(
         eps=cfg.eps,
         **impl,
     )
-
-
-def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based). A pure function of the step, so the
-    schedule needs no state of its own in a checkpoint."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "constant":
-        return cfg.lr
-    # The last step (total_steps - 1) lands exactly on the floor.
-    span = max(total_steps - 1 - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
-    if cfg.schedule == "cosine":
-        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    if cfg.schedule == "linear":
-        return cfg.lr - (cfg.lr - floor) * progress
-    # wsd: warm-up, stable at lr, then linear decay over the last decay_fraction of the steps
-    decay_start = total_steps - int(cfg.decay_fraction * total_steps)
-    if step < decay_start:
-        return cfg.lr
-    frac = (step - decay_start) / max(total_steps - 1 - decay_start, 1)
-    return cfg.lr - (cfg.lr - floor) * min(frac, 1.0)

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tessel.errors import TesselError
-from tessel.train.offload import placed_like
+from tessel.optim.offload import placed_like
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The state precisions tessel's own update keeps (int8 is torchao's)."""

@@ -29,7 +29,7 @@ ranks and every rank ends with exactly the owner's result for its shard. Plain t
 are.
 
 With `optim.state_dtype = "bfloat16"` the momentum buffers and AdamW's moments are stored in
-bfloat16 by stochastic rounding (`tessel.train.lowbit`).
+bfloat16 by stochastic rounding (`tessel.optim.lowbit`).
 
 The class extends torch.optim.AdamW so that checkpoints (DCP's optimizer state dict, its
 resharding), GradScaler and the planner see one optimizer with one state: AdamW's moments
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from tessel.train.lowbit import (
+from tessel.optim.lowbit import (
     STATE_DTYPES,
     Rounder,
     adamw_step,
@@ -53,7 +53,7 @@ from tessel.train.lowbit import (
     local,
     shard_index,
 )
-from tessel.train.offload import placed_like
+from tessel.optim.offload import placed_like
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic Newton-Schulz coefficients (steepest slope at zero)."""
