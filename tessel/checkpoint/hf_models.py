@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from tessel.checkpoint.hf_arch import GPT2, Architecture, HFError, Llama
 from tessel.checkpoint.hf_moe import Mixtral, Qwen3Moe
+from tessel.config import ConfigError
 
 if TYPE_CHECKING:
-    from tessel.config import ModelConfig
+    from tessel.config import Config, ModelConfig
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a for a in (GPT2(), Llama(), Mixtral(), Qwen3Moe())}
@@ -37,3 +38,26 @@ def for_model(m: ModelConfig) -> Architecture:
         raise HFError("model: dense models with model.qk_norm have no Hugging Face export "
                       "(Qwen3ForCausalLM is not mapped yet)")
     return ARCHITECTURES["llama" if m.position == "rope" else "gpt2"]
+
+
+def check_export(cfg: Config) -> None:
+    """Refuse (ConfigError, one line) `checkpoint.hf_export_interval` for a model no Hugging Face
+    architecture holds, or whose balancing bias it would drop unasked: at load time
+    (`tessel.load_config`) and at the trainer's start, before anything is written, rather
+    than in every export of the run. (The config layer knows no architectures.)"""
+    m = cfg.model
+    if not cfg.checkpoint.hf_export_interval:
+        return
+    try:
+        arch = for_model(m)
+        arch.hf_config(m)
+    except HFError as exc:
+        raise ConfigError(f"invalid config: checkpoint.hf_export_interval: {exc}; set it to 0"
+                          ) from None
+    if m.moe_experts and m.moe_bias_update_rate and not cfg.checkpoint.hf_export_drop_expert_bias:
+        raise ConfigError(
+            f"invalid config: checkpoint.hf_export_interval: model.moe_bias_update_rate="
+            f"{m.moe_bias_update_rate} trains a balancing bias that {arch.hf_class} has no place "
+            "for, so its copies would route tokens to other experts; set "
+            "checkpoint.hf_export_drop_expert_bias = true to export without it, or "
+            "checkpoint.hf_export_interval = 0")

@@ -29,7 +29,7 @@ from tessel.checkpoint.eod import hf_eod, run_eod
 from tessel.checkpoint.errors import check_finite
 from tessel.checkpoint.hf_arch import VOCAB_ROWS, HFError, fit_vocab_rows
 from tessel.checkpoint.hf_io import HFReader, read_json
-from tessel.checkpoint.hf_models import for_hf_config
+from tessel.checkpoint.hf_models import check_export, for_hf_config
 from tessel.config import SHAPE_FIELDS, Config, ModelConfig
 from tessel.config.load import read_merged, validate
 from tessel.models.lora import is_adapter
@@ -106,7 +106,8 @@ def load_config(
     `model.init_from` fix (when it is set) read from them: they win over the preset, and an
     explicit shape field that disagrees is an error naming the key. What `tessel train` and
     the other commands load for a new run; a resumed run's config.toml already states every
-    field and is read with `Config.load`."""
+    field and is read with `Config.load`. A model `checkpoint.hf_export_interval` cannot
+    export is refused here too (`hf_models.check_export`)."""
     merged = read_merged(Config, path, overrides)
     model = merged.get("model")
     init_from = model.get("init_from") if isinstance(model, dict) else None
@@ -116,7 +117,9 @@ def load_config(
         if not source.exists():
             raise HFError(f"model.init_from={init_from!r} does not exist or holds no weights")
         fields = model_fields_of(source)
-    return Config.from_dict(merged, init_fields=fields)
+    cfg = Config.from_dict(merged, init_fields=fields)
+    check_export(cfg)
+    return cfg
 
 
 def check_shape(m: ModelConfig, path: Path) -> None:

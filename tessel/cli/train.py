@@ -128,6 +128,7 @@ def cmd_train(argv: list[str]) -> int:
     if args.resume is not None and args.auto_resume:
         raise TesselError("--auto-resume and --resume exclude each other; pass one")
 
+    from tessel.checkpoint.hf_models import check_export
     from tessel.checkpoint.init_from import load_config
     from tessel.config import Config, read_saved
 
@@ -152,6 +153,7 @@ def cmd_train(argv: list[str]) -> int:
         # The run directory is where the run is now (it may have been moved).
         cfg = Config.from_dict(read_saved(run_config),
                                [*overrides, f"--run.dir={toml_str(resume)}"])
+        check_export(cfg)  # as load_config does for a new run: before torchrun or the trainer
     else:
         cfg = load_config(args.config, overrides)
     if rdzv is not None:

@@ -354,22 +354,6 @@ class Config(BaseModel):
                 f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                 f"lower train.seq_len or raise model.max_seq_len"
             )
-        if self.checkpoint.hf_export_interval:
-            # Refused now rather than failing in every export of the run.
-            from tessel.checkpoint.hf_models import HFError, for_model
-
-            try:
-                for_model(m).hf_config(m)
-            except HFError as exc:
-                raise ValueError(f"checkpoint.hf_export_interval: {exc}; set it to 0") from None
-            if (m.moe_experts and m.moe_bias_update_rate
-                    and not self.checkpoint.hf_export_drop_expert_bias):
-                raise ValueError(
-                    f"checkpoint.hf_export_interval: model.moe_bias_update_rate="
-                    f"{m.moe_bias_update_rate} trains a balancing bias that "
-                    f"{for_model(m).hf_class} has no place for, so its copies would route "
-                    "tokens to other experts; set checkpoint.hf_export_drop_expert_bias = true "
-                    "to export without it, or checkpoint.hf_export_interval = 0")
         check_comm_alerts(self.alerts, self.metrics)
         if self.lora.enabled and t.fp8:
             # float8 training swaps the projections for Float8Linear modules: the adapters

@@ -72,21 +72,57 @@ def test_pp_zero_and_cp_with_moe_pass_the_layout_check(degree):
 
 def test_hf_export_of_an_moe_shape_hf_cannot_hold_is_refused_in_one_line():
     """tiny-moe has a shared expert, which neither Mixtral nor Qwen3-MoE has; without it, it
-    exports as Mixtral (tests/integration/test_hf_moe.py)."""
-    from tessel.checkpoint.hf_models import HFError, for_model
+    exports as Mixtral (tests/integration/test_hf_moe.py). Refused by the pre-flight check
+    (`check_export`: `tessel.load_config`, the trainer's start), not the config schema."""
+    from tessel import load_config
+    from tessel.checkpoint.hf_models import HFError, check_export, for_model
     from tessel.config import ConfigError
 
+    refused = {"model.preset": "tiny-moe", "checkpoint.hf_export_interval": 10}
     with pytest.raises(ConfigError, match="checkpoint.hf_export_interval: model: "
                                           "MixtralForCausalLM has softmax routing"):
-        Config.load(None, {"model.preset": "tiny-moe", "checkpoint.hf_export_interval": 10})
+        check_export(Config.load(None, refused))
+    with pytest.raises(ConfigError, match="^invalid config: checkpoint.hf_export_interval: "
+                                          "model: MixtralForCausalLM has softmax routing.*; "
+                                          "set it to 0$"):
+        load_config(None, refused)
     m = ModelConfig(preset="tiny-moe")
     with pytest.raises(HFError, match="no shared experts; this model"):
         for_model(m).hf_config(m)
     m = ModelConfig(preset="tiny-moe", moe_shared_experts=0)
     with pytest.raises(HFError, match="MixtralForCausalLM has every layer MoE"):
         for_model(m).hf_config(m)
-    Config.load(None, {"model.preset": "tiny-moe", "model.moe_shared_experts": 0,
-                       "model.qk_norm": True, "checkpoint.hf_export_interval": 10})
+    check_export(load_config(None, {"model.preset": "tiny-moe", "model.moe_shared_experts": 0,
+                                    "model.qk_norm": True, "checkpoint.hf_export_interval": 10}))
+
+
+def test_tessel_train_refuses_an_hf_export_it_cannot_write_before_writing_anything(tmp_path):
+    """The refusal left the config schema for the pre-flight checks: `tessel train` (a new
+    run, a resumed one) still refuses it in one line, exit code 2, before the run directory
+    exists."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "tessel", "train", "--model.preset=tiny-moe",
+                           "--checkpoint.hf_export_interval=10", f"--run.dir={run}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "tessel: error: invalid config: checkpoint.hf_export_interval: model: "
+        "MixtralForCausalLM has softmax routing to SwiGLU experts and no shared experts; this "
+        "model (moe_shared_experts=1, moe_router='softmax', mlp='swiglu') has no Hugging Face "
+        "export; set it to 0"]
+    assert not run.exists()
+    cfg = Config.load(None, {"model.preset": "tiny-moe", "run.dir": str(run)})
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "config.toml").write_text(cfg.with_overrides(
+        {"run.dir": str(tmp_path / "saved")}).to_toml())
+    proc = subprocess.run([sys.executable, "-m", "tessel", "train", "--resume",
+                           str(tmp_path / "saved"), "--checkpoint.hf_export_interval=10"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "set it to 0" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["config.toml"]
 
 
 def test_a_pipeline_metadata_forward_is_left_out_of_the_statistics():
@@ -163,13 +199,17 @@ def test_hf_exports_during_training_of_a_balancing_bias_are_refused_unless_dropp
     """Mixtral and Qwen3-MoE route without the balancing bias: checkpoint.hf_export_interval
     with model.moe_bias_update_rate > 0 is refused when the config loads (not in every export
     of the run), unless checkpoint.hf_export_drop_expert_bias says to export without it."""
+    from tessel import load_config
+    from tessel.checkpoint.hf_models import check_export
     from tessel.config import ConfigError
 
     qwen3 = {"model.preset": "tiny-moe", "model.moe_shared_experts": 0, "model.qk_norm": True,
              "checkpoint.hf_export_interval": 10, "model.moe_bias_update_rate": 0.001}
     with pytest.raises(ConfigError, match="model.moe_bias_update_rate=0.001 trains a balancing "
                                           "bias that Qwen3MoeForCausalLM has no place for") as exc:
-        Config.load(None, qwen3)
+        load_config(None, qwen3)
     assert "checkpoint.hf_export_drop_expert_bias = true" in str(exc.value)
-    Config.load(None, {**qwen3, "checkpoint.hf_export_drop_expert_bias": True})
-    Config.load(None, {**qwen3, "model.moe_bias_update_rate": 0.0})
+    with pytest.raises(ConfigError, match="Qwen3MoeForCausalLM has no place for"):
+        check_export(Config.load(None, qwen3))
+    check_export(load_config(None, {**qwen3, "checkpoint.hf_export_drop_expert_bias": True}))
+    check_export(load_config(None, {**qwen3, "model.moe_bias_update_rate": 0.0}))
