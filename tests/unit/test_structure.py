@@ -4,6 +4,8 @@ another's private names, no file past ~500 lines, no module importing the CLI.""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "tessel"
@@ -46,10 +48,11 @@ def _package(name: str) -> str:
     return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
-def _imports(name: str, tree: ast.AST) -> set[str]:
-    """The tessel modules `name` imports, at module level or inside functions."""
+def _imports(name: str, tree: ast.AST, type_checking: bool = False) -> set[str]:
+    """The tessel modules `name` imports, at module level or inside functions (and under
+    `if TYPE_CHECKING:` with `type_checking`)."""
     found = set()
-    for node in _runtime_nodes(tree):
+    for node in (ast.walk(tree) if type_checking else _runtime_nodes(tree)):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in MODULES}
         elif isinstance(node, ast.ImportFrom):
@@ -120,6 +123,41 @@ def test_only_the_cli_imports_the_cli():
     assert offenders == []
 
 
+def test_config_is_the_bottom_layer():
+    """tessel.config imports nothing of tessel but errors (and fileio), not even for type
+    checking or inside a function: every other package may build on it."""
+    allowed = {"tessel", "tessel.errors", "tessel.fileio"}
+    offenders = sorted(f"{name} -> {dep}" for name, tree in TREES.items()
+                       if name == "tessel.config" or name.startswith("tessel.config.")
+                       for dep in _imports(name, tree, type_checking=True)
+                       if dep not in allowed and not dep.startswith("tessel.config"))
+    assert offenders == []
+
+
+def test_the_layer_check_counts_function_level_and_type_checking_imports():
+    """The AST check above must see what it claims to: a function-level import and a
+    TYPE_CHECKING one count."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from tessel.models import Transformer\n"
+                     "def f():\n    import tessel.checkpoint.hf_models\n")
+    assert _imports("tessel.config.x", tree, type_checking=True) == {
+        "tessel.models", "tessel.checkpoint.hf_models"}
+    assert _imports("tessel.config.x", tree) == {"tessel.checkpoint.hf_models"}
+
+
+def test_importing_the_config_imports_no_torch():
+    """`import tessel.config` (what a CLI parser, a linter of configs or a planner on a laptop
+    needs) loads no torch, in a fresh interpreter."""
+    code = "import sys, tessel.config; assert 'torch' not in sys.modules, 'torch'; " \
+           "print(sorted(m for m in sys.modules if m.startswith('tessel')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT.parent)
+    assert proc.returncode == 0, proc.stderr
+    loaded = ast.literal_eval(proc.stdout.strip())
+    assert [m for m in loaded if m.split(".")[:2] != ["tessel", "config"]
+            and m not in ("tessel", "tessel.errors", "tessel.fileio")] == []
+
+
 def _private_definitions(tree: ast.AST) -> set[str]:
     """Private names a module defines: top-level functions/classes/variables, methods, and
     attributes it assigns on self."""
@@ -166,3 +204,22 @@ def test_test_modules_have_distinct_names():
         if path.name != "conftest.py" and "__pycache__" not in path.parts:
             names.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
     assert not {n: p for n, p in names.items() if len(p) > 1}
+
+
+# Packages that sit below the training loop and the CLI, and the layers above them that they
+# may not import (at module level or inside functions): the trainer and the commands use them.
+BELOW_THE_LOOP = {
+    "tessel.launch": "starting processes and job files, on config and the mesh's degrees",
+    "tessel.optim": "the optimizers and the learning-rate schedule, on config and models",
+}
+ABOVE_THEM = ("tessel.cli", "tessel.train", "tessel.checkpoint", "tessel.planner",
+              "tessel.observe", "tessel.scaling", "tessel.bench", "tessel.generate")
+
+
+def test_launch_and_optim_import_nothing_above_them():
+    graph = {name: _imports(name, tree) for name, tree in TREES.items()}
+    offenders = sorted(f"{name} -> {dep}" for name, deps in graph.items()
+                       for pkg in BELOW_THE_LOOP if name == pkg or name.startswith(pkg + ".")
+                       for dep in deps
+                       if any(dep == up or dep.startswith(up + ".") for up in ABOVE_THEM))
+    assert offenders == []
