@@ -251,13 +251,12 @@ def test_relative_links_resolve(page: Path):
     assert not broken, f"{_rel(page)} has broken links: {broken}"
 
 
-def test_architecture_tree_names_existing_files_and_every_package():
-    """The tree in docs/architecture.md: every entry exists, and every package of tessel/
-    is in it."""
+def _architecture_tree() -> set[str]:
+    """The paths the tree in docs/architecture.md names (`tessel/config/load.py`, ...)."""
     text = (DOCS / "architecture.md").read_text()
     tree = next(body for _, body in _code_blocks(text) if body.startswith("tessel/\n"))
     stack: list[tuple[int, str]] = []  # (indent, directory)
-    named, missing = set(), []
+    named = set()
     for line in tree.splitlines():
         if not line.strip():
             continue
@@ -265,15 +264,38 @@ def test_architecture_tree_names_existing_files_and_every_package():
         entry = line.split()[0]
         while stack and stack[-1][0] >= indent:
             stack.pop()
-        path = "/".join([d for _, d in stack] + [entry.rstrip("/")])
-        named.add(path)
-        if not (ROOT / path).exists():
-            missing.append(path)
+        named.add("/".join([d for _, d in stack] + [entry.rstrip("/")]))
         if entry.endswith("/"):
             stack.append((indent, entry.rstrip("/")))
+    return named
+
+
+def test_architecture_tree_names_existing_files_and_every_package():
+    """The tree in docs/architecture.md: every entry exists, and every package of tessel/
+    is in it."""
+    named = _architecture_tree()
+    missing = sorted(path for path in named if not (ROOT / path).exists())
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
     packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "tessel").rglob("__init__.py")}
     assert not packages - named, f"packages missing from the tree: {sorted(packages - named)}"
+
+
+def test_architecture_tree_names_every_module():
+    """Every module of tessel/ has its line in the tree of docs/architecture.md (a package's
+    own __init__.py is named by the package's line), so a reader finds where a change goes
+    from the tree alone."""
+    named = _architecture_tree()
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "tessel").rglob("*.py")
+               if p.name != "__init__.py" or p.parent == ROOT / "tessel"}
+    assert not modules - named, f"modules missing from docs/architecture.md: {sorted(modules - named)}"
+
+
+def test_the_architecture_tree_check_finds_a_missing_module(monkeypatch, tmp_path):
+    """The check above fails for a module the tree does not name."""
+    (tmp_path / "architecture.md").write_text("```\ntessel/\n  __init__.py  the API\n```\n")
+    monkeypatch.setattr(sys.modules[__name__], "DOCS", tmp_path)
+    with pytest.raises(AssertionError, match="modules missing from docs/architecture.md"):
+        test_architecture_tree_names_every_module()
 
 
 def test_evaluation_page_warns_that_a_task_directory_is_code():
