@@ -31,13 +31,17 @@ class HFExporter:
 
     def after_publish(self, ckpt: Path, step: int) -> None:
         """Start the export of checkpoint `ckpt` (of `step`) if the interval asks for it."""
-        if not self.interval or step % self.interval:
+        if not self.due(step):
             return
         self.wait()
         with open(self.log, "a") as log:
             proc = subprocess.Popen(self.command(ckpt), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         self._running = (proc, ckpt)
+
+    def due(self, step: int) -> bool:
+        """Whether the checkpoint of optimizer step `step` is exported (every `interval`)."""
+        return bool(self.interval and step % self.interval == 0)
 
     def command(self, ckpt: Path) -> list[str]:
         """The export of checkpoint `ckpt`: `tessel convert tessel-to-hf` (into CKPT/hf) as

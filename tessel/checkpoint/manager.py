@@ -32,10 +32,13 @@ class CheckpointManager:
     def __init__(self, root: Path, models: Models, optimizers: Optimizers, *, keep_last: int,
                  async_save: bool, distributed: bool, hf_export: Any = None,
                  phase: Callable[[str], None] | None = None,
-                 barrier_group: Callable[[], dist.ProcessGroup | None] = lambda: None):
+                 barrier_group: Callable[[], dist.ProcessGroup | None] = lambda: None,
+                 interval: int = 0):
         """`hf_export`: an HFExporter (rank 0, when checkpoint.hf_export_interval is set);
         `phase`: the watchdog's phase marker, told before each collective; `barrier_group`:
-        the group of the barrier after publishing (asked only when distributed)."""
+        the group of the barrier after publishing (asked only when distributed); `interval`:
+        checkpoint.interval, when a save is due (0: only when the run ends or stops)."""
+        self.interval = interval
         self.root = root
         self.models = models
         self.optimizers = optimizers
@@ -48,6 +51,10 @@ class CheckpointManager:
         self.pending: PendingSave | None = None
         self.last_saved_step = -1
         self._async_pg: dist.ProcessGroup | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether to save after optimizer step `step` (every `interval` steps)."""
+        return bool(self.interval and step % self.interval == 0)
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)

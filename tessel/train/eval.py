@@ -25,14 +25,23 @@ from tessel.train.step import TrainStep
 
 class Evaluator:
     def __init__(self, step: TrainStep, val: Any, eval_iters: int,
-                 beat: Callable[[str], None] | None = None):
+                 beat: Callable[[str], None] | None = None, interval: int = 0,
+                 last: int | None = None):
         """`step`: the TrainStep whose model (and pipeline schedule) is evaluated; `val`:
-        the validation loader (its `dp_rank` of `dp_size` shares); `beat(what)`: tells the
-        watchdog evaluation progresses."""
+        the validation loader (its `dp_rank` of `dp_size` shares; None: a run without a
+        validation split, which evaluates nothing); `beat(what)`: tells the watchdog
+        evaluation progresses; `interval` (train.eval_interval, 0: never) and `last` (the
+        run's last step): when an evaluation is due."""
         self.step = step
         self.val = val
         self.eval_iters = eval_iters
         self.beat = beat or (lambda _what: None)
+        self.interval, self.last = interval, last
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after optimizer step `step`: every `interval` steps and after
+        the last one."""
+        return bool(self.interval and step % self.interval == 0) or step == self.last
 
     @torch.no_grad()
     def loss(self) -> float:

@@ -237,12 +237,17 @@ class Harness:
                  beat: Callable[[str], None] | None = None):
         self.cfg = cfg.lm_eval
         self.seed = cfg.train.seed
+        self.last = cfg.train.steps
+        self.failure: str | None = None  # why scoring failed, once it has: no more of it
         self.manager = manager
         self.lm = build_lm(step, tokenizer, self.cfg.batch_size, self.cfg.max_gen_tokens, beat)
 
-    def due(self, step: int, last: bool) -> bool:
-        """Whether to score after optimizer step `step` (`last`: the run's final step)."""
-        return last or bool(self.cfg.interval and step % self.cfg.interval == 0)
+    def due(self, step: int) -> bool:
+        """Whether to score after optimizer step `step`: every lm_eval.interval steps and
+        after the run's last one, until scoring failed."""
+        if self.failure is not None:
+            return False
+        return step == self.last or bool(self.cfg.interval and step % self.cfg.interval == 0)
 
     def scores(self) -> dict[str, float]:
         """`eval/<task>/<metric>` of every configured task on the model as it is now."""

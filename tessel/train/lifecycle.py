@@ -1,189 +1,210 @@
 """What a run says and records as it starts and ends: the announcement, run.json, the
-timeline events (start, resume, restart, finish, preemption, halt) and the closing lines.
-Functions of a Trainer, kept out of the loop so that it reads as orchestration."""
+timeline events (start, resume, restart, finish, preemption, halt, replica groups) and the
+closing lines. A part of its own, given the parts it reads, so that the loop reads as
+orchestration."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tessel.errors import CollectiveTimeout
-from tessel.generate import sample
+from tessel.data.chat_files import run_tokenizer_config
+from tessel.errors import CollectiveTimeout, TesselError
 from tessel.models import active_param_count, param_count
 from tessel.train.control import EXIT_PAUSED, EXIT_SCORING_FAILED, EXIT_STOPPED
 from tessel.train.harness_check import describe_failure
 
-if TYPE_CHECKING:
-    from tessel.train.trainer import Trainer
 
+class Lifecycle:
+    def __init__(self, cfg: Any, run: Any, proc: Any, dims: Any, device: torch.device,
+                 display: Any, events: Any, alerts: Any, control: Any, counters: Any):
+        """`run`: the RunDir; `proc`: process_info(); `dims`: the ParallelDims; `display`:
+        the ConsoleDisplay; `events`: the EventLog; `alerts`: the AlertCenter or None;
+        `control`: the StopControl (told the alerts' actions); `counters`: the run's
+        tessel.train.state.Counters."""
+        self.cfg, self.run, self.proc, self.dims, self.device = cfg, run, proc, dims, device
+        self.display, self.events, self.alerts, self.control = display, events, alerts, control
+        self.counters = counters
 
-def run_info(tr: Trainer) -> dict[str, Any]:
-    """Where this run (or its latest resumption) ran: what calibrating the planner from
-    the run directory needs besides config.toml and metrics.jsonl."""
-    name = torch.cuda.get_device_name(tr.device) if tr.device.type == "cuda" else "cpu"
-    return {"world_size": tr.proc.world_size, "device": tr.device.type,
-            "device_name": name, "layout": tr.dims.describe(), "torch": torch.__version__}
+    @property
+    def step(self) -> int:
+        return self.counters.step
 
+    def run_info(self) -> dict[str, Any]:
+        """Where this run (or its latest resumption) ran: what calibrating the planner from
+        the run directory needs besides config.toml and metrics.jsonl."""
+        device = self.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        return {"world_size": self.proc.world_size, "device": device.type,
+                "device_name": name, "layout": self.dims.describe(), "torch": torch.__version__}
 
-def announce(tr: Trainer) -> None:
-    cfg, t = tr.cfg, tr.cfg.train
-    planned = t.steps * t.global_batch_size * t.seq_len
-    verb = f"resuming at step {tr.step}" if tr.step else "training"
-    m = cfg.model
-    moe = (f"; MoE: {m.moe_experts} experts, top-{m.moe_top_k}, "
-           f"{active_param_count(m):,} active" if m.moe_experts else "")
-    if cfg.lora.enabled:  # the whole model's adapters (every rank's share counted once)
-        from tessel.planner.lora import adapter_parameters
+    def write_start(self, resuming: bool, checked: Any, chat_template: Any,
+                    save_tokenizer: Any) -> None:
+        """Rank 0's start of the run directory: its lock, config.toml (parallel.zero and the
+        micro-batch as given: `checked`, tessel.train.build.Checked), run.json and tokenizer."""
+        cfg = self.cfg
+        self.run.lock()
+        if not resuming and self.run.holds_run():
+            # another new run took this directory since the start-up check
+            raise TesselError(f"{str(self.run.path)!r} already holds a run; choose another "
+                              "--run.dir")
+        saved = cfg.model_copy(update={
+            "parallel": cfg.parallel.model_copy(update={"zero": checked.zero_as_given}),
+            "train": cfg.train.model_copy(update={"micro_batch_size": checked.mbs_as_given})})
+        self.run.write_start(saved.to_toml(), self.run_info(), save_tokenizer,
+                             run_tokenizer_config(chat_template)
+                             if chat_template is not None else None)
 
-        n = adapter_parameters(m, cfg.lora, m.n_layers,
-                               sum(m.is_moe_layer(i) for i in range(m.n_layers)), 1)
-        moe += (f"; LoRA r={cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {n:,} trainable "
-                f"({n / param_count(m):.2%}), base frozen")
-    tr.display.print(
-        f"tessel: {verb} {param_count(m):,}-parameter model "
-        f"({m.preset or 'custom'}{moe}) on {tr.proc.world_size} x {tr.device.type} "
-        f"({tr.precision.name}; {tr.dims.describe()}{_data_parallel(tr)}), "
-        f"{t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens = {planned:,} tokens "
-        f"(accumulation {tr.train_step.accum}); run dir {tr.run_dir}"
-    )
+    def announce(self, precision: str, accum: int, dp: Any) -> None:
+        """The run's first line (`dp`: the model's data parallelism, which says which stage
+        parallel.zero = auto took)."""
+        cfg, t = self.cfg, self.cfg.train
+        planned = t.steps * t.global_batch_size * t.seq_len
+        verb = f"resuming at step {self.step}" if self.step else "training"
+        m = cfg.model
+        moe = (f"; MoE: {m.moe_experts} experts, top-{m.moe_top_k}, "
+               f"{active_param_count(m):,} active" if m.moe_experts else "")
+        if cfg.lora.enabled:  # the whole model's adapters (every rank's share counted once)
+            from tessel.planner.lora import adapter_parameters
 
-
-def _data_parallel(tr: Trainer) -> str:
-    """How gradients are reduced: says which stage parallel.zero = auto took."""
-    dp = tr.model.dp
-    return {"none": "", "ddp": ", zero 0: DDP", "replicate": ", zero 0: replicated",
-            "fsdp": f", ZeRO-{dp.zero}"}[dp.kind]
-
-
-def start_event(tr: Trainer) -> None:
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if tr.checkpoints.last_saved_step < 0:
-        kind, msg = "start", "started"
-    elif tr.auto_resume or restarts:
-        kind, msg = "restart", f"resumed automatically at step {tr.step}"
-    else:
-        kind, msg = "resume", f"resumed at step {tr.step}"
-    if restarts:
-        msg += f" (torchrun restart {restarts})"
-    tr.events.write(kind, tr.step, msg, world_size=tr.proc.world_size, layout=tr.dims.describe())
-    world_change(tr, tr.world_before)
-
-
-def world_change(tr: Trainer, before: int | None) -> None:
-    """A resume on another number of processes than the checkpoint's (an elastic run that
-    lost or regained nodes, or a resume on another layout): a `world_shrink` or `world_grow`
-    event, and the alert rules on it. (Checkpoints written before the world size was saved
-    say nothing: no event.)"""
-    after = tr.proc.world_size
-    if before is None or before == after:
-        return
-    kind = "world_shrink" if after < before else "world_grow"
-    t = tr.cfg.train
-    msg = (f"world size {before} -> {after} processes at step {tr.step} "
-           f"({tr.dims.describe()}; micro-batch {t.micro_batch_size}, accumulation "
-           f"{tr.train_step.accum}, global batch {t.global_batch_size} kept)")
-    tr.events.write(kind, tr.step, msg, world_size=after, world_size_before=before,
-                    layout=tr.dims.describe(), micro_batch_size=t.micro_batch_size,
-                    accumulation=tr.train_step.accum)
-    tr.display.print(f"tessel: {msg}")
-    if tr.alerts is not None:
-        tr.control.request(tr.alerts.handle(tr.alerts.rules.world_changed(before, after,
-                                                                           tr.step)))
-
-
-def halt(tr: Trainer, code: int, message: str, kind: str, detail: str) -> None:
-    """Record that the run ended on purpose, so automatic restarts do not undo it."""
-    tr.events.write(kind, tr.step, detail)
-    if tr.proc.is_main:
-        tr.run.write_halted(code, message, tr.step)
-
-
-def ended(tr: Trainer, stopped_by: str | None) -> None:
-    """The closing event and lines of a run that finished or stopped (`stopped_by`)."""
-    latest = tr.run.latest_link
-    if stopped_by in ("pause", "stop"):
-        code = EXIT_PAUSED if stopped_by == "pause" else EXIT_STOPPED
-        what = "paused" if stopped_by == "pause" else "stopped"
-        msg = f"{what} by an alert at step {tr.step} with a checkpoint in {latest}"
-        halt(tr, code, msg, stopped_by, msg)
-        tr.display.print(
-            f"tessel: {msg}; continue with `tessel train --resume {tr.run_dir}` (exit code {code})"
+            n = adapter_parameters(m, cfg.lora, m.n_layers,
+                                   sum(m.is_moe_layer(i) for i in range(m.n_layers)), 1)
+            moe += (f"; LoRA r={cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {n:,} "
+                    f"trainable ({n / param_count(m):.2%}), base frozen")
+        reduce = {"none": "", "ddp": ", zero 0: DDP", "replicate": ", zero 0: replicated",
+                  "fsdp": f", ZeRO-{dp.zero}"}[dp.kind]
+        self.display.print(
+            f"tessel: {verb} {param_count(m):,}-parameter model "
+            f"({m.preset or 'custom'}{moe}) on {self.proc.world_size} x {self.device.type} "
+            f"({precision}; {self.dims.describe()}{reduce}), "
+            f"{t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens = {planned:,} tokens "
+            f"(accumulation {accum}); run dir {self.run.path}"
         )
-    elif stopped_by:
-        what = " (preemption warning)" if stopped_by == "SIGUSR1" else ""
-        msg = f"{stopped_by}{what}: stopped at step {tr.step} with a checkpoint in {latest}"
-        tr.events.write("preempt" if stopped_by != "SIGINT" else "interrupt", tr.step, msg)
-        tr.display.print(f"{msg}; continue with `tessel train --resume {tr.run_dir}`")
-    else:
-        tr.events.write("finish", tr.step, f"finished at step {tr.step}",
-                        val_loss=tr.last_val_loss)
-        _finish_message(tr)
-        if tr.scoring_failure is not None:
-            # Recorded like a halt: an automatic restart must not turn it into success.
-            if tr.proc.is_main:
-                tr.run.write_halted(EXIT_SCORING_FAILED, tr.scoring_failure, tr.step)
-            tr.display.print(
-                f"tessel: {tr.scoring_failure}; the final checkpoint is saved, the scores from "
-                f"then on are missing (exit code {EXIT_SCORING_FAILED}): score the checkpoint "
-                "with `lm_eval --model hf` on its `tessel convert tessel-to-hf` export")
 
+    def start_event(self, resumed: bool, auto_resume: bool, world_before: int | None,
+                    accum: int) -> None:
+        """`resumed`: from a checkpoint; `world_before`: that checkpoint's world size."""
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if not resumed:
+            kind, msg = "start", "started"
+        elif auto_resume or restarts:
+            kind, msg = "restart", f"resumed automatically at step {self.step}"
+        else:
+            kind, msg = "resume", f"resumed at step {self.step}"
+        if restarts:
+            msg += f" (torchrun restart {restarts})"
+        self.events.write(kind, self.step, msg, world_size=self.proc.world_size,
+                          layout=self.dims.describe())
+        self.world_change(world_before, accum)
 
-def scoring_failed(tr: Trainer, exc: Exception) -> bool:
-    """lm_eval scoring raised `exc`. False for a collective that failed or timed out (the
-    run's failure: the caller re-raises it). Anything else (a task's data file gone, a
-    metric that fails) costs the scores only: said in one line, recorded as an
-    `lm_eval_failed` event, no more scoring in this run, and a run that finishes ends with
-    EXIT_SCORING_FAILED; its checkpoints are written as usual."""
-    if isinstance(exc, (dist.DistBackendError, CollectiveTimeout)) or (
-            isinstance(exc, RuntimeError) and tr.proc.distributed and is_collective_failure(exc)):
-        return False
-    tr.scoring_failure = f"lm_eval scoring failed at step {tr.step}: {describe_failure(exc)}"
-    tr.events.write("lm_eval_failed", tr.step, tr.scoring_failure)
-    tr.display.print(f"tessel: {tr.scoring_failure}; training goes on without benchmark "
-                     "scores")
-    return True
+    def world_change(self, before: int | None, accum: int) -> None:
+        """A resume on another number of processes than the checkpoint's (an elastic run
+        that lost or regained nodes, or a resume on another layout): a `world_shrink` or
+        `world_grow` event, and the alert rules on it. (Checkpoints written before the world
+        size was saved say nothing: no event.)"""
+        after, step = self.proc.world_size, self.step
+        if before is None or before == after:
+            return
+        kind = "world_shrink" if after < before else "world_grow"
+        t = self.cfg.train
+        msg = (f"world size {before} -> {after} processes at step {step} "
+               f"({self.dims.describe()}; micro-batch {t.micro_batch_size}, accumulation "
+               f"{accum}, global batch {t.global_batch_size} kept)")
+        self.events.write(kind, step, msg, world_size=after, world_size_before=before,
+                          layout=self.dims.describe(), micro_batch_size=t.micro_batch_size,
+                          accumulation=accum)
+        self.display.print(f"tessel: {msg}")
+        if self.alerts is not None:
+            self.control.request(self.alerts.handle(self.alerts.rules.world_changed(
+                before, after, step)))
 
+    def replicas_changed(self, kind: str, n: int, message: str, **fields: Any) -> None:
+        """A replica-group event (tessel.train.replicas) of a quorum of `n` groups, and the
+        replicas.* alert rules on it."""
+        before = fields.get("replicas_before", n)
+        self.events.write(kind, self.step, message, replicas=n, **fields)
+        self.display.print(f"tessel: {message}")
+        if self.alerts is not None:
+            firings = self.alerts.rules.replicas_changed(kind, before, n, self.step)
+            self.control.request(self.alerts.handle(firings))
 
-def _finish_message(tr: Trainer) -> None:
-    msg = f"done: step {tr.step}"
-    if tr.last_val_loss is not None:
-        msg += (f", val loss {tr.last_val_loss:.4f} "
-                f"(unigram baseline {tr.data.unigram_baseline:.4f})")
-    tr.display.print(msg + f"; checkpoint in {tr.run.latest_link}")
-    n = tr.cfg.run.sample_tokens
-    if n and tr.proc.distributed:
-        tr.display.print(
-            f"(no sample under a parallel layout; `tessel generate {tr.run_dir}` samples "
-            "from the checkpoint)"
+    def rolled_back(self, bad_step: int, bad_batch: int, reason: str, rollbacks: int) -> None:
+        """A spike rollback's event and line (the run is back at the checkpoint's step)."""
+        msg = (f"step {bad_step}: {reason}; rolled back to step {self.step} and skipping global "
+               f"batch {bad_batch} (rollback {rollbacks} of {self.cfg.recovery.max_rollbacks})")
+        self.events.write("rollback", bad_step, msg, from_step=bad_step, to_step=self.step,
+                          skipped_batches=[bad_batch], reason=reason)
+        self.display.print(f"tessel: {msg}")
+
+    def halt(self, code: int, message: str, kind: str, detail: str) -> None:
+        """Record that the run ended on purpose, so automatic restarts do not undo it."""
+        self.events.write(kind, self.step, detail)
+        if self.proc.is_main:
+            self.run.write_halted(code, message, self.step)
+
+    def ended(self, stopped_by: str | None, scoring_failure: str | None,
+              unigram_baseline: float, sample: Any) -> None:
+        """The closing event and lines of a run that finished or stopped (`stopped_by`);
+        `sample`: the FinalSample, printed when it is due."""
+        latest, step, run_dir = self.run.latest_link, self.step, self.run.path
+        if stopped_by in ("pause", "stop"):
+            code = EXIT_PAUSED if stopped_by == "pause" else EXIT_STOPPED
+            what = "paused" if stopped_by == "pause" else "stopped"
+            msg = f"{what} by an alert at step {step} with a checkpoint in {latest}"
+            self.halt(code, msg, stopped_by, msg)
+            self.display.print(f"tessel: {msg}; continue with `tessel train --resume "
+                               f"{run_dir}` (exit code {code})")
+        elif stopped_by:
+            what = " (preemption warning)" if stopped_by == "SIGUSR1" else ""
+            msg = f"{stopped_by}{what}: stopped at step {step} with a checkpoint in {latest}"
+            self.events.write("preempt" if stopped_by != "SIGINT" else "interrupt", step, msg)
+            self.display.print(f"{msg}; continue with `tessel train --resume {run_dir}`")
+        else:
+            val_loss = self.counters.val_loss
+            self.events.write("finish", step, f"finished at step {step}", val_loss=val_loss)
+            msg = f"done: step {step}"
+            if val_loss is not None:
+                msg += f", val loss {val_loss:.4f} (unigram baseline {unigram_baseline:.4f})"
+            self.display.print(msg + f"; checkpoint in {latest}")
+            if sample.due(step):
+                self.display.print(sample.text())
+            if scoring_failure is not None:
+                # Recorded like a halt: an automatic restart must not turn it into success.
+                if self.proc.is_main:
+                    self.run.write_halted(EXIT_SCORING_FAILED, scoring_failure, step)
+                self.display.print(
+                    f"tessel: {scoring_failure}; the final checkpoint is saved, the scores from "
+                    f"then on are missing (exit code {EXIT_SCORING_FAILED}): score the "
+                    "checkpoint with `lm_eval --model hf` on its `tessel convert tessel-to-hf` "
+                    "export")
+
+    def scoring_failed(self, exc: Exception) -> str | None:
+        """lm_eval scoring raised `exc`. None for a collective that failed or timed out (the
+        run's failure: the caller re-raises it). Anything else (a task's data file gone, a
+        metric that fails) costs the scores only: said in one line, recorded as an
+        `lm_eval_failed` event and returned (no more scoring in this run, and a run that
+        finishes ends with EXIT_SCORING_FAILED); its checkpoints are written as usual."""
+        if isinstance(exc, (dist.DistBackendError, CollectiveTimeout)) or (
+                isinstance(exc, RuntimeError) and self.proc.distributed
+                and is_collective_failure(exc)):
+            return None
+        failure = f"lm_eval scoring failed at step {self.step}: {describe_failure(exc)}"
+        self.events.write("lm_eval_failed", self.step, failure)
+        self.display.print(f"tessel: {failure}; training goes on without benchmark scores")
+        return failure
+
+    def collective_failure(self, exc: BaseException) -> CollectiveTimeout:
+        """The one-line error (exit 3) of a collective that failed or timed out."""
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return CollectiveTimeout(
+            f"rank {self.proc.rank}: a collective failed or did not complete within "
+            f"parallel.timeout_s={self.cfg.parallel.timeout_s}s (a peer process died or hangs: "
+            f"{first}); resume from the last checkpoint with `tessel train --resume "
+            f"{self.run.path}`"
         )
-    elif n and tr.cfg.data.source == "sft":  # a reply to the prompt as a user message
-        from tessel.generate import chat_prompt, chat_template_for
-
-        prompt = tr.cfg.run.sample_prompt
-        template = chat_template_for(tr.run_dir, None, tr.tokenizer)
-        ids, end, stop_id = chat_prompt(template, tr.tokenizer, prompt)
-        reply = tr.tokenizer.hf.decode(sample(tr.model.inner[0], ids, n, seed=tr.cfg.train.seed,
-                                              stop_id=stop_id), skip_special_tokens=False)
-        tr.display.print(f"sample (chat):\nuser: {prompt}\nassistant: "
-                         + (reply.split(end, 1)[0] if end else reply))
-    elif n:
-        prompt = tr.cfg.run.sample_prompt
-        ids = sample(tr.model.inner[0], tr.tokenizer.encode(prompt), n, seed=tr.cfg.train.seed,
-                     stop_id=tr.tokenizer.eod_id)
-        tr.display.print("sample:\n" + prompt + tr.tokenizer.decode(ids))
-
-
-def collective_failure(tr: Trainer, exc: BaseException) -> CollectiveTimeout:
-    """The one-line error (exit 3) of a collective that failed or timed out."""
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    return CollectiveTimeout(
-        f"rank {tr.proc.rank}: a collective failed or did not complete within "
-        f"parallel.timeout_s={tr.cfg.parallel.timeout_s}s (a peer process died or hangs: "
-        f"{first}); resume from the last checkpoint with `tessel train --resume {tr.run_dir}`"
-    )
 
 
 def is_collective_failure(exc: RuntimeError) -> bool:

@@ -107,6 +107,15 @@ class SkipList:
     def rollbacks(self) -> int:
         return len(self.records)
 
+    def pass_over(self, loader: Any, accum: int, drawn: int) -> int:
+        """Draw the skipped global batches (`accum` micro-batches each) from batch `drawn`
+        on out of `loader`; the number of the next one, the one to train on."""
+        while drawn in self.batches:
+            for _ in range(accum):
+                loader.next_batch()
+            drawn += 1
+        return drawn
+
     def add(self, batch: int, step: int, reason: str, to_step: int) -> None:
         self.batches.add(batch)
         self.records.append({"batch": batch, "step": step, "reason": reason, "rolled_back_to": to_step})

@@ -18,10 +18,11 @@ import torch
 
 from tessel.errors import CollectiveTimeout, TesselError
 from tessel.parallel.replica_group import ReplicaGroup
-from tessel.train.state import load_run_state, run_state
 
 if TYPE_CHECKING:
-    from tessel.train.trainer import Trainer
+    from tessel.config import Config
+    from tessel.train.lifecycle import Lifecycle
+    from tessel.train.state import Counters, RunState
 
 MAX_DISCARDS = 10
 """Steps discarded in a row before a group gives up: one discard is a peer that failed during
@@ -30,43 +31,43 @@ the Lighthouse forms smaller quorums, or a fault that repeats)."""
 
 
 class TrainerReplicas:
-    def __init__(self, tr: Trainer):
-        self.tr = tr
-        ft = tr.cfg.fault_tolerance
+    def __init__(self, cfg: Config, device: torch.device, dp: int, data: Any, state: RunState,
+                 counters: Counters, faults: Any, lifecycle: Lifecycle):
+        """`dp`: the data-parallel degree within a group; `data`: the run's data (its train
+        and val loaders); `state`: the run's stateful parts, what a peer receives;
+        `faults`: the fault injection; `lifecycle`: where events are recorded."""
+        ft = cfg.fault_tolerance
+        self.batch = cfg.train.global_batch_size
+        self.data, self.state, self.counters = data, state, counters
+        self.faults, self.lifecycle = faults, lifecycle
         self.group_size, self.timeout_s = ft.group_size, ft.timeout_s
+        self.min_replicas = ft.min_replica_size
         self.participants: int | None = None  # replica groups in the last quorum
         self._healed_at: int | None = None  # this group's step when it took a peer's state
         self._position: tuple[dict[str, Any], int] | None = None
         self._discards = 0  # steps discarded in a row
         self._joined: int | None = None  # the groups of the first quorum, for the first step
-        self.group = ReplicaGroup(ft, tr.device, tr.step, self.state_dict, self.load_state_dict)
-        if tr.data.val is not None:
+        self.group = ReplicaGroup(ft, device, counters.step, self.state_dict,
+                                  self.load_state_dict)
+        if data.val is not None:
             # Training takes the group's share of every global batch; evaluation does not:
             # every group evaluates the split's first eval_iters micro-batches, as one process
             # does, so groups with equal weights log the same val_loss.
-            val = tr.data.val
-            val.dp_rank, val.dp_size = val.dp_rank - ft.replica_id * tr.dims.dp, tr.dims.dp
-        tr.display.print(f"tessel: fault tolerance: replica group {ft.replica_id} of "
+            val = data.val
+            val.dp_rank, val.dp_size = val.dp_rank - ft.replica_id * dp, dp
+        lifecycle.display.print(f"tessel: fault tolerance: replica group {ft.replica_id} of "
                          f"{ft.group_size} (torchft; a step commits with at least "
                          f"{ft.min_replica_size})")
 
     # ---- what a recovering peer receives ------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        tr = self.tr
-        return {"model": [m.state_dict() for m in tr.model.inner],
-                "optim": [o.state_dict() for o in tr.optimizers],
-                "trainer": run_state(tr)}  # what a checkpoint saves besides the two
+        return self.state.peer_state()  # what a checkpoint saves (tessel.train.state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        tr = self.tr
-        self._healed_at = tr.step
+        self._healed_at = self.counters.step
         try:
-            for module, weights in zip(tr.model.inner, state["model"], strict=True):
-                module.load_state_dict(weights)
-            for opt, opt_state in zip(tr.optimizers, state["optim"], strict=True):
-                opt.load_state_dict(opt_state)
-            load_run_state(tr, state["trainer"])  # refuses other datasets, in one line
+            self.state.load_peer_state(state)  # refuses other datasets, in one line
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise TesselError(f"fault_tolerance: a peer's state does not fit this replica "
@@ -79,13 +80,12 @@ class TrainerReplicas:
         """The first quorum, for the first step, before the run writes anything: a group
         whose replica_id another running group holds is refused here in one line (exit 2),
         with nothing written; a group behind takes a peer's state."""
-        tr = self.tr
         try:
             n = self.group.quorum()
             # A new run waits (up to fault_tolerance.timeout_s) for every group, so that its
             # first steps train on whole global batches rather than on the first groups up.
             deadline = time.monotonic() + self.timeout_s
-            while n < self.group_size and time.monotonic() < deadline and tr.step == 0:
+            while n < self.group_size and time.monotonic() < deadline and self.counters.step == 0:
                 time.sleep(0.1)  # (the Lighthouse answers at once while no group is missing)
                 n = self.group.quorum()
         except BaseException:
@@ -97,33 +97,32 @@ class TrainerReplicas:
         """Before the step draws its data: join the quorum (taking a peer's state when this
         group is behind), record what changed, and remember the data position in case the
         step is discarded."""
-        tr = self.tr
         if self._joined is None and self.participants is None:
             self.join()
         n = self._joined if self._joined is not None else self.group.quorum()
         self._joined = None
+        step, record = self.counters.step, self.lifecycle.replicas_changed
         if self._healed_at is not None:
-            self._event("replica_healed", n, f"replica group recovered step {tr.step}'s "
-                        f"weights, optimizer state and data position from a peer (it was at "
-                        f"step {self._healed_at}; nothing read from disk for it)",
-                        from_step=self._healed_at)
+            record("replica_healed", n, f"replica group recovered step {step}'s weights, "
+                   f"optimizer state and data position from a peer (it was at step "
+                   f"{self._healed_at}; nothing read from disk for it)",
+                   from_step=self._healed_at)
             self._healed_at = None
         before = self.participants
         if before is not None and n != before:
             kind = "replicas_lost" if n < before else "replicas_joined"
-            batch = tr.cfg.train.global_batch_size
+            batch = self.batch
             share = batch * n // self.group_size
-            self._event(kind, n, f"replica groups {before} -> {n} at step {tr.step} (a step "
-                        f"trains on {share} of the global batch's {batch} sequences)",
-                        replicas_before=before)
+            record(kind, n, f"replica groups {before} -> {n} at step {step} (a step trains on "
+                   f"{share} of the global batch's {batch} sequences)", replicas_before=before)
         self.participants = n
-        self._position = (tr.data.train.state_dict(), tr.batches_drawn)
+        self._position = (self.data.train.state_dict(), self.counters.batches_drawn)
 
     def average(self, loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
         """The step's loss and gradients averaged over the groups of the quorum (one
         collective): the loss logged is the mean over the groups that took part."""
         mean = loss.detach().float().reshape(1).clone()
-        self.tr.faults.at_replica_allreduce(self.tr.step)
+        self.faults.at_replica_allreduce(self.counters.step)
         self.group.average([mean, *grads])
         return mean.reshape(())
 
@@ -134,20 +133,20 @@ class TrainerReplicas:
         if self.group.commit():
             self._discards = 0
             return True
-        tr = self.tr
         assert self._position is not None
-        loader_state, tr.batches_drawn = self._position
-        tr.data.train.load_state_dict(loader_state)
+        loader_state, self.counters.batches_drawn = self._position
+        self.data.train.load_state_dict(loader_state)
         self._discards += 1
         if self._discards >= MAX_DISCARDS:
-            m = tr.cfg.fault_tolerance.min_replica_size
+            m, step = self.min_replicas, self.counters.step + 1
             raise CollectiveTimeout(
-                f"fault_tolerance: step {tr.step + 1} was discarded {self._discards} times in a "
+                f"fault_tolerance: step {step} was discarded {self._discards} times in a "
                 f"row ({self.participants} replica group(s) took part, min_replica_size={m}): "
                 "start the missing groups, and the Lighthouse with --min_replicas of at least "
                 f"{m} so that too few groups wait for more instead")
-        tr.display.print(f"tessel: fault tolerance: step {tr.step + 1} discarded (a replica "
-                         "group failed during it); retrying it on the same data")
+        self.lifecycle.display.print(f"tessel: fault tolerance: step {self.counters.step + 1} "
+                                     "discarded (a replica group failed during it); retrying "
+                                     "it on the same data")
         return False
 
     def figures(self) -> dict[str, int]:
@@ -156,17 +155,3 @@ class TrainerReplicas:
 
     def close(self) -> None:
         self.group.close()
-
-    def _event(self, kind: str, n: int, message: str, **fields: Any) -> None:
-        tr = self.tr
-        before = fields.get("replicas_before", n)
-        tr.events.write(kind, tr.step, message, replicas=n, **fields)
-        tr.display.print(f"tessel: {message}")
-        if tr.alerts is not None:
-            firings = tr.alerts.rules.replicas_changed(kind, before, n, tr.step)
-            tr.control.request(tr.alerts.handle(firings))
-
-
-def replicas_for(tr: Trainer) -> TrainerReplicas | None:
-    """The trainer's replica-group membership when [fault_tolerance] is on, else None."""
-    return TrainerReplicas(tr) if tr.cfg.fault_tolerance.enable else None
