@@ -145,7 +145,7 @@ BUILTIN: dict[str, GpuProfile] = {
                    host_memory_gib=2048, device_names=("H100 96GB HBM2e",), rated_bf16_flops=989e12),
         GpuProfile("h100-pcie", 756e12, 1513e12, 80.0, 64.0, 25.0, 8, hbm_gbps=2000,
                    device_names=("H100 PCIe",)),
-        GpuProfile("h100-nvl", 835e12, 1670e12, 93.5, 64.0, 50.0, 8, hbm_gbps=3900, host_memory_gib=2048,
+        GpuProfile("h100-nvl-94gb", 835e12, 1670e12, 93.5, 64.0, 50.0, 8, hbm_gbps=3900, host_memory_gib=2048,
                    device_names=("H100 NVL",)),
         GpuProfile("h800", 989e12, 1979e12, 80.0, 200.0, 50.0, 8, hbm_gbps=3350, host_memory_gib=2048,
                    device_names=("H800",)),
@@ -155,9 +155,9 @@ BUILTIN: dict[str, GpuProfile] = {
                    host_memory_gib=4096, device_names=("B200",)),
         GpuProfile("mi300x", 1307e12, 2615e12, 192.0, 448.0, 50.0, 8, hbm_gbps=5300, host_memory_gib=2048,
                    device_names=("MI300X", "AMD Instinct MI300X")),
-        GpuProfile("l40s", 362e12, 733e12, 48.0, 32.0, 25.0, 8, hbm_gbps=864, device_names=("L40S",)),
-        GpuProfile("l4", 121e12, 242e12, 24.0, 32.0, 12.5, 8, hbm_gbps=300, device_names=("L4",)),
-        GpuProfile("a10g", 70e12, None, 24.0, 32.0, 12.5, 8, hbm_gbps=600, device_names=("A10G",)),
+        GpuProfile("l40s-48gb", 362e12, 733e12, 48.0, 32.0, 25.0, 8, hbm_gbps=864, device_names=("L40S",)),
+        GpuProfile("l4-24gb", 121e12, 242e12, 24.0, 32.0, 12.5, 8, hbm_gbps=300, device_names=("L4",)),
+        GpuProfile("a10g-24gb", 70e12, None, 24.0, 32.0, 12.5, 8, hbm_gbps=600, device_names=("A10G",)),
     )
 }
 
@@ -178,7 +178,7 @@ SOURCES = {
                       "MFU against the die's 989 rating, as torchtitan reports it",
     "h100-pcie": "NVIDIA H100 whitepaper: 756 dense BF16, 1513 dense FP8 TFLOP/s, 80 GB; "
                  "PCIe Gen5 128 GB/s bidirectional (64 per direction), no NVLink assumed",
-    "h100-nvl": "NVIDIA H100 NVL datasheet: 835 dense BF16, 1670 dense FP8 TFLOP/s, 94 GB HBM3 "
+    "h100-nvl-94gb": "NVIDIA H100 NVL datasheet: 835 dense BF16, 1670 dense FP8 TFLOP/s, 94 GB HBM3 "
                 "(93.5 GiB counted), 3.9 TB/s; NVLink bridges only pairs: PCIe Gen5 64 GB/s per "
                 "direction assumed between GPUs; 400 Gb/s per GPU assumed",
     "h800": "H100 SXM's figures (989 dense BF16, 1979 dense FP8 TFLOP/s, 80 GB, 3.35 TB/s) "
@@ -192,11 +192,11 @@ SOURCES = {
     "mi300x": "AMD ROCm MI300X page: 1307.4 BF16, 2614.9 FP8 TFLOP/s (matrix, dense), 192 GB "
               "HBM3; 7 Infinity Fabric links, 896 GB/s aggregate (448 per direction); 400 "
               "Gb/s per GPU assumed",
-    "l40s": "NVIDIA L40S datasheet: 362 dense BF16, 733 dense FP8 TFLOP/s, 48 GB GDDR6, 864 GB/s; "
+    "l40s-48gb": "NVIDIA L40S datasheet: 362 dense BF16, 733 dense FP8 TFLOP/s, 48 GB GDDR6, 864 GB/s; "
             "no NVLink: PCIe Gen4 32 GB/s per direction; 200 Gb/s per GPU assumed",
-    "l4": "NVIDIA L4 datasheet: 121 dense BF16, 242 dense FP8 TFLOP/s, 24 GB GDDR6, 300 GB/s; "
+    "l4-24gb": "NVIDIA L4 datasheet: 121 dense BF16, 242 dense FP8 TFLOP/s, 24 GB GDDR6, 300 GB/s; "
           "PCIe Gen4 32 GB/s per direction; 100 Gb/s per GPU assumed",
-    "a10g": "AWS A10G (g5 instances): 70 dense BF16 TFLOP/s (the figure MFU always used), 24 GB "
+    "a10g-24gb": "AWS A10G (g5 instances): 70 dense BF16 TFLOP/s (the figure MFU always used), 24 GB "
             "GDDR6, 600 GB/s; PCIe Gen4 32 GB/s per direction; 100 Gb/s per GPU assumed",
 }
 

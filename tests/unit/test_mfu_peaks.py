@@ -58,9 +58,9 @@ def test_every_former_entry_has_a_builtin_profile():
 def test_the_most_specific_device_name_wins():
     assert profile_for_device("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     assert profile_for_device("NVIDIA H100 PCIe").name == "h100-pcie"
-    assert profile_for_device("NVIDIA H100 NVL").name == "h100-nvl"
-    assert profile_for_device("NVIDIA L40S").name == "l40s"
-    assert profile_for_device("NVIDIA L4").name == "l4"
+    assert profile_for_device("NVIDIA H100 NVL").name == "h100-nvl-94gb"
+    assert profile_for_device("NVIDIA L40S").name == "l40s-48gb"
+    assert profile_for_device("NVIDIA L4").name == "l4-24gb"
     assert profile_for_device("NVIDIA GH200 480GB").name == "h200"
     # The 500 W H100 96GB: the planner predicts with its power-limited 887 TFLOP/s, MFU is
     # reported against the die's 989 rating, as the former table (and torchtitan) did.
