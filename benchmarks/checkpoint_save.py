@@ -26,7 +26,7 @@ from tessel.checkpoint import save_checkpoint
 from tessel.checkpoint.checksum import file_digests
 from tessel.config import ModelConfig, OptimConfig
 from tessel.models import build_model
-from tessel.optim.build import build_optimizer
+from tessel.optim.groups import build_optimizer
 
 
 def main() -> None:

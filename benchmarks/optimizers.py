@@ -27,7 +27,7 @@ import torch
 from tessel.config import Config
 from tessel.models import build_model
 from tessel.observe.metrics import read_metrics
-from tessel.optim.build import build_optimizer
+from tessel.optim.groups import build_optimizer
 from tessel.planner.layout import Layout
 from tessel.planner.memory import estimate_memory
 from tessel.planner.optimizer import OptimizerSpec

@@ -56,7 +56,7 @@ from tessel.config import Config
 from tessel.data import Batch  # noqa: E402
 from tessel.models import build_model, param_count
 from tessel.observe.metrics import read_metrics
-from tessel.optim.build import param_groups
+from tessel.optim.groups import param_groups
 from tessel.optim.lr_schedule import lr_at
 from tessel.train.trainer import Trainer
 

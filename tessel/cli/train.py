@@ -88,7 +88,7 @@ def check_before_launch(cfg: Config, nproc: int) -> None:
     (memory, bf16, fp8) stays with the workers: this process, which waits for torchrun the
     whole run, never starts CUDA."""
     from tessel.observe.alerts import check_alerts
-    from tessel.optim.build import check_muon_force
+    from tessel.optim.groups import check_muon_force
     from tessel.parallel.check import check_layout
     from tessel.parallel.dims import ParallelDims, resolved
     from tessel.train.device import pick_device

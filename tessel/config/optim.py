@@ -3,7 +3,7 @@ and the precision of its state.
 
 Only the shape of the settings is checked here; which parameters a pattern names, and
 whether the layout runs the optimizer, is checked when the model is built
-(`tessel.optim.build`, `tessel.parallel.check`).
+(`tessel.optim.groups`, `tessel.parallel.check`).
 """
 
 from __future__ import annotations

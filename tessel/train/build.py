@@ -20,7 +20,7 @@ from tessel.observe.comm import CommMeter
 from tessel.observe.events import EventLog
 from tessel.observe.timing import PhaseTimer
 from tessel.observe.watchdog import Watchdog
-from tessel.optim.build import build_optimizer, check_muon_force
+from tessel.optim.groups import build_optimizer, check_muon_force
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.check import check_layout
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolved

@@ -22,7 +22,7 @@ from tessel.checkpoint import list_checkpoints, load_model, load_optimizer, read
 from tessel.config import Config
 from tessel.models import build_model
 from tessel.observe.metrics import read_metrics
-from tessel.optim.build import build_optimizer
+from tessel.optim.groups import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from tessel.checkpoint import (
 )
 from tessel.config import ModelConfig, OptimConfig
 from tessel.models import build_model
-from tessel.optim.build import build_optimizer
+from tessel.optim.groups import build_optimizer
 
 
 def _model_and_opt(seed: int = 0):

@@ -14,7 +14,7 @@ import torch
 from tessel.config import Config, ConfigError, ModelConfig, OptimConfig
 from tessel.errors import TesselError
 from tessel.models import build_model
-from tessel.optim.build import build_optimizer, param_groups
+from tessel.optim.groups import build_optimizer, param_groups
 from tessel.optim.lowbit import StateAdamW, stochastic_round
 from tessel.optim.lr_schedule import lr_at
 
@@ -131,7 +131,7 @@ def test_int8_state_prints_none_of_torchaos_import_noise():
     code = ("import torch\n"
             "from tessel.config import ModelConfig, OptimConfig\n"
             "from tessel.models import build_model\n"
-            "from tessel.optim.build import build_optimizer\n"
+            "from tessel.optim.groups import build_optimizer\n"
             "model = build_model(ModelConfig(preset='tiny-llama'), seed=0)\n"
             "opt = build_optimizer(model, OptimConfig(state_dtype='int8'), torch.device('cpu'))\n"
             "for _ in range(2):\n"

@@ -159,7 +159,7 @@ def test_the_planner_plans_moe_models_and_checks_them_before_launch():
 
 def test_a_step_the_fp16_scaler_skips_leaves_the_bias_and_resets_the_counts():
     from tessel.data import Batch
-    from tessel.optim.build import build_optimizer
+    from tessel.optim.groups import build_optimizer
     from tessel.parallel.apply import build_parallel_model
     from tessel.parallel.dims import ParallelDims
     from tessel.train.precision import resolve_precision

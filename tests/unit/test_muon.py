@@ -12,7 +12,7 @@ import torch
 from tessel.config import Config, ModelConfig, OptimConfig
 from tessel.errors import TesselError
 from tessel.models import build_model
-from tessel.optim.build import build_optimizer, muon_groups
+from tessel.optim.groups import build_optimizer, muon_groups
 from tessel.optim.muon import Muon, newton_schulz
 
 MUON = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1, muon_ns_dtype="bfloat16")

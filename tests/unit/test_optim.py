@@ -5,7 +5,7 @@ import torch
 
 from tessel.config import ModelConfig, OptimConfig
 from tessel.models import build_model
-from tessel.optim.build import build_optimizer, param_groups
+from tessel.optim.groups import build_optimizer, param_groups
 from tessel.optim.lr_schedule import lr_at
 
 

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tessel.config import Config
 from tessel.models import build_model
-from tessel.optim.build import build_optimizer, muon_groups
+from tessel.optim.groups import build_optimizer, muon_groups
 from tessel.optim.muon import newton_schulz
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout

@@ -20,7 +20,7 @@ from tessel.config import Config
 from tessel.data import Batch
 from tessel.errors import Stopped
 from tessel.observe.console import ConsoleDisplay
-from tessel.optim.build import build_optimizer
+from tessel.optim.groups import build_optimizer
 from tessel.parallel.apply import build_parallel_model
 from tessel.parallel.dims import ParallelDims
 from tessel.train.control import (

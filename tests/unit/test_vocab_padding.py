@@ -19,7 +19,7 @@ from tessel.generate import load_run_for_inference, sample
 from tessel.models import build_model, flops_per_token, param_count
 from tessel.models.loss import token_loss_sum
 from tessel.observe.metrics import read_metrics
-from tessel.optim.build import build_optimizer
+from tessel.optim.groups import build_optimizer
 from tessel.planner.memory import stage_parameters
 
 V = 500  # not a multiple of 128: padded to 512 rows

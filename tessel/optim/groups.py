@@ -1,5 +1,5 @@
-"""The optimizer (AdamW, or Muon with AdamW beside it) with conventional parameter groups
-(the learning-rate schedule: lr_schedule.py)."""
+"""Parameter groups (AdamW's conventional ones, Muon's matrices) and the optimizer built over
+them: AdamW, or Muon with AdamW beside it (the learning-rate schedule: lr_schedule.py)."""
 
 from __future__ import annotations
 
