@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessel.checkpoint.hf_models import check_export
 from tessel.checkpoint.manager import CheckpointManager
 from tessel.config import Config
 from tessel.data import build_data
@@ -60,6 +61,7 @@ class Checked:
 
 def check_run(cfg: Config, proc: Any, resume: bool, force: bool, say: Any) -> Checked:
     """Everything that can reject the input, before anything is written."""
+    check_export(cfg)  # checkpoint.hf_export_interval of a model HF cannot hold
     device = pick_device(cfg.train.device)
     cfg = auto_layout(cfg, device, proc.world_size, say)
     zero_as_given = cfg.parallel.zero

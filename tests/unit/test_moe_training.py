@@ -98,10 +98,13 @@ def test_hf_export_of_an_moe_shape_hf_cannot_hold_is_refused_in_one_line():
 
 def test_tessel_train_refuses_an_hf_export_it_cannot_write_before_writing_anything(tmp_path):
     """The refusal left the config schema for the pre-flight checks: `tessel train` (a new
-    run, a resumed one) still refuses it in one line, exit code 2, before the run directory
-    exists."""
+    run, a resumed one) and a Trainer built from `Config.load` still refuse it in one line,
+    exit code 2, before the run directory exists."""
     import subprocess
     import sys
+
+    from tessel.config import ConfigError
+    from tessel.train import Trainer
 
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "tessel", "train", "--model.preset=tiny-moe",
@@ -123,6 +126,9 @@ def test_tessel_train_refuses_an_hf_export_it_cannot_write_before_writing_anythi
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "set it to 0" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["config.toml"]
+    with pytest.raises(ConfigError, match="MixtralForCausalLM has softmax routing"):
+        Trainer(cfg.with_overrides({"checkpoint.hf_export_interval": 10}), console=False)
+    assert not run.exists()
 
 
 def test_a_pipeline_metadata_forward_is_left_out_of_the_statistics():
