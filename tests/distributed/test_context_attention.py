@@ -6,13 +6,10 @@ grouped-query attention; and a model on the cp mesh compiles without a graph bre
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from script_job import run_script_job
 
 WORKER = Path(__file__).with_name("cp_attention_worker.py")
 
@@ -20,12 +17,7 @@ WORKER = Path(__file__).with_name("cp_attention_worker.py")
 @pytest.mark.budget(50)  # seconds on the reference machine: measured, +~40%
 def test_context_parallel_attention_equals_the_whole_sequence(tmp_path: Path):
     out = tmp_path / "errors.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-         str(WORKER), str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errors = json.loads(out.read_text())
+    errors = run_script_job(WORKER, 4, out)
     modes = ("allgather", "ulysses")
     expected = {f"{m}-cp{c}-{b}-{k}" for m in modes for c in (2, 4)
                 for b in ("headtail", "contiguous") for k in ("causal", "documents")}
