@@ -2,9 +2,9 @@
 tessel.parallel.replica_group): what a recovering peer receives, the quorum at every step, the
 timeline events of lost, returned and recovered groups, and a discarded step's data.
 
-A group's state for a peer is everything a resume from a checkpoint restores: the weights,
-the optimizer state and the parts of tessel.train.state (the one list a checkpoint saves too:
-step, data position, batches drawn, tokens seen, training time, last validation loss, the
+A group's state for a peer is everything a resume from a checkpoint restores, from the one
+registry (tessel.train.state.RunState): the weights, the optimizer state and the other parts
+(step, data position, batches drawn, tokens seen, training time, last validation loss, the
 alert rules' memory). It travels over torchft's checkpoint transport; no checkpoint file is
 read or written for it.
 """
@@ -56,8 +56,8 @@ class TrainerReplicas:
             val = data.val
             val.dp_rank, val.dp_size = val.dp_rank - ft.replica_id * dp, dp
         lifecycle.display.print(f"tessel: fault tolerance: replica group {ft.replica_id} of "
-                         f"{ft.group_size} (torchft; a step commits with at least "
-                         f"{ft.min_replica_size})")
+                                f"{ft.group_size} (torchft; a step commits with at least "
+                                f"{ft.min_replica_size})")
 
     # ---- what a recovering peer receives ------------------------------------------------
 

@@ -128,54 +128,12 @@ class Trainer:
                          (lambda rec: self.control.request(self.alerts.observe(rec)))
                          if self.alerts is not None else None)
         self.control.install()
-        loss = grad_norm = None
         start = self.counters.start_clock()
-        first_step = self.step
-        window_start, window_steps = time.perf_counter(), 0
         self.display.start(self.step)
         self.model.train()  # evaluation puts it back after each evaluation
         self.watchdog.start()
         try:
-            while self.step < t.steps:
-                self.watchdog.beat(self.step, "step boundary")
-                self.faults.at_step(self.step)
-                if self.control.should_stop(self.checkpoints.written_here()):
-                    break
-                loss, grad_norm = self.run_step()
-                if not self.train_step.committed:  # a replica group failed: retried
-                    continue
-                if self.recovery.enabled and self._spiked(loss, grad_norm):
-                    first_step = min(first_step, self.step)
-                    self.timer.discard()
-                    window_start, window_steps = time.perf_counter(), 0
-                    continue
-                self.checkpoints.publish_finished(all_written=self.control.save_written)
-                self.step += 1
-                self.tokens_seen += t.global_batch_size * t.seq_len
-                window_steps += 1
-                self.display.step(self.step)
-                if self.alerts is not None:
-                    self.alerts.rules.progressed()
-                if self.step % cfg.metrics.log_interval == 0 or self.step == t.steps:
-                    self._log_train(log, loss, grad_norm, time.perf_counter() - window_start,
-                                    window_steps, time.perf_counter() - start, first_step)
-                    window_start, window_steps = time.perf_counter(), 0
-                # the parts on a cadence say when they are due (each after the last step too,
-                # but the checkpoint, written below)
-                evaluate, save = self.evaluator.due(self.step), self.checkpoints.due(self.step)
-                if evaluate:
-                    self._evaluate(log, start)
-                if save:
-                    self._save(loss, grad_norm)
-                score = self.harness is not None and self.harness.due(self.step)
-                if score:
-                    self._score(log, start)
-                if evaluate or save or score or self.step == t.steps:
-                    self.timer.discard()
-                    window_start, window_steps = time.perf_counter(), 0
-            if self.step != self.checkpoints.last_saved_step:
-                self._save(loss, grad_norm)
-            self.checkpoints.finish()
+            loss = self._loop(log, start)
         except dist.DistBackendError as exc:
             raise self.lifecycle.collective_failure(exc) from None
         except (RecoveryGaveUp, TrainingDiverged) as exc:
@@ -196,6 +154,53 @@ class Trainer:
         self.lifecycle.ended(stopped_by, getattr(self.harness, "failure", None),
                              self.data.unigram_baseline, self.sample)
         return self._result(loss, stopped_by)
+
+    def _loop(self, log: StepLogger, start: float) -> torch.Tensor | None:
+        """Optimizer steps up to train.steps, or to a stop at a step boundary, then the last
+        checkpoint; the last step's loss (a device tensor), None when no step ran."""
+        t, loss, grad_norm, first_step = self.cfg.train, None, None, self.step
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < t.steps:
+            self.watchdog.beat(self.step, "step boundary")
+            self.faults.at_step(self.step)
+            if self.control.should_stop(self.checkpoints.written_here()):
+                break
+            loss, grad_norm = self.run_step()
+            if not self.train_step.committed:  # a replica group failed: retried
+                continue
+            if self.recovery.enabled and self._spiked(loss, grad_norm):
+                first_step = min(first_step, self.step)
+                self.timer.discard()
+                window_start, window_steps = time.perf_counter(), 0
+                continue
+            self.checkpoints.publish_finished(all_written=self.control.save_written)
+            self.step += 1
+            self.tokens_seen += t.global_batch_size * t.seq_len
+            window_steps += 1
+            self.display.step(self.step)
+            if self.alerts is not None:
+                self.alerts.rules.progressed()
+            if self.step % self.cfg.metrics.log_interval == 0 or self.step == t.steps:
+                self._log_train(log, loss, grad_norm, time.perf_counter() - window_start,
+                                window_steps, time.perf_counter() - start, first_step)
+                window_start, window_steps = time.perf_counter(), 0
+            # the parts on a cadence say when they are due (each after the last step too,
+            # but the checkpoint, written below)
+            evaluate, save = self.evaluator.due(self.step), self.checkpoints.due(self.step)
+            if evaluate:
+                self._evaluate(log, start)
+            if save:
+                self._save(loss, grad_norm)
+            score = self.harness is not None and self.harness.due(self.step)
+            if score:
+                self._score(log, start)
+            if evaluate or save or score or self.step == t.steps:
+                self.timer.discard()
+                window_start, window_steps = time.perf_counter(), 0
+        if self.step != self.checkpoints.last_saved_step:
+            self._save(loss, grad_norm)
+        self.checkpoints.finish()
+        return loss
 
     def _stop_parts(self, log: StepLogger) -> None:
         """After the loop, however it ended: stop what runs beside it, deliver alerts."""
@@ -321,14 +326,10 @@ class Trainer:
 
     def _result(self, loss: torch.Tensor | None, stopped_by: str | None) -> TrainResult:
         return TrainResult(
-            step=self.step,
-            loss=self.train_step.global_loss(loss) if loss is not None else None,
-            val_loss=self.last_val_loss,
-            unigram_baseline=self.data.unigram_baseline,
-            stopped_by=stopped_by,
-            run_dir=self.run_dir,
-            scoring_failure=getattr(self.harness, "failure", None),
-        )
+            step=self.step, loss=self.train_step.global_loss(loss) if loss is not None else None,
+            val_loss=self.last_val_loss, unigram_baseline=self.data.unigram_baseline,
+            stopped_by=stopped_by, run_dir=self.run_dir,
+            scoring_failure=getattr(self.harness, "failure", None))
 
     def close(self) -> None:
         """Release the process group and the run directory's lock (the trainer cannot
