@@ -46,6 +46,50 @@ def _yaml_str(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def _shape(kind: str, nodes: int, min_nodes: int | None, gpus_per_node: int,
+           nproc_per_node: int | None) -> tuple[int, bool, int]:
+    """The job's shape, checked: (fewest pods, CPU pool?, processes per pod)."""
+    if kind not in KINDS:
+        raise TesselError(f"--kind {kind!r} must be one of {', '.join(KINDS)}")
+    check_count("--nodes", nodes)
+    low = nodes if min_nodes is None else min_nodes
+    check_count("--nodes", low)
+    if low < nodes and kind == "trainjob":
+        raise TesselError(f"--nodes {low}:{nodes}: a TrainJob (trainer.kubeflow.org/v1alpha1) has "
+                          "no elastic policy (only its runtime's torch elasticPolicy can give a "
+                          "node range); use --kind pytorchjob for an elastic job, or a fixed "
+                          "--nodes N")
+    if gpus_per_node < 0:
+        raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU pool), got {gpus_per_node}")
+    cpu = gpus_per_node == 0
+    nproc = nproc_per_node if nproc_per_node is not None else (1 if cpu else gpus_per_node)
+    check_count("--nproc-per-node", nproc)
+    if not cpu and nproc != gpus_per_node:
+        raise TesselError(f"--nproc-per-node {nproc} differs from --gpus-per-node "
+                          f"{gpus_per_node}; a GPU pod runs one process per GPU")
+    return low, cpu, nproc
+
+
+def _check_text_values(config_path: str, name: str, namespace: str | None, pvc: str,
+                       runtime: str, image: str, mount_path: str) -> None:
+    """Refuse a name that is no DNS label, an image or mount path no pod can use, and text
+    no manifest line can carry."""
+    for flag, value in (("--name", name), ("--namespace", namespace), ("--pvc", pvc),
+                        ("--runtime", runtime)):
+        if value is not None and not _DNS_LABEL.fullmatch(value):
+            raise TesselError(f"{flag} {value!r} is not a DNS-1123 label; use at most 63 lower-case "
+                              "letters, digits and '-', starting and ending with a letter or digit")
+    if not image or any(c.isspace() for c in image):
+        raise TesselError(f"--image {image!r} is not an image reference, e.g. --image ghcr.io/org/tessel:1.0")
+    check_text("--image", image)
+    check_text("the config path", config_path)  # written into the manifest's first comment
+    if not mount_path.startswith("/") or mount_path.rstrip("/") in ("", CONFIG_DIR) or \
+            any(c.isspace() for c in mount_path):
+        raise TesselError(f"--mount-path {mount_path!r} must be an absolute path without spaces, "
+                          f"other than / and {CONFIG_DIR}")
+    check_text("--mount-path", mount_path)
+
+
 def k8s_manifest(
     config_path: str,
     config_text: str,
@@ -69,39 +113,9 @@ def k8s_manifest(
     (`kind="trainjob"`) on the ClusterTrainingRuntime `runtime`. `min_nodes` < `nodes`: an
     elastic PyTorchJob (`elasticPolicy`), between the two pods (TrainJob v1alpha1 has no
     equivalent and is refused)."""
-    if kind not in KINDS:
-        raise TesselError(f"--kind {kind!r} must be one of {', '.join(KINDS)}")
-    check_count("--nodes", nodes)
-    low = nodes if min_nodes is None else min_nodes
-    check_count("--nodes", low)
-    if low < nodes and kind == "trainjob":
-        raise TesselError(f"--nodes {low}:{nodes}: a TrainJob (trainer.kubeflow.org/v1alpha1) has "
-                          "no elastic policy (only its runtime's torch elasticPolicy can give a "
-                          "node range); use --kind pytorchjob for an elastic job, or a fixed "
-                          "--nodes N")
-    if gpus_per_node < 0:
-        raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU pool), got {gpus_per_node}")
-    cpu = gpus_per_node == 0
-    nproc = nproc_per_node if nproc_per_node is not None else (1 if cpu else gpus_per_node)
-    check_count("--nproc-per-node", nproc)
-    if not cpu and nproc != gpus_per_node:
-        raise TesselError(f"--nproc-per-node {nproc} differs from --gpus-per-node "
-                          f"{gpus_per_node}; a GPU pod runs one process per GPU")
+    low, cpu, nproc = _shape(kind, nodes, min_nodes, gpus_per_node, nproc_per_node)
     name = name if name is not None else default_name(config_path)
-    for flag, value in (("--name", name), ("--namespace", namespace), ("--pvc", pvc),
-                        ("--runtime", runtime)):
-        if value is not None and not _DNS_LABEL.fullmatch(value):
-            raise TesselError(f"{flag} {value!r} is not a DNS-1123 label; use at most 63 lower-case "
-                              "letters, digits and '-', starting and ending with a letter or digit")
-    if not image or any(c.isspace() for c in image):
-        raise TesselError(f"--image {image!r} is not an image reference, e.g. --image ghcr.io/org/tessel:1.0")
-    check_text("--image", image)
-    check_text("the config path", config_path)  # written into the manifest's first comment
-    if not mount_path.startswith("/") or mount_path.rstrip("/") in ("", CONFIG_DIR) or \
-            any(c.isspace() for c in mount_path):
-        raise TesselError(f"--mount-path {mount_path!r} must be an absolute path without spaces, "
-                          f"other than / and {CONFIG_DIR}")
-    check_text("--mount-path", mount_path)
+    _check_text_values(config_path, name, namespace, pvc, runtime, image, mount_path)
 
     # Kubernetes expands `$(VAR)` and `$$` in args before bash runs them, so a `$` in the
     # user's text is doubled to reach bash unchanged.

@@ -46,6 +46,173 @@ def sbatch_quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _processes(nodes: int, min_nodes: int | None, gpus_per_node: int,
+               nproc_per_node: int | None, cpus_per_task: int | None
+               ) -> tuple[int, bool, int, int | None]:
+    """The job's shape, checked: (fewest nodes, CPU job?, processes per node, cores per
+    task). A CPU job (`gpus_per_node` 0) defaults to one process, on one core each."""
+    check_count("--nodes", nodes)
+    low = nodes if min_nodes is None else min_nodes
+    check_count("--nodes", low)
+    if gpus_per_node < 0:
+        raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU job), got {gpus_per_node}")
+    cpu = gpus_per_node == 0
+    if nproc_per_node is None:
+        nproc_per_node = 1 if cpu else gpus_per_node
+    check_count("--nproc-per-node", nproc_per_node)
+    if not cpu and nproc_per_node != gpus_per_node:
+        raise TesselError(f"--nproc-per-node {nproc_per_node} differs from --gpus-per-node "
+                          f"{gpus_per_node}; a GPU job runs one process per GPU")
+    if cpus_per_task is not None:
+        check_count("--cpus-per-task", cpus_per_task)
+    elif cpu:
+        cpus_per_task = nproc_per_node  # under CPU binding a task gets one core otherwise
+    return low, cpu, nproc_per_node, cpus_per_task
+
+
+def _check_directives(port: int | None, grace_s: int, time: str | None, job_name: str,
+                      partition: str | None, account: str | None) -> None:
+    """Refuse a port, grace, time limit or name that its `#SBATCH` line cannot carry."""
+    if port is not None and not 1 <= port <= 65535:
+        raise TesselError(f"--port must be between 1 and 65535 (got {port})")
+    if grace_s < 1:
+        raise TesselError(f"--signal-grace must be >= 1 second (got {grace_s})")
+    if time is not None and not _SLURM_TIME.fullmatch(time):
+        raise TesselError(f"--time must be HH:MM:SS or D-HH:MM:SS (got {time!r}), e.g. --time 48:00:00")
+    for flag, value, pattern in (("--job-name", job_name, _SLURM_NAME),
+                                 ("--partition", partition, _SLURM_LIST),
+                                 ("--account", account, _SLURM_NAME)):
+        if value is not None and not pattern.fullmatch(value):
+            raise TesselError(f"{flag} {value!r} is not a valid SLURM name; use letters, digits, "
+                              "'.', '_' and '-'")
+        if value is not None:
+            check_sbatch_text(flag, value)
+
+
+def _interpreter(python: str | None) -> str:
+    """The Python that runs tessel on the nodes: `python`, checked, or this interpreter."""
+    python = python if python is not None else sys.executable
+    if not python:
+        raise TesselError("--python needs the path of the Python that runs tessel on the nodes, "
+                          "e.g. --python /opt/venv/bin/python")
+    check_text("--python", python)
+    return python
+
+
+def _log_pattern(output_dir: str) -> str:
+    """The `#SBATCH --output` argument: the job's log in `output_dir`, named by job name
+    and id."""
+    check_sbatch_text("--output-dir", output_dir)
+    if "\\" in output_dir:
+        raise TesselError(f"--output-dir {output_dir!r} contains a backslash, which turns off the "
+                          "%x/%j names in SLURM's log file pattern; choose a directory without one")
+    # SLURM expands %x, %j, ... in the log's name: a '%' of the directory's is written '%%'.
+    return sbatch_quote(output_dir.replace("%", "%%") + "/%x-%j.out")
+
+
+def _directives(config_path: str, what: str, *, output_dir: str, job_name: str, low: int,
+                nodes: int, optional: list[str], grace_s: int, log: str) -> list[str]:
+    """The script's opening comment and its `#SBATCH` lines."""
+    # One task per node: it starts that node's training processes. Not asked for by an
+    # elastic job: from --ntasks-per-node sbatch fixes the job's task count at MIN x 1, and
+    # SLURM then never gives it more than MIN nodes, not even at a requeue with every node
+    # free (measured on slurm-wlm 22.05); one task per node is SLURM's default, and srun asks
+    # for it itself.
+    tasks = (["# One task per node, SLURM's default (no task count: one would keep the job at "
+              f"{low} node(s))."]
+             if low < nodes else
+             ["# One task per node: it starts that node's training processes.",
+              "#SBATCH --ntasks-per-node=1"])
+    return [
+        "#!/bin/bash",
+        f"# tessel training job for {config_path} ({what}), written by `tessel launch slurm`.",
+        "# Submit it, unedited, from the directory the paths below are relative to (the job",
+        f"# starts there; {output_dir}/ was created for its log):",
+        "#   sbatch THIS_FILE",
+        "# It requeues itself when preempted or at its time limit (after saving a checkpoint)",
+        "# and continues the run; it ends COMPLETED when the run is done, FAILED otherwise with",
+        "# tessel's exit code (docs/exit-codes.md).",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes if low == nodes else f'{low}-{nodes}'}",
+        *tasks,
+        *optional,
+        "#SBATCH --requeue",
+        f"# SIGTERM to this script {grace_s} s before the time limit; it passes it on, tessel saves",
+        "# a checkpoint at the next step and the job requeues itself. The grace must cover one",
+        "# step plus one checkpoint save (docs/parallelism.md#slurm).",
+        f"#SBATCH --signal=B:TERM@{grace_s}",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={log}",
+        "",
+    ]
+
+
+def _step(nodes: int) -> tuple[list[str], str, list[str], list[str]]:
+    """How the training step starts and is stopped: (its start line, the command that
+    passes a stop signal on, the relay step's lines, what to do when a stop killed it)."""
+    if nodes == 1:
+        # Preemption signals a job's steps, not this script, and the launcher is not a step
+        # here (so that `scancel --full` cannot make srun kill it): a small step of ours,
+        # sharing the job's CPUs, passes such a signal on to the launcher.
+        relay = [
+            "srun --overlap --ntasks=1 --kill-on-bad-exit=0 bash -c "
+            "'trap \"kill -TERM $0 2>/dev/null; exit 0\" TERM USR1; "
+            "while :; do sleep 5 & wait $!; done' \"$STEP\" &",
+            "RELAY=$!",
+        ]
+        return ['"${NODE[@]}" &'], 'kill -TERM "$STEP" 2>/dev/null', relay, []
+    start = ['srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &']
+    # to the steps' tasks only: srun itself, signalled, kills the step at once
+    forward = 'scancel --signal=TERM "$SLURM_JOB_ID"'
+    # ... which a stop signal sent to every process (`scancel --full`) does: srun turns its
+    # own SIGTERM into a SIGKILL of the tasks before they can save. The job was asked to
+    # stop, not crashed: requeued as stopped (not counted against the crash retries), it
+    # resumes from its latest checkpoint (checkpoint.interval bounds what is lost). So
+    # does a stop that comes while the processes are still preparing (they exit 143).
+    killed = [
+        '    if [ -n "$STOP" ]; then  # stopped, without a save of this start',
+        '      echo "tessel: a stop signal ended the step without saving (exit $CODE: srun, '
+        'signalled too, killed it, or training had not begun); requeueing job '
+        '$SLURM_JOB_ID: it resumes from its latest checkpoint"',
+        '      scontrol requeue "$SLURM_JOB_ID"; exit 0',
+        "    fi",
+    ]
+    return start, forward, [], killed
+
+
+def _run_and_requeue(nodes: int) -> list[str]:
+    """The lines that start the step, pass a stop signal on, wait for it, and requeue the
+    job or end it by the step's exit code."""
+    start, forward, relay, killed = _step(nodes)
+    return [
+        "# The time-limit warning, or `scancel --signal=TERM --full`, reaches this shell: pass",
+        "# it on (remembered if it comes before the step has started).",
+        'STOP=""; STEP=""',
+        f"trap 'STOP=1; [ -n \"$STEP\" ] && {forward}' TERM USR1",
+        *start,
+        "STEP=$!",
+        f'[ -n "$STOP" ] && {forward}',
+        *relay,
+        'while kill -0 "$STEP" 2>/dev/null; do wait "$STEP"; done',
+        'wait "$STEP"; CODE=$?',
+        *(['kill "$RELAY" 2>/dev/null'] if relay else []),
+        'case "$CODE" in',
+        "  0) exit 0 ;;  # the run is done",
+        f"  {EXIT_REQUEUE})  # stopped by preemption or the time limit, checkpoint saved",
+        '    echo "tessel: requeueing job $SLURM_JOB_ID; it resumes from its checkpoint"',
+        '    scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
+        '  2|4|5|6|7) exit "$CODE" ;;  # bad input, halted (docs/exit-codes.md): a person decides',
+        "  *)  # a crash or a hang: try again from the last checkpoint, a few times",
+        *killed,
+        f'    if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_RESTARTS} ]; then',
+        '      echo "tessel: the run failed (exit $CODE); requeueing job $SLURM_JOB_ID"',
+        '      scontrol requeue "$SLURM_JOB_ID"',
+        "    fi",
+        '    exit "$CODE" ;;',
+        "esac",
+    ]
+
+
 def slurm_script(
     config_path: str,
     overrides: list[str],
@@ -76,48 +243,12 @@ def slurm_script(
     is given, so jobs sharing a node never share a rendezvous. `min_nodes` < `nodes` makes
     the job elastic: SLURM allocates between the two at every start, a requeue included, and
     the run continues at the world size it gets (docs/parallelism.md#elastic-world-size)."""
-    check_count("--nodes", nodes)
-    low = nodes if min_nodes is None else min_nodes
-    check_count("--nodes", low)
-    if gpus_per_node < 0:
-        raise TesselError(f"--gpus-per-node must be >= 0 (0: a CPU job), got {gpus_per_node}")
-    cpu = gpus_per_node == 0
-    if nproc_per_node is None:
-        nproc_per_node = 1 if cpu else gpus_per_node
-    check_count("--nproc-per-node", nproc_per_node)
-    if not cpu and nproc_per_node != gpus_per_node:
-        raise TesselError(f"--nproc-per-node {nproc_per_node} differs from --gpus-per-node "
-                          f"{gpus_per_node}; a GPU job runs one process per GPU")
-    if cpus_per_task is not None:
-        check_count("--cpus-per-task", cpus_per_task)
-    elif cpu:
-        cpus_per_task = nproc_per_node  # under CPU binding a task gets one core otherwise
-    if port is not None and not 1 <= port <= 65535:
-        raise TesselError(f"--port must be between 1 and 65535 (got {port})")
-    if grace_s < 1:
-        raise TesselError(f"--signal-grace must be >= 1 second (got {grace_s})")
-    if time is not None and not _SLURM_TIME.fullmatch(time):
-        raise TesselError(f"--time must be HH:MM:SS or D-HH:MM:SS (got {time!r}), e.g. --time 48:00:00")
+    low, cpu, nproc_per_node, cpus_per_task = _processes(nodes, min_nodes, gpus_per_node,
+                                                         nproc_per_node, cpus_per_task)
     job_name = job_name if job_name is not None else default_name(config_path)
-    for flag, value, pattern in (("--job-name", job_name, _SLURM_NAME),
-                                 ("--partition", partition, _SLURM_LIST),
-                                 ("--account", account, _SLURM_NAME)):
-        if value is not None and not pattern.fullmatch(value):
-            raise TesselError(f"{flag} {value!r} is not a valid SLURM name; use letters, digits, "
-                              "'.', '_' and '-'")
-        if value is not None:
-            check_sbatch_text(flag, value)
-    python = python if python is not None else sys.executable
-    if not python:
-        raise TesselError("--python needs the path of the Python that runs tessel on the nodes, "
-                          "e.g. --python /opt/venv/bin/python")
-    check_text("--python", python)
-    check_sbatch_text("--output-dir", output_dir)
-    if "\\" in output_dir:
-        raise TesselError(f"--output-dir {output_dir!r} contains a backslash, which turns off the "
-                          "%x/%j names in SLURM's log file pattern; choose a directory without one")
-    # SLURM expands %x, %j, ... in the log's name: a '%' of the directory's is written '%%'.
-    log = sbatch_quote(output_dir.replace("%", "%%") + "/%x-%j.out")
+    _check_directives(port, grace_s, time, job_name, partition, account)
+    python = _interpreter(python)
+    log = _log_pattern(output_dir)
 
     span = f"{low}-{nodes}" if low < nodes else str(nodes)
     what = f"{span} x {nproc_per_node} CPU processes" if cpu else f"{span} x {gpus_per_node} GPUs"
@@ -127,72 +258,13 @@ def slurm_script(
                  ("cpus-per-task", cpus_per_task)) if value]
     node = (f'NODE=("$PYTHON" -m tessel.launch.node --nproc-per-node {nproc_per_node} '
             '--master-addr "$HEAD" --master-port "$PORT" -- "${TRAIN[@]}")')
-    # One task per node: it starts that node's training processes. Not asked for by an
-    # elastic job: from --ntasks-per-node sbatch fixes the job's task count at MIN x 1, and
-    # SLURM then never gives it more than MIN nodes, not even at a requeue with every node
-    # free (measured on slurm-wlm 22.05); one task per node is SLURM's default, and srun asks
-    # for it itself.
-    tasks = (["# One task per node, SLURM's default (no task count: one would keep the job at "
-              f"{low} node(s))."]
-             if low < nodes else
-             ["# One task per node: it starts that node's training processes.",
-              "#SBATCH --ntasks-per-node=1"])
-    relay: list[str] = []
-    killed: list[str] = []  # what the script does when a stop signal came and the step died
     elastic = ([f"# Elastic: {low} to {nodes} nodes at each start; the workers re-plan the batch "
                 "split for the",
                 "# world they find (the global batch is kept).",
                 f"export {ELASTIC_ENV}={low}:{nodes}"] if low < nodes else [])
-    if nodes == 1:
-        start = ['"${NODE[@]}" &']
-        forward = 'kill -TERM "$STEP" 2>/dev/null'
-        # Preemption signals a job's steps, not this script, and the launcher is not a step
-        # here (so that `scancel --full` cannot make srun kill it): a small step of ours,
-        # sharing the job's CPUs, passes such a signal on to the launcher.
-        relay = [
-            "srun --overlap --ntasks=1 --kill-on-bad-exit=0 bash -c "
-            "'trap \"kill -TERM $0 2>/dev/null; exit 0\" TERM USR1; "
-            "while :; do sleep 5 & wait $!; done' \"$STEP\" &",
-            "RELAY=$!",
-        ]
-    else:
-        start = ['srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${NODE[@]}" &']
-        # to the steps' tasks only: srun itself, signalled, kills the step at once
-        forward = 'scancel --signal=TERM "$SLURM_JOB_ID"'
-        # ... which a stop signal sent to every process (`scancel --full`) does: srun turns its
-        # own SIGTERM into a SIGKILL of the tasks before they can save. The job was asked to
-        # stop, not crashed: requeued as stopped (not counted against the crash retries), it
-        # resumes from its latest checkpoint (checkpoint.interval bounds what is lost). So
-        # does a stop that comes while the processes are still preparing (they exit 143).
-        killed = [
-            '    if [ -n "$STOP" ]; then  # stopped, without a save of this start',
-            '      echo "tessel: a stop signal ended the step without saving (exit $CODE: srun, '
-            'signalled too, killed it, or training had not begun); requeueing job '
-            '$SLURM_JOB_ID: it resumes from its latest checkpoint"',
-            '      scontrol requeue "$SLURM_JOB_ID"; exit 0',
-            "    fi",
-        ]
     lines = [
-        "#!/bin/bash",
-        f"# tessel training job for {config_path} ({what}), written by `tessel launch slurm`.",
-        "# Submit it, unedited, from the directory the paths below are relative to (the job",
-        f"# starts there; {output_dir}/ was created for its log):",
-        "#   sbatch THIS_FILE",
-        "# It requeues itself when preempted or at its time limit (after saving a checkpoint)",
-        "# and continues the run; it ends COMPLETED when the run is done, FAILED otherwise with",
-        "# tessel's exit code (docs/exit-codes.md).",
-        f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={nodes if low == nodes else f'{low}-{nodes}'}",
-        *tasks,
-        *optional,
-        "#SBATCH --requeue",
-        f"# SIGTERM to this script {grace_s} s before the time limit; it passes it on, tessel saves",
-        "# a checkpoint at the next step and the job requeues itself. The grace must cover one",
-        "# step plus one checkpoint save (docs/parallelism.md#slurm).",
-        f"#SBATCH --signal=B:TERM@{grace_s}",
-        "#SBATCH --open-mode=append",
-        f"#SBATCH --output={log}",
-        "",
+        *_directives(config_path, what, output_dir=output_dir, job_name=job_name, low=low,
+                     nodes=nodes, optional=optional, grace_s=grace_s, log=log),
         "set -uo pipefail",
         "# The interpreter tessel was installed in when this script was written; TESSEL_PYTHON,",
         "# set at submission, overrides it.",
@@ -205,30 +277,6 @@ def slurm_script(
         *elastic,
         node,
         "",
-        "# The time-limit warning, or `scancel --signal=TERM --full`, reaches this shell: pass",
-        "# it on (remembered if it comes before the step has started).",
-        'STOP=""; STEP=""',
-        f"trap 'STOP=1; [ -n \"$STEP\" ] && {forward}' TERM USR1",
-        *start,
-        "STEP=$!",
-        f'[ -n "$STOP" ] && {forward}',
-        *relay,
-        'while kill -0 "$STEP" 2>/dev/null; do wait "$STEP"; done',
-        'wait "$STEP"; CODE=$?',
-        *(['kill "$RELAY" 2>/dev/null'] if relay else []),
-        'case "$CODE" in',
-        "  0) exit 0 ;;  # the run is done",
-        f"  {EXIT_REQUEUE})  # stopped by preemption or the time limit, checkpoint saved",
-        '    echo "tessel: requeueing job $SLURM_JOB_ID; it resumes from its checkpoint"',
-        '    scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
-        '  2|4|5|6|7) exit "$CODE" ;;  # bad input, halted (docs/exit-codes.md): a person decides',
-        "  *)  # a crash or a hang: try again from the last checkpoint, a few times",
-        *killed,
-        f'    if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_RESTARTS} ]; then',
-        '      echo "tessel: the run failed (exit $CODE); requeueing job $SLURM_JOB_ID"',
-        '      scontrol requeue "$SLURM_JOB_ID"',
-        "    fi",
-        '    exit "$CODE" ;;',
-        "esac",
+        *_run_and_requeue(nodes),
     ]
     return "\n".join(lines) + "\n"
