@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from tessel.config import Config
+from tessel.planner.compute import FP8_EFFICIENCY
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.memory import ASSUMPTIONS as MEMORY_ASSUMPTIONS
 from tessel.planner.memory import GIB
 from tessel.planner.optimizer import ASSUMPTIONS as OPTIMIZER_ASSUMPTIONS
 from tessel.planner.search import Plan, SearchResult, precision_for
 from tessel.planner.speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
-from tessel.planner.speed import FP8_EFFICIENCY
 from tessel.planner.stack import generation, tessel_stack
 
 ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS]

@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass
 
 from tessel.config import ModelConfig
-from tessel.models.loss import loss_pieces
 from tessel.planner.calls import (
     GLOO_SCATTER,
     on_curve,
@@ -24,8 +23,13 @@ from tessel.planner.calls import (
     tp_calls_seconds,
 )
 from tessel.planner.calls import ring_seconds as _ring
+from tessel.planner.compute import (
+    GROUPED_GEMM_EFFICIENCY,
+    MATMUL_HALF_SIZE,
+    micro_batch_compute,
+    recompute_seconds,
+)
 from tessel.planner.hardware import GpuProfile
-from tessel.planner.kept import unchecked_share
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (
     StageParams,
@@ -37,7 +41,6 @@ from tessel.planner.memory import (
 )
 from tessel.planner.optimizer import ADAMW, OptimizerSpec, muon_step
 
-MATMUL_HALF_SIZE = 128  # a matmul whose smallest dimension is k runs at k/(k+128) of the rate
 DDP_OVERLAP = 0.8  # fraction of the backward pass DDP's all-reduce hides behind
 FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide behind
 # On CPU processes (a profile with device_type "cpu") data-parallel collectives hide behind
@@ -47,30 +50,14 @@ FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide b
 # of gradients): DDP's backward with its all-reduce took 12-31 ms longer than without
 # (no_sync), the all-reduce alone 8-17 ms.
 CPU_OVERLAP = 0.0
-# Recomputed work as a share of a micro-batch's: full checkpointing runs each block's forward
-# again; matmuls (every matmul output kept) recomputes only element-wise work (its time, not
-# its FLOPs, shows). The per-op `selective` policy's share is counted from the shapes of the
-# matmuls it recomputes (`recompute_seconds`).
-RECOMPUTE = {"none": 0.0, "matmuls": 0.03, "full": 1.0 / 3.0}
 HOST_LINK_BYTES_PER_S = 25e9  # device <-> host, PCIe 5 x16 achievable per GPU
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # AdamW on the host, parameters per second per rank
 ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
-# Routed experts' grouped matmuls (torch._grouped_mm) run at this fraction of what dense
-# matmuls of the same size reach. Not fitted: one published measurement, VeOmni PR #460
-# (ByteDance-Seed/VeOmni, H100, torch._grouped_mm MoE forward, Qwen3-30B-A3B's expert shape:
-# 32,768 tokens, 128 experts of 768, top-8): 242 TFLOP/s, 0.46 of the 530 TFLOP/s this model
-# gives dense matmuls of that size (0.625 x 768/896 of 989), rounded to 0.5.
-GROUPED_GEMM_EFFICIENCY = 0.5
 # The search splits a sequence over cp ranks only while each keeps at least this many
 # positions (cp from 8K sequences on, as NeMo advises): the model counts the exchange's bytes
 # and calls but not the masked kernel's lower efficiency on short pieces, which would credit
 # splitting short sequences with more than they give.
 MIN_CP_POSITIONS = 4096
-# train.fp8 (torchao's float8 linears, tensorwise scaling): the fraction of the FP8 peak x
-# matmul efficiency its matmuls reach, casts and scales included (they run beside each
-# matmul, memory-bound). Fitted on torchtitan's Float8 rows (Llama 3 8B, 8 and 128 H100s at
-# 500 W with torch.compile: 8,532 and 8,380 tokens/s per GPU against 6,667 and 6,514 in bf16).
-FP8_EFFICIENCY = 0.74
 DDP_BUCKET_MB = 25  # tessel.parallel.fsdp's DDP gradient buckets (a test checks): one call each
 # Collective calls of one layer's context-parallel exchange, one way: the keys' and values'
 # all-gathers; Ulysses' all-to-alls of queries, keys, values and the attention output.
@@ -81,7 +68,9 @@ EP_CALLS_EACH_WAY = 2
 ASSUMPTIONS = (
     f"compute: each matmul's FLOPs (causal attention at half its full-matrix FLOPs) at peak x "
     f"matmul_efficiency x k/(k+{MATMUL_HALF_SIZE}), k its smallest per-GPU dimension; full "
-    "checkpointing adds a forward pass, selective 3%; AdamW at device memory bandwidth",
+    "checkpointing adds a forward pass, matmuls 3%, selective (per-op) the forward of the "
+    "matmuls it recomputes (wk, wo, w3), each on the blocks it applies to; a loss in pieces "
+    "the output projection's forward again; AdamW at device memory bandwidth",
     "collectives: ring algorithm, 2(n-1)/n x bytes (all-reduce) or (n-1)/n (all-gather, "
     "reduce-scatter) at comm_efficiency x the per-GPU intra-node bandwidth when the group "
     f"fits in a node, else the inter-node bandwidth; DDP hides behind {DDP_OVERLAP:.0%} of "
@@ -152,94 +141,6 @@ class StepTime:
                 + self.offload_s)
 
 
-def _size_efficiency(k: float) -> float:
-    return k / (k + MATMUL_HALF_SIZE)
-
-
-def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
-                        layers: int, last: bool, peak: float, moe_layers: int = 0,
-                        fp8_peak: float | None = None) -> tuple[float, float]:
-    """(seconds of one micro-batch's forward + backward on one GPU of a pipeline rank with
-    `layers` blocks, `moe_layers` of them Mixture-of-Experts layers, of which attention)
-    without recomputation. `fp8_peak`: the blocks' projections (train.fp8's float8 linears:
-    attention's and the dense MLPs', shared experts' included) run at that peak x
-    FP8_EFFICIENCY; attention, the router, routed experts and the head stay at `peak`."""
-    tokens = layout.micro_batch * seq_len / layout.cp
-    tp = layout.tp
-    d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
-    n_in = 2 if m.mlp == "swiglu" else 1
-    rate = peak * hw.matmul_efficiency
-    linear = fp8_peak * hw.matmul_efficiency * FP8_EFFICIENCY if fp8_peak else rate
-
-    def matmuls(shapes: list[tuple[float, float]], rows: float, at: float) -> float:
-        """Seconds of forward + backward of (K, N) matmuls over `rows` rows at rate `at`."""
-        return sum(6 * rows * k * n / (at * _size_efficiency(min(rows, k, n))) for k, n in shapes)
-
-    def mlp(hidden: float) -> list[tuple[float, float]]:
-        return [(d, hidden / tp)] * n_in + [(hidden / tp, d)]
-
-    # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
-    attn_mm = matmuls([(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)], tokens, linear)
-    block = attn_mm + matmuls(mlp(f), tokens, linear)
-    # Attention: QK^T and PV over the causal half of the (gathered) sequence, per head: each
-    # context-parallel rank 1/cp of it (Ulysses: every row, heads/cp heads); contiguous
-    # pieces leave the last rank (2cp-1)/cp of the mean.
-    heads = m.n_heads / tp
-    attn_flops = 6 * 2 * tokens * seq_len * m.head_dim * heads / 2
-    if layout.cp > 1 and not layout.cp_load_balance and layout.cp_mode == "allgather":
-        attn_flops *= (2 * layout.cp - 1) / layout.cp
-    attention = attn_flops / (rate * _size_efficiency(m.head_dim))
-    total = (layers - moe_layers) * (block + attention)
-    if moe_layers:
-        assert m.moe_ffn_hidden is not None
-        h, k, E = m.moe_ffn_hidden, m.moe_top_k, m.moe_experts
-        # The fp32 router at half the BF16 rate, the shared experts as a dense MLP, the routed
-        # experts over tokens x top_k slots, each local expert's rows tokens x k x ep / E.
-        # Under tensor parallelism MoE layers are not split: each rank runs its 1/tp of the
-        # sequence through whole weights.
-        moe_tokens = tokens / tp
-        moe = attn_mm + attention + matmuls([(d, E)], moe_tokens, rate / 2)
-        if m.moe_shared_experts:
-            shared = m.moe_shared_experts * h
-            moe += matmuls([(d, shared)] * n_in + [(shared, d)], moe_tokens, linear)
-        slots = moe_tokens * k
-        rows = slots * layout.ep / E
-        moe += sum(6 * slots * a * b / (rate * GROUPED_GEMM_EFFICIENCY
-                                        * _size_efficiency(min(rows, a, b)))
-                   for a, b in [(d, h)] * n_in + [(h, d)])
-        total += moe_layers * moe
-    if last:
-        v = m.padded_vocab_size / tp
-        total += 6 * tokens * d * v / (rate * _size_efficiency(min(tokens, d, v)))
-    return total, layers * attention
-
-
-def recompute_seconds(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
-                      t_mb: float, peak: float, layers: int, last: bool) -> float:
-    """Seconds one micro-batch spends again in its backward: the share RECOMPUTE gives of its
-    compute `t_mb` (full, matmuls), or the per-op policy's recomputed matmuls (the 2nd, 4th,
-    6th of each block: wk, wo and w3 in a SwiGLU block, wk, wo and w2 in a GELU one), on the
-    blocks checkpointing applies to; and the output projection's forward again for each
-    piece of a chunked loss on the last stage."""
-    ac = layout.activation_checkpointing
-    share = 1.0 - unchecked_share(layout, m.n_layers)
-    tokens = layout.micro_batch * seq_len / layout.cp
-    tp, d = layout.tp, m.d_model
-    rate = peak * hw.matmul_efficiency
-    seconds = t_mb * RECOMPUTE.get(ac, 0.0) * share
-    if ac == "selective":
-        kv = m.n_kv_heads * m.head_dim
-        hidden = m.ffn_hidden / tp
-        even = [(d, kv / tp), (m.q_dim / tp, d),
-                (d, hidden) if m.mlp == "swiglu" else (hidden, d)]
-        seconds += share * layers * sum(
-            2 * tokens * k * n / (rate * _size_efficiency(min(tokens, k, n))) for k, n in even)
-    if last and loss_pieces(layout.loss_chunks, tokens, m.padded_vocab_size / tp) > 1:
-        v = m.padded_vocab_size / tp
-        seconds += 2 * tokens * d * v / (rate * _size_efficiency(min(tokens, d, v)))
-    return seconds
-
-
 def all_to_all(nbytes: float, n: int, hw: GpuProfile, stride: int = 1) -> float:
     """Seconds for each of `n` ranks, `stride` apart, to send `nbytes` spread evenly over the
     group (1/n of it stays local): over NVLink when the group fits in a node, else the part
@@ -287,6 +188,46 @@ def fsdp_calls(zero: int, micro_batches: int) -> tuple[int, int]:
     return {1: 1, 2: micro_batches, 3: 2 * micro_batches}[zero], 1 if zero == 1 else micro_batches
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every part of a step's time is priced from: the busiest pipeline rank's
+    micro-batch compute and what it holds."""
+
+    m: ModelConfig
+    layout: Layout
+    hw: GpuProfile
+    seq_len: int
+    micro_batches: int
+    t_mb: float
+    """Seconds of one micro-batch's compute, recomputation included."""
+    recompute: float
+    """The share of t_mb the collectives are made again for (0 under the per-op policy)."""
+    stage: StageParams
+    ids: list[int]
+    n_stages: int
+    act_bytes: int
+
+    @property
+    def compute(self) -> float:
+        return self.micro_batches * self.t_mb
+
+    @property
+    def tokens(self) -> float:
+        return self.layout.micro_batch * self.seq_len / self.layout.cp
+
+    @property
+    def intra(self) -> float:
+        return self.hw.intra_node_gbps * 1e9 * self.hw.comm_efficiency
+
+    @property
+    def inter(self) -> float:
+        return self.hw.inter_node_gbps * 1e9 * self.hw.comm_efficiency
+
+    def within(self, ranks: int) -> float:
+        """The link of a group of `ranks` consecutive ranks: NVLink if it fits in a node."""
+        return self.intra if ranks <= self.hw.gpus_per_node else self.inter
+
+
 def estimate_step(
     m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int, global_batch: int,
     precision: str, dp_overlap: float | None = None, optimizer: OptimizerSpec = ADAMW,
@@ -297,16 +238,43 @@ def estimate_step(
     after the backward pass (used to replay published runs of such systems). `optimizer`:
     its update's memory traffic and, for Muon, its Newton-Schulz work and whole-matrix
     collectives (planner/optimizer.py), all in `optimizer_s`."""
-    pp, v, tp, cp = layout.pp, layout.pp_virtual_stages, layout.tp, layout.cp
-    micro_batches = global_batch // (layout.micro_batch * layout.dp)
+    s = _busiest(m, layout, hw, seq_len, global_batch // (layout.micro_batch * layout.dp),
+                 precision, fp8)
+    tp_comm, tp_syncs = _tensor_parallel(s)
+    cp_comm, cp_syncs = _context_parallel(s)
+    ep_comm, ep_syncs = _expert_parallel(s)
+    # Ranks' drift: each collective above, and FSDP's gathers and reduce-scatters, waits
+    # for the slowest rank after the compute since the one before (a micro-batch's spread
+    # evenly over its collectives).
+    syncs = tp_syncs + cp_syncs + ep_syncs
+    if fsdp_active(layout) and layout.dp * layout.cp > 1:
+        syncs_with_dp = syncs + (s.stage.layers + 1) * sum(
+            fsdp_calls(layout.zero, s.micro_batches)) / s.micro_batches
+    else:
+        syncs_with_dp = syncs
+    drift = sync_wait(hw, s.t_mb / syncs_with_dp) if syncs_with_dp else 0.0
+    tp_comm += s.micro_batches * tp_syncs * drift
+    cp_comm += s.micro_batches * cp_syncs * drift
+    ep_comm += s.micro_batches * ep_syncs * drift
+    dp_comm, raw = _data_parallel(s, dp_overlap, syncs, drift)
+    pp_comm, bubble = _pipeline(s, tp_comm + ep_comm + cp_comm)
+    optimizer_s, offload = _optimizer_and_offload(s, optimizer)
+    raw_comm = tp_comm + raw + pp_comm + cp_comm + ep_comm
+    return StepTime(s.compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer_s, offload,
+                    raw_comm, ep_comm)
+
+
+def _busiest(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
+             micro_batches: int, precision: str, fp8: bool) -> _Step:
+    """The pipeline rank whose micro-batch takes longest (it sets the pace), with its
+    recomputation."""
+    pp, tp = layout.pp, layout.tp
     peak = hw.bf16_flops
     fp8_peak = hw.fp8_flops if fp8 else None  # train.fp8: the blocks' projections
     if precision == "fp32":
         peak = peak / 2  # TF32 tensor cores: half the BF16 rate
-    n_stages = pp * v
+    n_stages = pp * layout.pp_virtual_stages
     ranges = stage_layers(m, layout)
-
-    # The busiest pipeline rank sets the pace.
     t_mb, busiest = 0.0, 0
     for rank in range(pp):
         ids = rank_stages(layout, rank)
@@ -318,163 +286,171 @@ def estimate_step(
             t += layers * hw.tp_block_overhead_s
         if t > t_mb:
             t_mb, busiest = t, rank
-    busiest_ids = rank_stages(layout, busiest)
-    t_recompute = recompute_seconds(
-        m, layout, hw, seq_len, t_mb, peak,
-        sum(len(ranges[s]) for s in busiest_ids), n_stages - 1 in busiest_ids)
+    ids = rank_stages(layout, busiest)
+    t_recompute = recompute_seconds(m, layout, hw, seq_len, t_mb, peak,
+                                    sum(len(ranges[s]) for s in ids), n_stages - 1 in ids)
     # Collectives are made again with the recomputed work, except under the per-op policy,
     # which keeps what they return.
     recompute = 0.0 if layout.activation_checkpointing == "selective" else t_recompute / t_mb
-    t_mb += t_recompute
-    compute = micro_batches * t_mb
-
-    intra = hw.intra_node_gbps * 1e9 * hw.comm_efficiency
-    inter = hw.inter_node_gbps * 1e9 * hw.comm_efficiency
     act_bytes = 2 if precision in ("bf16", "fp16", "fp8") else 4
-    tokens = layout.micro_batch * seq_len / cp
-    ids = rank_stages(layout, busiest)
-    stage = rank_parameters(m, layout, busiest)
+    return _Step(m, layout, hw, seq_len, micro_batches, t_mb + t_recompute, recompute,
+                 rank_parameters(m, layout, busiest), ids, n_stages, act_bytes)
+
+
+def _tensor_parallel(s: _Step) -> tuple[float, float]:
+    """(seconds, synchronising calls) of tensor parallelism's collectives in a step: per
+    block two all-reduces forward and two backward (or the equal-volume all-gather +
+    reduce-scatter pairs of sequence parallelism), not overlapped; MoE layers have
+    attention's two only (their MLP is not split)."""
+    layout, stage, last = s.layout, s.stage, s.n_stages - 1 in s.ids
     layers = stage.layers
-
-    # Tensor parallel: per block, two all-reduces forward and two backward (or the equal-volume
-    # all-gather + reduce-scatter pairs of sequence parallelism), not overlapped.
-    tp_bw = intra if tp <= hw.gpus_per_node else inter
-    # MoE layers have attention's two only (their MLP is not split).
     collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
-    lat = hw.collective_latency_s
-    calls = tp_calls(layout, layers, stage.moe_layers, 0 in ids, n_stages - 1 in ids)
-    per_mb = tp_calls_seconds(hw, layout, layout.micro_batch * seq_len / cp * m.d_model * act_bytes,
-                              collectives, calls, 0 in ids, n_stages - 1 in ids, tp_bw)
-    tp_comm = micro_batches * per_mb * (1 + recompute)
-    tp_syncs = calls * (1 + recompute) if tp > 1 else 0
+    calls = tp_calls(layout, layers, stage.moe_layers, 0 in s.ids, last)
+    per_mb = tp_calls_seconds(s.hw, layout, s.tokens * s.m.d_model * s.act_bytes,
+                              collectives, calls, 0 in s.ids, last, s.within(layout.tp))
+    tp_syncs = calls * (1 + s.recompute) if layout.tp > 1 else 0
+    return s.micro_batches * per_mb * (1 + s.recompute), tp_syncs
 
-    # Context parallel: every layer's exchange in the forward, the backward and a
-    # recomputation, not overlapped.
+
+def _context_parallel(s: _Step) -> tuple[float, float]:
+    """(seconds, synchronising calls) of every layer's exchange in the forward, the backward
+    and a recomputation that does not keep what it returned, not overlapped."""
+    layout = s.layout
     passes = 2 + (layout.activation_checkpointing not in ("none", "selective"))
-    cp_comm = micro_batches * passes * layers * (
-        cp_exchange(m, layout, hw, seq_len, act_bytes)
-        + (CP_CALLS[layout.cp_mode] * lat if cp > 1 else 0.0))
-    cp_syncs = passes * layers * CP_CALLS[layout.cp_mode] if cp > 1 else 0
+    lat = s.hw.collective_latency_s
+    cp_comm = s.micro_batches * passes * s.stage.layers * (
+        cp_exchange(s.m, layout, s.hw, s.seq_len, s.act_bytes)
+        + (CP_CALLS[layout.cp_mode] * lat if layout.cp > 1 else 0.0))
+    cp_syncs = passes * s.stage.layers * CP_CALLS[layout.cp_mode] if layout.cp > 1 else 0
+    return cp_comm, cp_syncs
 
-    # Expert parallelism: each MoE layer sends every token's top_k copies to the experts'
-    # ranks and back (dispatch, combine) in the forward, the same again in the backward, and
-    # the forward's again when full checkpointing recomputes it; not overlapped.
-    ep_comm, ep_syncs = 0.0, 0
-    if layout.ep > 1 and stage.moe_layers:
-        passes = 2 + (1 if layout.activation_checkpointing == "full" else 0)
-        # dispatch or combine of this rank's part of the sequence
-        one_way = tokens / tp * m.moe_top_k * m.d_model * act_bytes
-        ep_comm = micro_batches * stage.moe_layers * passes * 2 * (
-            all_to_all(one_way, layout.ep, hw) + EP_CALLS_EACH_WAY * lat)
-        ep_syncs = stage.moe_layers * passes * 2 * EP_CALLS_EACH_WAY
 
-    # Ranks' drift: each collective above, and FSDP's gathers and reduce-scatters, waits
-    # for the slowest rank after the compute since the one before (a micro-batch's spread
-    # evenly over its collectives).
-    syncs = tp_syncs + cp_syncs + ep_syncs
-    if fsdp_active(layout) and layout.dp * cp > 1:
-        syncs_with_dp = syncs + (layers + 1) * sum(fsdp_calls(layout.zero, micro_batches)) \
-            / micro_batches
+def _expert_parallel(s: _Step) -> tuple[float, float]:
+    """(seconds, synchronising calls): each MoE layer sends every token's top_k copies to the
+    experts' ranks and back (dispatch, combine) in the forward, the same again in the
+    backward, and the forward's again when full checkpointing recomputes it; not overlapped."""
+    layout, stage = s.layout, s.stage
+    if not (layout.ep > 1 and stage.moe_layers):
+        return 0.0, 0
+    passes = 2 + (1 if layout.activation_checkpointing == "full" else 0)
+    # dispatch or combine of this rank's part of the sequence
+    one_way = s.tokens / layout.tp * s.m.moe_top_k * s.m.d_model * s.act_bytes
+    ep_comm = s.micro_batches * stage.moe_layers * passes * 2 * (
+        all_to_all(one_way, layout.ep, s.hw) + EP_CALLS_EACH_WAY * s.hw.collective_latency_s)
+    return ep_comm, stage.moe_layers * passes * 2 * EP_CALLS_EACH_WAY
+
+
+def _data_parallel(s: _Step, dp_overlap: float | None, syncs: float,
+                   drift: float) -> tuple[float, float]:
+    """(exposed seconds, raw seconds) of data parallelism over dp x cp ranks (FSDP's shard
+    group includes the cp ranks): DDP's bucketed all-reduce, or FSDP's gathers and
+    reduce-scatters (routed experts over their own group, ep apart across dp_shard x tp)."""
+    layout, hw = s.layout, s.hw
+    if layout.dp * layout.cp == 1:
+        return 0.0, 0.0
+    if not fsdp_active(layout):
+        return _ddp(s, dp_overlap, syncs, drift)
+    dense, experts = s.stage.total - s.stage.experts, s.stage.experts
+    shard_group = layout.dp_shard * layout.cp
+    shard_bw = s.within(layout.dp_shard * layout.cp * layout.tp)
+    expert_group, expert_bw = layout.expert_dp_shard, shard_bw
+    gathers, scatters = fsdp_calls(layout.zero, s.micro_batches)
+    scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
+    raw = (gathers * (_ring(s.act_bytes * dense, shard_group, shard_bw, all_reduce=False)
+                      + _ring(s.act_bytes * experts, expert_group, expert_bw, all_reduce=False))
+           + scatters * scatter * (
+               _ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)
+               + _ring(4.0 * experts, expert_group, expert_bw, all_reduce=False)))
+    # One all-gather and one reduce-scatter call per FSDP unit (each block, and the root
+    # module's embeddings and output), as many times as the bytes above move.
+    units = s.stage.layers + 1
+    lat = hw.collective_latency_s
+    raw += units * (gathers + scatters) * lat
+    if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
+        raw += _ring(4.0 * (dense / shard_group + experts / expert_group),
+                     layout.dp_replicate, s.inter, all_reduce=True) + units * lat
+    raw += units * (gathers + scatters) * drift
+    hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
+    if dp_overlap is None and hw.device_type == "cpu":
+        hide = CPU_OVERLAP
+    # ZeRO-1 gathers parameters once (behind the first micro-batch's forward) and
+    # reduce-scatters gradients once (behind the last one's backward): one micro-batch
+    # of compute to hide behind, however many there are. ZeRO-2/3 collectives run in
+    # every micro-batch, behind all of the compute.
+    window = s.t_mb if layout.zero == 1 else s.compute
+    return max(0.0, raw - hide * window), raw
+
+
+def _ddp(s: _Step, dp_overlap: float | None, syncs: float, drift: float) -> tuple[float, float]:
+    """(exposed, raw) seconds of DDP's all-reduce of the fp32 gradients in buckets."""
+    layout, hw = s.layout, s.hw
+    grad_bytes = 4.0 * s.stage.total
+    buckets = max(1, math.ceil(grad_bytes / (DDP_BUCKET_MB * 2**20)))
+    if hw.collective_curve:  # each bucket at its size on the measured curve
+        raw = buckets * on_curve(hw.collective_curve,
+                                 ring_bytes(grad_bytes / buckets, layout.dp * layout.cp, True))
     else:
-        syncs_with_dp = syncs
-    drift = sync_wait(hw, t_mb / syncs_with_dp) if syncs_with_dp else 0.0
-    tp_comm += micro_batches * tp_syncs * drift
-    cp_comm += micro_batches * cp_syncs * drift
-    ep_comm += micro_batches * ep_syncs * drift
+        raw = (_ring(grad_bytes, layout.dp * layout.cp,
+                     s.within(layout.dp * layout.cp * layout.tp), all_reduce=True)
+               + buckets * hw.collective_latency_s)
+    hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
+    if dp_overlap is None and hw.device_type == "cpu":
+        hide = CPU_OVERLAP
+    # its first bucket waits for the slowest rank after the step's whole compute when
+    # nothing synchronised the ranks before (accumulation runs without), else after the
+    # last micro-batch's last piece; the buckets after it follow at once
+    raw += sync_wait(hw, s.compute) if not syncs else drift
+    return max(0.0, raw - hide * s.t_mb * 2 / 3), raw  # the last micro-batch's backward
 
-    # Data parallel over dp x cp ranks (FSDP's shard group includes the cp ranks). Routed
-    # experts are sharded over their own group, whose ranks are ep apart across the
-    # dp_shard x tp ranks.
-    params = stage.total
-    experts = stage.experts
-    dense = params - experts
-    shard_group = layout.dp_shard * cp
-    span = layout.dp_shard * cp * tp  # consecutive ranks one shard group covers
-    shard_bw = intra if span <= hw.gpus_per_node else inter
-    expert_group = layout.expert_dp_shard
-    expert_bw = intra if layout.dp_shard * cp * tp <= hw.gpus_per_node else inter
-    grad_bytes = 4.0 * params
-    raw = 0.0
-    if layout.dp * cp == 1:
-        dp_comm = 0.0
-    elif not fsdp_active(layout):
-        dp_bw = intra if layout.dp * cp * tp <= hw.gpus_per_node else inter
-        buckets = max(1, math.ceil(grad_bytes / (DDP_BUCKET_MB * 2**20)))
-        if hw.collective_curve:  # each bucket at its size on the measured curve
-            raw = buckets * on_curve(hw.collective_curve,
-                                     ring_bytes(grad_bytes / buckets, layout.dp * cp, True))
-        else:
-            raw = _ring(grad_bytes, layout.dp * cp, dp_bw, all_reduce=True) + buckets * lat
-        hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
-        if dp_overlap is None and hw.device_type == "cpu":
-            hide = CPU_OVERLAP
-        # its first bucket waits for the slowest rank after the step's whole compute when
-        # nothing synchronised the ranks before (accumulation runs without), else after the
-        # last micro-batch's last piece; the buckets after it follow at once
-        raw += sync_wait(hw, compute) if not syncs else drift
-        dp_comm = max(0.0, raw - hide * t_mb * 2 / 3)  # the last micro-batch's backward
-    else:
-        gathers, scatters = fsdp_calls(layout.zero, micro_batches)
-        scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
-        raw = (gathers * (_ring(act_bytes * dense, shard_group, shard_bw, all_reduce=False)
-                          + _ring(act_bytes * experts, expert_group, expert_bw, all_reduce=False))
-               + scatters * scatter * (
-                   _ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)
-                   + _ring(4.0 * experts, expert_group, expert_bw, all_reduce=False)))
-        # One all-gather and one reduce-scatter call per FSDP unit (each block, and the root
-        # module's embeddings and output), as many times as the bytes above move.
-        units = layers + 1
-        raw += units * (gathers + scatters) * lat
-        if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
-            raw += _ring(4.0 * (dense / shard_group + experts / expert_group),
-                         layout.dp_replicate, inter, all_reduce=True) + units * lat
-        raw += units * (gathers + scatters) * drift
-        hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
-        if dp_overlap is None and hw.device_type == "cpu":
-            hide = CPU_OVERLAP
-        # ZeRO-1 gathers parameters once (behind the first micro-batch's forward) and
-        # reduce-scatters gradients once (behind the last one's backward): one micro-batch
-        # of compute to hide behind, however many there are. ZeRO-2/3 collectives run in
-        # every micro-batch, behind all of the compute.
-        window = t_mb if layout.zero == 1 else compute
-        dp_comm = max(0.0, raw - hide * window)
 
-    # Pipeline: each micro-batch's hidden state crosses every stage boundary both ways.
-    pp_comm = bubble = 0.0
-    if pp > 1:
-        pp_bw = intra if layout.world <= hw.gpus_per_node else inter
-        pp_comm = 2 * micro_batches * v * (tokens * m.d_model * act_bytes / tp / pp_bw + lat)
-        if m.tie_embeddings:
-            # Megatron's embedding group: the first and the last stage sum the tied
-            # embedding's fp32 gradient (their shard of it) once per step, across nodes.
-            emb_shard = m.padded_vocab_size * m.d_model / tp / (shard_group if fsdp_active(layout) else 1)
-            pp_comm += _ring(4.0 * emb_shard, 2, inter, all_reduce=True)
-        per_mb = t_mb + (tp_comm + ep_comm + cp_comm) / micro_batches
-        bubble = (pp - 1) * per_mb / v
-        if layout.pp_schedule == "zero-bubble":
-            bubble *= ZERO_BUBBLE_FACTOR
-        elif layout.pp_schedule in ("gpipe", "1f1b"):
-            bubble = (pp - 1) * per_mb
+def _pipeline(s: _Step, model_parallel_comm: float) -> tuple[float, float]:
+    """(send/receive seconds, bubble seconds): each micro-batch's hidden state crosses every
+    stage boundary both ways; the bubble is (pp - 1) of the busiest stage's micro-batch."""
+    layout, m = s.layout, s.m
+    pp, v, tp = layout.pp, layout.pp_virtual_stages, layout.tp
+    if pp == 1:
+        return 0.0, 0.0
+    pp_comm = 2 * s.micro_batches * v * (s.tokens * m.d_model * s.act_bytes / tp
+                                         / s.within(layout.world)
+                                         + s.hw.collective_latency_s)
+    if m.tie_embeddings:
+        # Megatron's embedding group: the first and the last stage sum the tied
+        # embedding's fp32 gradient (their shard of it) once per step, across nodes.
+        shard_group = layout.dp_shard * layout.cp
+        emb_shard = m.padded_vocab_size * m.d_model / tp / (
+            shard_group if fsdp_active(layout) else 1)
+        pp_comm += _ring(4.0 * emb_shard, 2, s.inter, all_reduce=True)
+    per_mb = s.t_mb + model_parallel_comm / s.micro_batches
+    bubble = (pp - 1) * per_mb / v
+    if layout.pp_schedule == "zero-bubble":
+        bubble *= ZERO_BUBBLE_FACTOR
+    elif layout.pp_schedule in ("gpipe", "1f1b"):
+        bubble = (pp - 1) * per_mb
+    return pp_comm, bubble
 
-    local_params = (dense / shard_group + experts / expert_group if fsdp_active(layout)
-                    else params)
-    optimizer_s = optimizer_step_time(m, layout, hw, stage, local_params, optimizer,
-                                      shard_bw if fsdp_active(layout) else tp_bw)
-    if tp > 1:  # DTensor's host work in clipping and the update (0 in GPU profiles)
-        optimizer_s += layers * hw.tp_block_optimizer_s
+
+def _optimizer_and_offload(s: _Step, optimizer: OptimizerSpec) -> tuple[float, float]:
+    """(optimizer seconds, offload seconds) of a step on the busiest rank."""
+    layout, hw, stage = s.layout, s.hw, s.stage
+    dense, experts = stage.total - stage.experts, stage.experts
+    fsdp = fsdp_active(layout)
+    local_params = (dense / (layout.dp_shard * layout.cp) + experts / layout.expert_dp_shard
+                    if fsdp else stage.total)
+    link = s.within(layout.dp_shard * layout.cp * layout.tp) if fsdp else s.within(layout.tp)
+    optimizer_s = optimizer_step_time(s.m, layout, hw, stage, local_params, optimizer, link)
+    if layout.tp > 1:  # DTensor's host work in clipping and the update (0 in GPU profiles)
+        optimizer_s += stage.layers * hw.tp_block_optimizer_s
     offload = 0.0
     if layout.offload != "none":
         # Gradients to the host, parameters both ways, AdamW on the host CPU.
         optimizer_s = 0.0
         offload = 12.0 * local_params / HOST_LINK_BYTES_PER_S + local_params / HOST_ADAM_PARAMS_PER_S
-    if layout.offload == "params" and fsdp_active(layout):
+    if layout.offload == "params" and fsdp:
         # FSDP2's CPU offload copies each shard to the device before every all-gather and
         # each reduced gradient shard back, micro-batch by micro-batch.
-        gathers, scatters = fsdp_calls(layout.zero, micro_batches)
+        gathers, scatters = fsdp_calls(layout.zero, s.micro_batches)
         offload += 4.0 * local_params * (gathers + scatters) / HOST_LINK_BYTES_PER_S
-    raw_comm = tp_comm + raw + pp_comm + cp_comm + ep_comm
-    return StepTime(compute, tp_comm, dp_comm, pp_comm, cp_comm, bubble, optimizer_s, offload,
-                    raw_comm, ep_comm)
+    return optimizer_s, offload
 
 
 def optimizer_step_time(m: ModelConfig, layout: Layout, hw: GpuProfile, stage: StageParams,

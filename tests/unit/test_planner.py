@@ -15,6 +15,7 @@ from tessel.errors import TesselError
 from tessel.models.transformer import Transformer, flops_per_token, param_count
 from tessel.parallel.pipeline import split_model
 from tessel.planner import hardware
+from tessel.planner.compute import _size_efficiency, micro_batch_compute
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (
     ADAM_BYTES,
@@ -34,10 +35,8 @@ from tessel.planner.search import candidates, evaluate, search, trainer_refusal
 from tessel.planner.speed import (
     EP_CALLS_EACH_WAY,
     _ring,
-    _size_efficiency,
     all_to_all,
     estimate_step,
-    micro_batch_compute,
 )
 
 H100 = hardware.BUILTIN["h100-sxm"]

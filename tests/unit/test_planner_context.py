@@ -23,6 +23,7 @@ from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import build_model
 from tessel.parallel.context import apply_context_parallel
 from tessel.planner import hardware
+from tessel.planner.compute import micro_batch_compute
 from tessel.planner.layout import Layout
 from tessel.planner.memory import estimate_memory
 from tessel.planner.report import breakdown, launch_line
@@ -33,7 +34,6 @@ from tessel.planner.speed import (
     all_to_all,
     cp_exchange,
     estimate_step,
-    micro_batch_compute,
 )
 
 H100 = hardware.BUILTIN["h100-sxm"]
