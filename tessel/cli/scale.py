@@ -191,17 +191,12 @@ def _whole(flag: str, value: str, least: int) -> int:
     return count
 
 
-def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
-    """`tessel scale --measure --nproc N,N,...`: real runs beside the planner's predictions."""
+def _measure_request(args, overrides: list[str]):  # noqa: ANN001, ANN202
+    """What `--measure` was asked to run, checked before any run: (process counts, warm-up
+    and timed steps, the config, the output directory, the --html page)."""
     import time
 
-    import torch
-
     from tessel.checkpoint.init_from import load_config
-    from tessel.planner import scaling
-    from tessel.scaling import allocation, compare, measure_sweep
-    from tessel.scaling.measure import check_counts, check_sweep, layout_over
-    from tessel.scaling.points import profiled_steps
 
     if not args.measure or args.nproc is None:
         raise TesselError("--measure runs the config at each process count of --nproc (e.g. "
@@ -217,30 +212,71 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
     base = load_config(args.config, overrides)  # a bad config fails here, before any run
     out = Path(args.out) if args.out else Path("runs") / (
         f"scale-{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    html = _html_path(args.html)
+    return nprocs, warmup, steps, base, out, _html_path(args.html)
+
+
+def _measured_machine(args, base, nprocs: list[int], cuda: bool):  # noqa: ANN001, ANN202
+    """(the hardware profile the planner predicts with, this machine's probe on CPU, else
+    None), or None when a GPU's profile was not given."""
+    from tessel.scaling import compare
+
+    if cuda:
+        hw = hardware_profile(args)
+        return None if hw is None else (hw, None)
+    # What a tensor-parallel block adds is measured only for a sweep that has
+    # tensor-parallel points (it takes a few seconds).
+    tp_model = base.model if args.over == "tp" and max(nprocs) > 1 else None
+    return compare.machine_profile(
+        max(nprocs), model=tp_model, sequence_parallel=base.parallel.sequence_parallel,
+        drift_model=base.model, tokens=(base.train.micro_batch_size, base.train.seq_len))
+
+
+def _said(point) -> None:  # noqa: ANN001
+    """One line on stderr as each count's run ends."""
+    what = (f"{point.tokens_per_s:,.0f} tokens/s" if point.ok else point.error)
+    print(f"tessel scale: {point.nproc} process(es): {what}", file=sys.stderr, flush=True)
+
+
+def _measurement(args, out: Path, warmup: int, steps: int, nprocs: list[int], cuda: bool,  # noqa: ANN001
+                 machine, hw, fitted, alloc) -> dict:  # noqa: ANN001
+    """The `measurement` entry of the --json record: how and where the runs were made."""
+    from tessel.planner.hardware import profile_table
+    from tessel.scaling import allocation
+    from tessel.scaling.points import profiled_steps
+
+    return {"out": str(out), "warmup": warmup, "steps": steps,
+            "profiled_steps": profiled_steps(steps), "over": args.over,
+            "device_type": "cuda" if cuda else "cpu",
+            "machine": None if cuda else machine,
+            "profile": None if cuda else profile_table(hw),
+            "calibrated_matmul_efficiency": fitted,
+            "slurm": None if alloc is None else {
+                "job_id": alloc.job_id, "hosts": list(alloc.hosts),
+                "nodes": {str(n): allocation.nodes_for(n, len(alloc.hosts))
+                          for n in nprocs}}}
+
+
+def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
+    """`tessel scale --measure --nproc N,N,...`: real runs beside the planner's predictions."""
+    import torch
+
+    from tessel.planner import scaling
+    from tessel.scaling import allocation, compare, measure_sweep
+    from tessel.scaling.measure import check_counts, check_sweep, layout_over
+    from tessel.scaling.points import profiled_steps
+
+    nprocs, warmup, steps, base, out, html = _measure_request(args, overrides)
     cuda = torch.cuda.is_available()
     alloc = allocation.current()
     # Before the machine's probe (which starts max(nprocs) processes) and any run: counts
     # that cannot run, an output directory that holds an earlier sweep or cannot be made.
     check_counts(base, nprocs, args.over, strong=not args.weak, local=alloc is None and not cuda)
     check_sweep(nprocs, warmup, steps, out)
-    if cuda:
-        hw = hardware_profile(args)
-        if hw is None:
-            return 0
-    else:
-        # What a tensor-parallel block adds is measured only for a sweep that has
-        # tensor-parallel points (it takes a few seconds).
-        tp_model = base.model if args.over == "tp" and max(nprocs) > 1 else None
-        hw, machine = compare.machine_profile(
-            max(nprocs), model=tp_model, sequence_parallel=base.parallel.sequence_parallel,
-            drift_model=base.model, tokens=(base.train.micro_batch_size, base.train.seq_len))
+    profiled = _measured_machine(args, base, nprocs, cuda)
+    if profiled is None:
+        return 0
+    hw, machine = profiled
     mode = scaling.WEAK if args.weak else scaling.STRONG
-
-    def said(point) -> None:  # noqa: ANN001
-        what = (f"{point.tokens_per_s:,.0f} tokens/s" if point.ok else point.error)
-        print(f"tessel scale: {point.nproc} process(es): {what}", file=sys.stderr, flush=True)
-
     command_for = None
     if alloc is not None:
         command_for = allocation.command_for(alloc, gpus=cuda)
@@ -248,26 +284,16 @@ def _measure(args, overrides: list[str]) -> int:  # noqa: ANN001
               f"over up to {len(alloc.hosts)} nodes ({', '.join(alloc.hosts)}) through srun",
               file=sys.stderr, flush=True)
     points = measure_sweep(Path(args.config), overrides, nprocs, out, warmup=warmup,
-                           steps=steps, strong=mode == scaling.STRONG, on_point=said,
+                           steps=steps, strong=mode == scaling.STRONG, on_point=_said,
                            layout_for=layout_over(args.over), command_for=command_for)
     sweep, fitted = compare.predict(points, hw, "cuda" if cuda else "cpu", mode, args.config,
                                     base)
     record = scaling.as_json(sweep)
-    from tessel.planner.hardware import profile_table
-
     for rec, point in zip(record["points"], sweep.points):
         if rec["measured"] is not None and rec["measured"]["tokens_per_s"] is not None:
             rec["config"] = point.config.to_dict()  # what `--calibrate` predicts the run from
-    record["measurement"] = {"out": str(out), "warmup": warmup, "steps": steps,
-                             "profiled_steps": profiled_steps(steps), "over": args.over,
-                             "device_type": "cuda" if cuda else "cpu",
-                             "machine": None if cuda else machine,
-                             "profile": None if cuda else profile_table(hw),
-                             "calibrated_matmul_efficiency": fitted,
-                             "slurm": None if alloc is None else {
-                                 "job_id": alloc.job_id, "hosts": list(alloc.hosts),
-                                 "nodes": {str(n): allocation.nodes_for(n, len(alloc.hosts))
-                                           for n in nprocs}}}
+    record["measurement"] = _measurement(args, out, warmup, steps, nprocs, cuda, machine, hw,
+                                         fitted, alloc)
     if args.json:
         print(json.dumps(record, indent=1))
     else:
