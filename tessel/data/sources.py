@@ -53,46 +53,100 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
 
 
-def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -> Data:
-    """Train and validation loaders for this data-parallel rank, and the tokenizer."""
+# (name, token ids, document offsets) of one corpus to train on
+_Corpus = tuple[str, np.ndarray, np.ndarray]
+
+
+def _synthetic_corpus(cfg: Config) -> tuple[Tokenizer, list[_Corpus], None, list[str]]:
+    """`data.source = "synthetic"`: (tokenizer, one corpus of uniform random ids, no weights,
+    its fingerprint)."""
+    d, t = cfg.data, cfg.train
+    tok = (byte_tokenizer() if d.tokenizer in ("auto", "bytes", "bpe")
+           else load_tokenizer(d.tokenizer, d.eod_token))
+    rng = np.random.default_rng(t.seed)
+    ids = rng.integers(0, cfg.model.vocab_size, _SYNTHETIC_TOKENS).astype(np.int64)
+    return tok, [("synthetic", ids, np.array([0, len(ids)], dtype=np.int64))], None, \
+        [f"synthetic:{t.seed}"]
+
+
+def _indexed_corpora(cfg: Config, cache: Path, console
+                     ) -> tuple[Tokenizer, list[_Corpus], list[float] | None, list[str]]:
+    """`indexed` datasets, or raw text (`stdlib` / `files`) made one in the cache, checked:
+    (their tokenizer, the corpora, the configured weights if any, their fingerprints)."""
     from tessel.data.indexed import IndexedDataset
 
+    d = cfg.data
+    if d.source == "indexed":
+        weighted = d.weighted_paths()
+        # Megatron-LM datasets keep no tokenizer: they are read with the configured one
+        given_tok = (load_tokenizer(d.tokenizer, d.eod_token) if d.tokenizer != "auto"
+                     else None)
+        sets = [IndexedDataset(prefix, given_tok) for _, prefix in weighted]
+        tok = _common_tokenizer(sets, [p for _, p in weighted], d.tokenizer, d.eod_token)
+        given = [w for w, _ in weighted]
+        weights = None if given[0] is None else [float(w) for w in given]  # type: ignore[arg-type]
+    else:
+        prefix = ensure_corpus(d, cfg.model.vocab_size, cache, console)
+        sets = [IndexedDataset(prefix)]
+        tok, weights = sets[0].tokenizer().with_eod(d.eod_token), None
+    corpora = [(s_name, s.tokens, s.doc_offsets) for s_name, s in zip(_names(d, sets), sets)]
+    for (name, _, _), s in zip(corpora, sets):
+        if s.vocab_size > cfg.model.vocab_size:
+            raise DataError(
+                f"dataset {name!r} was made with a {s.vocab_size}-token vocabulary but "
+                f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= "
+                f"{s.vocab_size}"
+            )
+        verify_dataset(s, d.verify, console)
+    return tok, corpora, weights, [s.fingerprint for s in sets]
+
+
+def _split_corpora(corpora: list[_Corpus], fingerprints: list[str],
+                   fractions: tuple[float, float, float], seq_len: int
+                   ) -> tuple[list[TokenDataset], list[TokenDataset]]:
+    """Each corpus's documents split into its train and validation samples."""
+    train_sets, val_sets = [], []
+    for (name, tokens, offsets), fingerprint in zip(corpora, fingerprints):
+        ranges = split_ranges(len(offsets) - 1, fractions)
+        train_sets.append(TokenDataset(tokens, offsets, seq_len, ranges[0], f"{name}[train]",
+                                       fingerprint))
+        val_sets.append(TokenDataset(tokens, offsets, seq_len, ranges[1], f"{name}[val]",
+                                     fingerprint))
+    return train_sets, val_sets
+
+
+def _val_loader(cfg: Config, val_sets: list[TokenDataset], weights: list[float],
+                fractions: tuple[float, float, float], dp_rank: int, dp_size: int) -> Loader | None:
+    """The validation loader over the sets that hold samples, or None where there is
+    nothing to validate on (refused where a validation split was asked for)."""
+    d, t = cfg.data, cfg.train
+    group = t.micro_batch_size * dp_size
+    kept = [(ds, w) for ds, w in zip(val_sets, weights) if ds.n_samples > 0 and w > 0]
+    if kept and sum(ds.n_samples for ds, _ in kept) >= group:
+        return Loader([ds for ds, _ in kept], [w for _, w in kept], t.micro_batch_size, t.seed,
+                      False, dp_rank, dp_size, d.document_mask)
+    if fractions[1] > 0 and d.source != "synthetic":
+        # a validation split was asked for: never end with val_loss null (random tokens,
+        # one endless "document", have nothing to validate on)
+        have = sum(ds.n_samples for ds in val_sets)
+        raise DataError(
+            f"data.split={d.split!r} asks for a validation split, but it holds {have} sample(s) "
+            f"of train.seq_len={t.seq_len} tokens and one micro-batch per data-parallel rank "
+            f"needs {group}; add documents, raise the validation share of data.split, or set "
+            "its validation part to 0 (e.g. data.split = \"100,0\") to train without validation"
+        )
+    return None
+
+
+def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -> Data:
+    """Train and validation loaders for this data-parallel rank, and the tokenizer."""
     d, t = cfg.data, cfg.train
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     if d.source == "sft":
         return _sft_data(cfg, cache, dp_rank, dp_size, console)
-    if d.source == "synthetic":
-        tok = (byte_tokenizer() if d.tokenizer in ("auto", "bytes", "bpe")
-               else load_tokenizer(d.tokenizer, d.eod_token))
-        rng = np.random.default_rng(t.seed)
-        ids = rng.integers(0, cfg.model.vocab_size, _SYNTHETIC_TOKENS).astype(np.int64)
-        corpora = [("synthetic", ids, np.array([0, len(ids)], dtype=np.int64))]
-        weights: list[float] | None = None
-        fingerprints = [f"synthetic:{t.seed}"]
-    else:
-        if d.source == "indexed":
-            weighted = d.weighted_paths()
-            # Megatron-LM datasets keep no tokenizer: they are read with the configured one
-            given_tok = (load_tokenizer(d.tokenizer, d.eod_token) if d.tokenizer != "auto"
-                         else None)
-            sets = [IndexedDataset(prefix, given_tok) for _, prefix in weighted]
-            tok = _common_tokenizer(sets, [p for _, p in weighted], d.tokenizer, d.eod_token)
-            given = [w for w, _ in weighted]
-            weights = None if given[0] is None else [float(w) for w in given]  # type: ignore[arg-type]
-        else:
-            prefix = ensure_corpus(d, cfg.model.vocab_size, cache, console)
-            sets = [IndexedDataset(prefix)]
-            tok, weights = sets[0].tokenizer().with_eod(d.eod_token), None
-        corpora = [(s_name, s.tokens, s.doc_offsets) for s_name, s in zip(_names(d, sets), sets)]
-        for (name, _, _), s in zip(corpora, sets):
-            if s.vocab_size > cfg.model.vocab_size:
-                raise DataError(
-                    f"dataset {name!r} was made with a {s.vocab_size}-token vocabulary but "
-                    f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= "
-                    f"{s.vocab_size}"
-                )
-            verify_dataset(s, d.verify, console)
-        fingerprints = [s.fingerprint for s in sets]
+    tok, corpora, weights, fingerprints = (
+        _synthetic_corpus(cfg) if d.source == "synthetic"
+        else _indexed_corpora(cfg, cache, console))
     if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is "
@@ -100,13 +154,7 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
         )
 
     fractions = d.split_fractions()
-    train_sets, val_sets = [], []
-    for (name, tokens, offsets), fingerprint in zip(corpora, fingerprints):
-        ranges = split_ranges(len(offsets) - 1, fractions)
-        train_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[0], f"{name}[train]",
-                                       fingerprint))
-        val_sets.append(TokenDataset(tokens, offsets, t.seq_len, ranges[1], f"{name}[val]",
-                                     fingerprint))
+    train_sets, val_sets = _split_corpora(corpora, fingerprints, fractions, t.seq_len)
     if weights is None:  # no weights given: mix in proportion to size
         weights = [float(ds.n_samples) for ds in train_sets]
     group = t.micro_batch_size * dp_size
@@ -117,21 +165,7 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
     index_cache = cache / "indices"
     train = Loader(train_sets, weights, t.micro_batch_size, t.seed, True, dp_rank, dp_size,
                    d.document_mask, index_cache)
-    kept = [(ds, w) for ds, w in zip(val_sets, weights) if ds.n_samples > 0 and w > 0]
-    val = None
-    if kept and sum(ds.n_samples for ds, _ in kept) >= group:
-        val = Loader([ds for ds, _ in kept], [w for _, w in kept], t.micro_batch_size, t.seed,
-                     False, dp_rank, dp_size, d.document_mask)
-    elif fractions[1] > 0 and d.source != "synthetic":
-        # a validation split was asked for: never end with val_loss null (random tokens,
-        # one endless "document", have nothing to validate on)
-        have = sum(ds.n_samples for ds in val_sets)
-        raise DataError(
-            f"data.split={d.split!r} asks for a validation split, but it holds {have} sample(s) "
-            f"of train.seq_len={t.seq_len} tokens and one micro-batch per data-parallel rank "
-            f"needs {group}; add documents, raise the validation share of data.split, or set "
-            "its validation part to 0 (e.g. data.split = \"100,0\") to train without validation"
-        )
+    val = _val_loader(cfg, val_sets, weights, fractions, dp_rank, dp_size)
     baseline = unigram_baseline(train_sets[0].tokens, val_sets[0].tokens, tok.vocab_size)
     return Data(train, val, tok, baseline)
 
