@@ -8,6 +8,11 @@
 
 Nothing here knows about parallelism; no Python loop over tokens, and on the grouped path no
 host sync (the group offsets stay a device tensor), so a compiled block keeps one graph.
+Where the layer meets other ranks is one port, `MoE.exchange` (an `ExpertExchange`, as
+attention's `SequenceExchange`): the weights this rank computes with, the balance statistics
+summed over the ranks that share the micro-batch's tokens, and the token dispatch/combine to
+the ranks that hold the experts. Here it is `LocalExperts` (every token and expert on this
+rank: nothing to exchange); `tessel.parallel.expert` places the distributed one.
 
 The load-balancing loss and the router z-loss do not go through the model's output: each
 MoE layer adds their gradient in its own backward (`AuxLossScaler`, Megatron-core's
@@ -21,10 +26,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
-import torch.distributed.tensor
 import torch.nn.functional as F
 from torch import nn
 
@@ -44,6 +48,59 @@ class AuxLossScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+Weights = Callable[[torch.Tensor], torch.Tensor]
+"""A parameter -> the tensor this rank computes with (`ExpertExchange.local`)."""
+
+
+def whole(w: torch.Tensor) -> torch.Tensor:
+    """Every weight whole on this rank: the parameter itself."""
+    return w
+
+
+class ExpertExchange(Protocol):
+    """How a MoE layer meets the ranks it shares tokens or experts with (placed by
+    `tessel.parallel.expert`; `LocalExperts` when there are none)."""
+
+    token_shards: int
+    """Ranks the micro-batch's tokens are split over (context x tensor parallelism): the
+    balance loss is over all of their tokens. 1: every token is here."""
+
+    def local(self, w: torch.Tensor) -> torch.Tensor:
+        """The tensor this rank computes with for one of the layer's parameters (its share
+        of sharded experts; its copy of a replicated weight, whose gradient from this rank's
+        tokens is then one part of a sum); `w` itself when it is whole here."""
+        ...
+
+    def token_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """(E,) float32 slots per expert of this rank's tokens -> summed over the
+        `token_shards` ranks (a new tensor: `counts` is left as it is)."""
+        ...
+
+    def experts(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor,
+                expert_of: torch.Tensor, max_rows: int) -> torch.Tensor:
+        """Run `experts` on this rank's token slots: x (S, C) sorted by expert, counts (E,)
+        int64 slots per expert, expert_of (S,) each slot's expert, max_rows the most slots
+        one expert can get -> the experts' outputs (S, C) in the same order, wherever the
+        experts live (dispatch there, combine back)."""
+        ...
+
+
+class LocalExperts:
+    """The `ExpertExchange` of a layer whose tokens and experts are all on this rank."""
+
+    token_shards = 1
+
+    def local(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    def token_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
+
+    def experts(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor,
+                expert_of: torch.Tensor, max_rows: int) -> torch.Tensor:
+        return experts(x, counts, expert_of, max_rows)
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int,
@@ -82,16 +139,17 @@ class GroupedExperts(nn.Module):
         break); the others force one path (the benchmark and tests compare them)."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
-                max_rows: int) -> torch.Tensor:
+                max_rows: int, local: Weights = whole) -> torch.Tensor:
         """x: (S, C) token slots sorted by expert; counts: (E,) int64 slots per expert
         (summing to S); experts: (S,) the expert of each slot; max_rows: the most slots one
-        expert can get (the token count: top-k experts are distinct) -> (S, C)."""
+        expert can get (the token count: top-k experts are distinct); local: the weights
+        this rank computes with (`ExpertExchange.local`) -> (S, C)."""
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
         path = self.path
         if path == "auto":
             compiling = torch.compiler.is_compiling()
-            if grouped_mm_supported(x.device, dtype, *_local(self.w1).shape[1:],
+            if grouped_mm_supported(x.device, dtype, *local(self.w1).shape[1:],
                                     compiling=compiling):
                 path = "grouped"
             else:
@@ -99,26 +157,26 @@ class GroupedExperts(nn.Module):
         if path == "grouped":
             offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows, on device
             return self._mlp(x.to(dtype), lambda a, w: torch._grouped_mm(a, w.to(dtype),
-                                                                           offs=offs))
+                                                                           offs=offs), local)
         if path == "padded":
-            return self._padded(x, counts, experts, max_rows)
+            return self._padded(x, counts, experts, max_rows, local)
         # One matmul per expert on its contiguous slice. The sizes must be Python ints: a
         # host sync, and under torch.compile a graph break (hence "padded" there).
-        return torch.cat([self._mlp(chunk, lambda a, w, e=e: a @ w[e])
+        return torch.cat([self._mlp(chunk, lambda a, w, e=e: a @ w[e], local)
                           for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _mlp(self, x: torch.Tensor, mm: Callable[[torch.Tensor, nn.Parameter], torch.Tensor]
-             ) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             local: Weights) -> torch.Tensor:
         """The expert MLP with `mm(activations, 3-D weight)` as its matmul."""
-        h = mm(x, _local(self.w1))
+        h = mm(x, local(self.w1))
         if self.w3 is not None:
-            h = F.silu(h) * mm(x, _local(self.w3))
+            h = F.silu(h) * mm(x, local(self.w3))
         else:
             h = F.gelu(h, approximate="tanh")
-        return mm(h, _local(self.w2))
+        return mm(h, local(self.w2))
 
     def _padded(self, x: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
-                max_rows: int) -> torch.Tensor:
+                max_rows: int, local: Weights) -> torch.Tensor:
         """Each expert's slots in a zero-padded (E, max_rows, C) batch, one bmm per weight:
         static shapes and no host sync, at E x max_rows / S (= experts / top_k) times the
         routed FLOPs."""
@@ -126,7 +184,7 @@ class GroupedExperts(nn.Module):
         start = counts.cumsum(0) - counts  # (E,) first slot of each expert
         row = torch.arange(S, device=x.device) - start[experts]  # (S,) slot's row in its expert
         batch = x.new_zeros((counts.shape[0], max_rows, C)).index_put((experts, row), x)
-        return self._mlp(batch, torch.bmm)[experts, row]
+        return self._mlp(batch, torch.bmm, local)[experts, row]
 
 
 class MoE(nn.Module):
@@ -145,14 +203,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(self.n_experts, cfg.d_model, cfg.moe_ffn_hidden,
                                       cfg.mlp == "swiglu")
         self.shared = shared
-        self.dispatcher: Callable[[GroupedExperts, torch.Tensor, torch.Tensor],
-                                  torch.Tensor] | None = None
-        """Expert parallelism (tessel.parallel.expert): runs the experts this rank holds on
-        the slots every rank of its group sends; None = all experts are here."""
-        self.token_group: torch.distributed.ProcessGroup | None = None
-        """Tensor parallelism (tessel.parallel.tensor): the ranks that each hold a part of
-        the micro-batch's tokens (the sequence), token_shards of them; None = all here."""
-        self.token_shards = 1
+        self.exchange: ExpertExchange = LocalExperts()
+        """Where this layer meets other ranks (tessel.parallel.expert: expert, tensor and
+        context parallelism); `LocalExperts` = every token and expert is here."""
         self.grad_scale = 1.0
         """Gradient of the auxiliary losses per unit weight: 1/micro-batches per step (times
         the fp16 loss scale), set by the trainer before each step."""
@@ -176,20 +229,21 @@ class MoE(nn.Module):
 
     def _shared(self, h: torch.Tensor) -> torch.Tensor:
         """The shared experts; under tensor parallelism on this rank's copies of their
-        (replicated) weights, with partial gradients (see `_local`)."""
+        (replicated) weights, with partial gradients (`ExpertExchange.local`)."""
         assert self.shared is not None
         params = dict(self.shared.named_parameters())
-        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):
+        local = {name: self.exchange.local(p) for name, p in params.items()}
+        if all(local[name] is p for name, p in params.items()):  # all whole here
             return self.shared(h)
-        return torch.func.functional_call(
-            self.shared, {name: _local(p) for name, p in params.items()}, (h,))
+        return torch.func.functional_call(self.shared, local, (h,))
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor]:
         """h: (N, C) -> (logits (N, E) fp32, scores (N, E) fp32, chosen experts (N, k),
         their combine weights (N, k) fp32)."""
         with torch.autocast(h.device.type, enabled=False):
-            logits = F.linear(h.float(), _local(self.router.weight).float())  # (N, E)
+            router = self.exchange.local(self.router.weight).float()
+            logits = F.linear(h.float(), router)  # (N, E)
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         # The bias steers the choice only; the weights come from the unbiased scores.
         _, chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1)  # (N, k)
@@ -221,10 +275,8 @@ class MoE(nn.Module):
             # Dropped slots are still computed (static shapes) but weigh nothing.
             slot_w = slot_w * keep
 
-        if self.dispatcher is None:
-            y = self.experts(h[token_of], counts, flat[order], N)  # (N*k, C)
-        else:
-            y = self.dispatcher(self.experts, h[token_of], counts)
+        # (N*k, C), on this rank's experts or through the ranks that hold them
+        y = self.exchange.experts(self.experts, h[token_of], counts, flat[order], N)
         out = torch.zeros((N, C), dtype=y.dtype, device=h.device).index_add_(
             0, token_of, y * slot_w[:, None].to(y.dtype))
         if self.shared is not None:
@@ -236,10 +288,8 @@ class MoE(nn.Module):
             # them: f from the counts summed over the tp ranks, P and the z-loss from this
             # rank's tokens over the whole count, so the ranks' terms add up to the loss.
             probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
-            total_counts, n_total = counts.float(), N * self.token_shards
-            if self.token_group is not None:
-                total_counts = total_counts.clone()
-                torch.distributed.all_reduce(total_counts, group=self.token_group)
+            total_counts = self.exchange.token_counts(counts.float())
+            n_total = N * self.exchange.token_shards
             balance = E * (total_counts / (n_total * k) * probs.sum(0) / n_total).sum()
             z = torch.logsumexp(logits, -1).square().sum() / n_total
             if torch.is_grad_enabled() and (self.aux_coef > 0 or self.z_coef > 0):
@@ -254,18 +304,6 @@ class MoE(nn.Module):
                     if dropped is not None:
                         self.dropped.add_(dropped.float())
         return out.view(B, T, C)
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor weight, else `w`: the experts it holds under expert
-    parallelism (Shard(0)); or, under tensor parallelism, its copy of a replicated weight,
-    whose gradient from this rank's tokens is then one part of a sum (Partial)."""
-    from torch.distributed.tensor import DTensor, Partial
-
-    if not isinstance(w, DTensor):
-        return w
-    grads = [Partial() if p.is_replicate() else p for p in w.placements]
-    return w.to_local(grad_placements=grads)
 
 
 def _in_backward() -> bool:

@@ -33,7 +33,7 @@ from tessel.models.transformer import Transformer
 from tessel.parallel.checkpointing import apply_activation_checkpointing
 from tessel.parallel.context import ContextParallel, apply_context_parallel
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolve_zero
-from tessel.parallel.expert import apply_expert_parallel
+from tessel.parallel.expert import apply_expert_parallel, mesh_experts, moe_layers
 from tessel.parallel.fsdp import (
     DataParallel,
     ExpertSharding,
@@ -162,13 +162,10 @@ def _split_moe_tokens(stage: Transformer, mesh: DeviceMesh, dims: ParallelDims) 
     """Under context parallelism a rank's MoE layers see its part of the sequence (and
     under tensor + sequence parallelism a tp rank's part of that): their balance statistics
     sum over the cp x tp ranks that share the micro-batch's tokens."""
-    from tessel.models.moe import MoE
-
     group = mesh["cp", "tp"]._flatten("cp_tp") if dims.tp > 1 else mesh["cp"]
-    for block in stage.layers.values():
-        if isinstance(block.feed_forward, MoE):
-            block.feed_forward.token_group = group.get_group()
-            block.feed_forward.token_shards = dims.cp * dims.tp
+    for moe in moe_layers(stage):
+        exchange = mesh_experts(moe)
+        exchange.token_group, exchange.token_shards = group.get_group(), dims.cp * dims.tp
 
 
 def apply_lora(cfg: Config, stage: Transformer, tp_mesh: DeviceMesh | None,

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 from tessel.models.moe import MoE
 from tessel.models.transformer import Transformer
+from tessel.parallel.expert import mesh_experts
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool,
@@ -137,15 +138,17 @@ def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:
 def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, experts: bool) -> None:
     """The MoE layer's parameters as Replicate DTensors on `tp_mesh` (on the meta device: no
     communication). Each rank computes with its local copy on its own tokens, so its
-    gradient is one part of a sum: `MoE` takes them with partial gradients, which FSDP (or
-    clip_grad_norm) sums over the tp ranks."""
+    gradient is one part of a sum: the layer's `MeshExperts` takes them with partial
+    gradients, which FSDP (or clip_grad_norm) sums over the tp ranks, and sums the balance
+    statistics over the tp ranks, which share the micro-batch's tokens."""
     modules = [moe.router, *([moe.shared] if moe.shared is not None else []),
                *([moe.experts] if experts else [])]
     for module in (sub for m in modules for sub in m.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(
                 distribute_tensor(param, tp_mesh, [Replicate()], src_data_rank=None)))
-    moe.token_group, moe.token_shards = tp_mesh.get_group(), tp_mesh.size()
+    exchange = mesh_experts(moe)
+    exchange.token_group, exchange.token_shards = tp_mesh.get_group(), tp_mesh.size()
 
 
 @contextlib.contextmanager
