@@ -43,3 +43,31 @@ def unchecked_share(layout: Layout, n_layers: int) -> float:
         return 1.0
     every = layout.activation_checkpointing_every
     return 1 - len(checkpointed_blocks(n_layers, every)) / n_layers
+
+
+def shared_per_token(m: ModelConfig, layout: Layout, seq_len: int, document_mask: bool,
+                      dense_mask: bool, compute: int) -> float:
+    """Bytes per token of what a micro-batch's blocks share: a dense additive mask in the
+    compute dtype (`compute` bytes per token per position: this rank's rows over the whole
+    sequence, or, for a Ulysses rank, every row; FlexAttention's block mask is small and
+    left out) and each token's RoPE rotation when positions are given per token (documents,
+    context parallelism)."""
+    cp = layout.cp
+    rows_here = cp == 1 or layout.cp_mode == "allgather"
+    masked = document_mask or (cp > 1 and rows_here)  # Ulysses without documents: causal
+    per_token = 4.0 * m.head_dim if m.position == "rope" and (document_mask or cp > 1) else 0.0
+    if masked and dense_mask:
+        per_token += seq_len * (1 if rows_here else cp) * compute
+    return per_token
+
+
+def context_buffers(m: ModelConfig, layout: Layout, tokens: float, compute: int) -> float:
+    """Context parallelism's buffers of one layer in flight: the whole sequence's keys and
+    values as gathered, or Ulysses' all-to-all send and
+    receive buffers of queries, keys and values."""
+    if layout.cp == 1:
+        return 0.0
+    kv = m.n_kv_heads * m.head_dim / layout.tp
+    if layout.cp_mode == "ulysses":
+        return 2 * tokens * (m.q_dim / layout.tp + 2 * kv) * compute
+    return 2 * tokens * layout.cp * kv * compute

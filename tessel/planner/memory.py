@@ -20,7 +20,14 @@ from tessel.models.loss import loss_pieces
 from tessel.parallel.checkpointing import checkpointed_blocks
 from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
-from tessel.planner.kept import head_bytes, moe_layer_count, stage_counts, unchecked_share
+from tessel.planner.kept import (
+    context_buffers,
+    head_bytes,
+    moe_layer_count,
+    shared_per_token,
+    stage_counts,
+    unchecked_share,
+)
 from tessel.planner.layout import Layout
 from tessel.planner.lora import adapter_parameters, base_block_matmul_bytes, cast_elements
 from tessel.planner.optimizer import ADAMW, OptimizerSpec, muon_transient_bytes
@@ -53,8 +60,9 @@ ASSUMPTIONS = (
     "PyTorch's own action order (each stage's chunk weighed by its size); zero-bubble 1.75 x "
     "its warm-up count (a rough bound: deferred weight passes keep graphs longer; not "
     "proposed by the search)",
-    "activation checkpointing: full keeps each block's input and recomputes one block at a "
-    "time; selective keeps matmul and attention outputs",
+    "activation checkpointing (every block or every N-th): full keeps each block's input; matmuls "
+    "every matmul and attention output; selective attention outputs, what collectives return, "
+    "every other matmul output; the loss in pieces no logits, one piece's at a time",
     "MoE layers: what an MoE layer saves is measured on a probe MoE block (permuted token "
     "copies, expert hidden units, fp32 router logits, ...) assuming balanced routing (every "
     "rank's experts get tokens x top_k slots); expert parallelism adds the dispatch and "
@@ -297,34 +305,6 @@ def memory_by_rank(
     return out
 
 
-def _shared_per_token(m: ModelConfig, layout: Layout, seq_len: int, document_mask: bool,
-                      dense_mask: bool, compute: int) -> float:
-    """Bytes per token of what a micro-batch's blocks share: a dense additive mask in the
-    compute dtype (`compute` bytes per token per position: this rank's rows over the whole
-    sequence, or, for a Ulysses rank, every row; FlexAttention's block mask is small and
-    left out) and each token's RoPE rotation when positions are given per token (documents,
-    context parallelism)."""
-    cp = layout.cp
-    rows_here = cp == 1 or layout.cp_mode == "allgather"
-    masked = document_mask or (cp > 1 and rows_here)  # Ulysses without documents: causal
-    per_token = 4.0 * m.head_dim if m.position == "rope" and (document_mask or cp > 1) else 0.0
-    if masked and dense_mask:
-        per_token += seq_len * (1 if rows_here else cp) * compute
-    return per_token
-
-
-def _context_buffers(m: ModelConfig, layout: Layout, tokens: float, compute: int) -> float:
-    """Context parallelism's buffers of one layer in flight: the whole sequence's keys and
-    values as gathered, or Ulysses' all-to-all send and
-    receive buffers of queries, keys and values."""
-    if layout.cp == 1:
-        return 0.0
-    kv = m.n_kv_heads * m.head_dim / layout.tp
-    if layout.cp_mode == "ulysses":
-        return 2 * tokens * (m.q_dim / layout.tp + 2 * kv) * compute
-    return 2 * tokens * layout.cp * kv * compute
-
-
 def rank_memory(
     m: ModelConfig, layout: Layout, seq_len: int, precision: str, p: StageParams,
     stages: dict[int, tuple[int, int]], rank: int, acts: ActivationProfile, micro_batches: int,
@@ -339,13 +319,33 @@ def rank_memory(
     activations are what the model with the run's adapters saves (`acts` measured with
     them: `activation_profile(..., lora)`, the first block's as `acts.first`)."""
     n_stages = layout.pp * layout.pp_virtual_stages
-    last = n_stages - 1 in stages
     compute = 2 if precision in ("bf16", "fp16") else 4
-    # Replicated data parallelism beside tp/pp runs as FSDP2 over a shard group of one:
-    # ZeRO-1's buffers with nothing sharded.
+    parameters, gradients, optimizer, host, trains = _state(
+        m, layout, seq_len, compute, p, acts, micro_batches, lora, optimizer_spec)
+    saved_bytes, activations = _activations(
+        m, layout, seq_len, compute, trains, stages, rank, acts, micro_batches, document_mask,
+        dense_mask, n_stages - 1 in stages)
+    communication = _communication(m, layout, seq_len, compute, trains, optimizer_spec)
+    allocated = parameters + gradients + optimizer + activations + communication
+    margin = CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world > 1 else 0.0)
+    margin += FRAGMENTATION * allocated
+    return Memory(parameters, gradients, optimizer, activations, communication, margin,
+                  saved=saved_bytes, host=host)
+
+
+def _fsdp(layout: Layout) -> tuple[bool, bool]:
+    """(FSDP2 runs, replicated data parallelism beside tp/pp: FSDP2 over a group of one)."""
     replicate = data_parallel_kind(layout.zero, layout.dp * layout.cp, layout.tp,
                                    layout.pp) == "replicate"
-    fsdp = fsdp_active(layout) or replicate
+    return fsdp_active(layout) or replicate, replicate
+
+
+def _state(m: ModelConfig, layout: Layout, seq_len: int, compute: int, p: StageParams,
+           acts: ActivationProfile, micro_batches: int, lora: LoraConfig | None,
+           optimizer_spec: OptimizerSpec) -> tuple[float, float, float, float, StageParams]:
+    """(parameters with their compute copies, gradients, optimizer state, host bytes, the
+    parameters that train): exact counts as tessel shards them."""
+    fsdp, replicate = _fsdp(layout)
     shard = layout.dp_shard * layout.cp if fsdp_active(layout) else 1
     offload_params = layout.offload == "params" and fsdp
     offload_optimizer = layout.offload == "optimizer"
@@ -362,9 +362,8 @@ def rank_memory(
     elif fsdp:
         copies = compute * (p.root + 2 * p.block)
     elif compute == 2:
-        # Autocast's weight casts, saved for backward; checkpointed blocks recompute theirs.
-        # (the blocks checkpointing skips keep theirs: parallel.activation_checkpointing_every)
-        # and a chunked loss makes the head's again in backward
+        # Autocast's weight casts, saved for backward; checkpointed blocks (and a loss in
+        # pieces, the head) make theirs again in backward.
         pieces = loss_pieces(layout.loss_chunks, layout.micro_batch * seq_len / layout.cp,
                              m.padded_vocab_size / layout.tp)
         head_cast = p.head_matmul if pieces == 1 else 0
@@ -407,8 +406,16 @@ def rank_memory(
         host = (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) * local
     elif offload_optimizer:
         host = ADAM_BYTES * local + (MASTER_BYTES + GRAD_BYTES) * local  # + pinned staging
+    return parameters, gradients, optimizer, host, p
 
-    # Activations saved for backward, for the micro-batches in flight.
+
+def _activations(m: ModelConfig, layout: Layout, seq_len: int, compute: int, p: StageParams,
+                 stages: dict[int, tuple[int, int, int, int]], rank: int,
+                 acts: ActivationProfile, micro_batches: int, document_mask: bool,
+                 dense_mask: bool, last: bool) -> tuple[float, float]:
+    """(bytes saved for backward by the micro-batches in flight, those plus the largest
+    transient: a block recomputed, or the loss's logits)."""
+    n_stages = layout.pp * layout.pp_virtual_stages
     tokens = layout.micro_batch * seq_len / layout.cp
     tp, sp = layout.tp, layout.sequence_parallel
     ac, every = layout.activation_checkpointing, layout.activation_checkpointing_every
@@ -430,7 +437,7 @@ def rank_memory(
     # With documents (and under context parallelism) every block is handed the same mask
     # and, with RoPE, each token's rotation (head_dim float32s): one per micro-batch, kept
     # until its backward whatever the checkpointing.
-    shared = _shared_per_token(m, layout, seq_len, document_mask, dense_mask, compute)
+    shared = shared_per_token(m, layout, seq_len, document_mask, dense_mask, compute)
     layers = p.layers
     chunk = {}  # bytes one micro-batch saves in each stage of this rank
     for s, (n, n_moe, checked, checked_moe) in stages.items():
@@ -462,8 +469,16 @@ def rank_memory(
             piece += acts.head_vocab.per_token(tp, sp)
         transient = max(transient, piece * tokens / pieces)
     activations += transient
+    return saved_bytes, activations
 
-    # Buffers that live in the allocator for communication.
+
+def _communication(m: ModelConfig, layout: Layout, seq_len: int, compute: int, p: StageParams,
+                   optimizer_spec: OptimizerSpec) -> float:
+    """Buffers that live in the allocator for communication."""
+    fsdp, _ = _fsdp(layout)
+    offload_params = layout.offload == "params" and fsdp
+    tokens = layout.micro_batch * seq_len / layout.cp
+    tp = layout.tp
     communication = 0.0
     if fsdp and not offload_params:
         # A block's unsharded gradients in flight to the reduce-scatter (compute dtype and
@@ -475,14 +490,11 @@ def rank_memory(
         communication += 4 * tokens * m.d_model * compute
     if tp > 1:  # a gathered sub-layer input in flight
         communication += 2 * tokens * m.d_model * compute
-    communication += _context_buffers(m, layout, tokens, compute)
+    communication += context_buffers(m, layout, tokens, compute)
     if layout.ep > 1 and p.moe_layers:  # one MoE layer's dispatch (or combine) send + receive
         communication += 2 * tokens * m.moe_top_k * m.d_model * compute
     if optimizer_spec.muon and p.layers:  # a whole matrix and its result, in the step
         communication += muon_transient_bytes(m, p.moe_layers > 0)
+    return communication
 
-    allocated = parameters + gradients + optimizer + activations + communication
-    margin = CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world > 1 else 0.0)
-    margin += FRAGMENTATION * allocated
-    return Memory(parameters, gradients, optimizer, activations, communication, margin,
-                  saved=saved_bytes, host=host)
+
