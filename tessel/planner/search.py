@@ -182,15 +182,8 @@ def candidates(cfg: Config, gpus: int, hw: GpuProfile,
                 for first, last in _pipeline_splits(m.n_layers, pp * v):
                     zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3)
                     for zero in zeros:
-                        replicas = [1]
-                        per_node = hw.gpus_per_node // (tp * cp)
-                        if zero >= 1 and per_node >= 1 and dp > per_node and dp % per_node == 0:
-                            replicas.append(dp // per_node)  # HSDP: shard within a node
-                        offloads = ["none"]
-                        if device_type == "cuda":
-                            offloads += ["optimizer"] + (["params"] if zero == 3 else [])
-                        if zero == 0:
-                            replicas = [dp]  # nothing sharded: every rank a replica
+                        replicas = _replica_counts(zero, dp, hw.gpus_per_node // (tp * cp))
+                        offloads = _offloads(device_type, zero)
                         for rep in replicas:
                             for ep in _expert_degrees(m, (dp // rep) * cp * tp, zero):
                                 for mbs in _divisors(per_rank):
@@ -206,6 +199,27 @@ def candidates(cfg: Config, gpus: int, hw: GpuProfile,
                                                 cp_mode=cp_mode,
                                                 cp_load_balance=cfg.parallel.cp_load_balance))
     return out
+
+
+def _replica_counts(zero: int, dp: int, per_node: int) -> list[int]:
+    """Data-parallel replica counts worth trying at ZeRO stage `zero`: 1 (shard over every
+    data-parallel rank) and, where `dp` spans whole nodes of `per_node` ranks, one replica
+    per node's worth (HSDP: shard within a node); every rank a replica without sharding."""
+    if zero == 0:
+        return [dp]  # nothing sharded: every rank a replica
+    replicas = [1]
+    if zero >= 1 and per_node >= 1 and dp > per_node and dp % per_node == 0:
+        replicas.append(dp // per_node)  # HSDP: shard within a node
+    return replicas
+
+
+def _offloads(device_type: str, zero: int) -> list[str]:
+    """What may be offloaded to the host: nothing on a CPU (host memory is the device's);
+    on CUDA the optimizer states, and the parameters too at ZeRO-3."""
+    offloads = ["none"]
+    if device_type == "cuda":
+        offloads += ["optimizer"] + (["params"] if zero == 3 else [])
+    return offloads
 
 
 def _sequence_splits(cfg: Config, gpus: int, hw: GpuProfile) -> list[tuple[int, int, str]]:
