@@ -1,5 +1,7 @@
-"""The shape of the tree (docs/architecture.md): no import circles, no module reaching into
-another's private names, no file past ~500 lines, no module importing the CLI."""
+"""The shape of the tree (docs/architecture.md): packages import only downward (the layers
+below), no import circles, no module reaching into another's private names, no function past
+~80 lines of code (what a reader holds at once), no file past ~500 lines, no module importing
+the CLI."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "tessel"
 MAX_LINES = 500
+MAX_FUNCTION_CODE = 80  # lines of code in one function (see _code_lines)
 
 
 def _modules() -> dict[str, Path]:
@@ -192,6 +195,8 @@ def test_no_module_uses_another_modules_private_names():
 
 
 def test_no_file_is_past_the_size_limit():
+    """A backstop (cheap): size is held by function (test_no_function_is_past_what_a_reader_
+    holds) and by the layers; a file past this holds more than one job."""
     big = {str(p.relative_to(ROOT.parent)): n for p in MODULES.values()
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert big == {}
@@ -225,3 +230,99 @@ def test_launch_and_optim_import_nothing_above_them():
                        for dep in deps
                        if any(dep == up or dep.startswith(up + ".") for up in ABOVE_THEM))
     assert offenders == []
+
+
+def _code_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Lines of code of `fn`: its lines less those of nested functions and classes (each
+    counted on its own), its docstring, blank lines and comment-only lines."""
+    kept = set(range(fn.lineno, fn.end_lineno + 1))
+    for node in ast.walk(fn):
+        if node is not fn and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                ast.ClassDef)):
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            kept -= set(range(start, node.end_lineno + 1))
+    first = fn.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+            isinstance(first.value.value, str):
+        kept -= set(range(first.lineno, first.end_lineno + 1))
+    return sum(1 for n in kept if lines[n - 1].strip() and not lines[n - 1].strip().startswith("#"))
+
+
+def test_no_function_is_past_what_a_reader_holds():
+    """Size is held by function (docs/architecture.md): a reader holds ~80 lines of code at
+    once; a longer function is split by job into named helpers."""
+    long = {}
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(TREES[name]):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    (n := _code_lines(node, lines)) > MAX_FUNCTION_CODE:
+                long[f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}"] = n
+    assert long == {}
+
+
+def test_the_function_size_counts_only_code():
+    src = ('def f():\n    """Doc\n    string."""\n    # a comment\n\n    x = 1\n'
+           '    def g():\n        return 2\n    return x\n')
+    (fn,) = ast.parse(src).body
+    assert _code_lines(fn, src.splitlines()) == 3  # def f, x = 1, return x
+
+
+# The packages from the bottom up: a module imports only modules of its own package or of a
+# lower layer, never a peer of its layer or anything above (module-level, function-level and
+# TYPE_CHECKING imports alike). Each name is a top-level module or package of tessel.
+LAYERS = (
+    ("tessel.errors", "tessel.numbers"),  # import nothing of tessel
+    ("tessel.fileio",),  # atomic writes and safe reads, with errors
+    ("tessel.config",),  # the typed config: the bottom of everything that trains
+    ("tessel.models",),  # model definitions, on config
+    ("tessel.parallel", "tessel.optim", "tessel.data"),  # each on models, blind to the others
+    ("tessel.launch", "tessel.checkpoint", "tessel.observe"),
+    ("tessel.generate", "tessel.planner"),  # sampling from a checkpoint; the what-fits model
+    ("tessel.train",),  # the loop: orchestrates everything below
+    ("tessel.bench",),  # tessel against a plain PyTorch loop, through the trainer
+    ("tessel.scaling",),  # measured sweeps, through bench and the planner
+    ("tessel",),  # the package's front door: re-exports Config and Trainer (lazily)
+    ("tessel.cli",),  # the commands
+    ("tessel.__main__",),
+)
+
+
+def _layer(module: str) -> tuple[int, str]:
+    """(layer number, top-level package) of a tessel module."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    for number, layer in enumerate(LAYERS):
+        if top in layer:
+            return number, top
+    raise AssertionError(f"{module}: its top-level package {top} has no place in LAYERS")
+
+
+def test_every_package_has_a_layer():
+    """A new top-level module or package is given its place in LAYERS (_layer says which)."""
+    assert [_layer(m) for m in MODULES]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """The edges of an import graph that go to another package of the same or a higher
+    layer."""
+    offenders = []
+    for name, deps in sorted(graph.items()):
+        here, package = _layer(name)
+        for dep in sorted(deps):
+            there, other = _layer(dep)
+            if other != package and there >= here:
+                offenders.append(f"{name} -> {dep}")
+    return offenders
+
+
+def test_packages_import_only_downward():
+    graph = {name: _imports(name, tree, type_checking=True) for name, tree in TREES.items()}
+    assert _upward(graph) == []
+
+
+def test_the_layer_check_finds_upward_and_sideways_edges():
+    assert _upward({"tessel.models.x": {"tessel.train.y", "tessel.models.z", "tessel.config"},
+                    "tessel.data.a": {"tessel.optim", "tessel.errors"},
+                    "tessel.cli.b": {"tessel", "tessel.train"}}) == [
+        "tessel.data.a -> tessel.optim", "tessel.models.x -> tessel.train.y"]
