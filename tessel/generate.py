@@ -75,7 +75,7 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
     cfg = run_config(ckpt)  # config.toml, as the checkpoint recorded it
     if cfg.lora.enabled:  # the checkpoint holds adapters only: merge them into the base
         from tessel.checkpoint.lora import MergedSource
-        from tessel.parallel.apply import materialise
+        from tessel.models.init import materialise
 
         with torch.device("meta"):
             model = Transformer(cfg.model)
@@ -92,7 +92,7 @@ def load_run_for_inference(run_dir: str | Path, device: str = "cpu") -> tuple[Tr
 
 def _load_model_dir(path: Path, device: str) -> tuple[Transformer, Tokenizer]:
     from tessel.checkpoint.init_from import WeightSource, model_fields_of
-    from tessel.parallel.apply import materialise
+    from tessel.models.init import materialise
 
     # The model as its weights describe it, nothing else: a training config's defaults (e.g.
     # train.seq_len 256 for a model of a shorter context) have no say in sampling.

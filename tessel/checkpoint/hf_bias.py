@@ -73,8 +73,8 @@ def logit_shift(source: Any, m: ModelConfig) -> tuple[float, int, int]:
     """(max |logit difference|, positions whose most likely next token differs, positions)
     between the model with its balancing bias and without it (as the export computes), on
     `probe_tokens(m)`, in float32 on the CPU."""
+    from tessel.models.init import materialise
     from tessel.models.transformer import Transformer
-    from tessel.parallel.apply import materialise
 
     with torch.device("meta"):
         model = Transformer(m)

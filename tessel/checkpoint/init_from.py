@@ -11,7 +11,7 @@ and each tensor by tessel's name, one at a time, from
 and handed to the config's validation (which never reads the disk itself).
 
 Every rank of a parallel layout asks for the full tensors of the parameters it holds and
-keeps its slice (see `tessel.parallel.apply.materialise`), so loading works for any layout.
+keeps its slice (see `tessel.models.init.materialise`), so loading works for any layout.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -138,8 +139,8 @@ class Transformer(nn.Module):
         # Not persistent: derived from the config, recomputed by init_buffers.
         self.register_buffer("rope_freqs", self._rope_table(), persistent=False)
         # Added to the logits: -inf at the padding ids, so they are never predicted and get
-        # no gradient; None without padding. A DTensor sharded like the logits under tensor
-        # parallelism (tessel.parallel.tensor).
+        # no gradient; None without padding. Sharded like the logits under tensor
+        # parallelism (tessel.parallel.tensor places it).
         self.register_buffer("vocab_mask", self._vocab_mask(), persistent=False)
 
     def tie_weights(self) -> None:
@@ -201,12 +202,14 @@ class Transformer(nn.Module):
             p.copy_(self.initial_value(name, p.shape, seed))
         self.init_buffers()
 
-    def init_buffers(self) -> None:
+    def init_buffers(self, fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                     ) -> None:
         """Recompute the non-persistent buffers (the RoPE table, the vocabulary mask, MoE
         statistics) on their device and zero the MoE balancing bias (persistent, but zero at
-        initialisation; a checkpoint restores it later), after `to_empty`; a buffer that is a
-        DTensor (tensor parallelism) keeps its mesh and placements, each rank filling its own
-        slice."""
+        initialisation; a checkpoint restores it later), after `to_empty`. `fill(buffer,
+        full value)` copies this rank's share of a buffer the parallel layer placed (the
+        vocabulary mask, sharded like the logits under tensor parallelism:
+        `tessel.models.init.Placement.fill`); None: every buffer is whole here."""
         if self.rope_freqs is not None:
             self.rope_freqs = self._rope_table().to(self.rope_freqs.device)
         for module in self.modules():
@@ -215,15 +218,10 @@ class Transformer(nn.Module):
                 module.reset_stats()
         mask = self.vocab_mask
         if mask is not None:
-            from torch.distributed.tensor import DTensor, distribute_tensor
-
-            if isinstance(mask, DTensor):
-                full = self._vocab_mask(mask.to_local().device)
-                # src_data_rank=None: every rank holds the full value; no communication.
-                self.vocab_mask = distribute_tensor(full, mask.device_mesh, mask.placements,
-                                                    src_data_rank=None)
-            else:
+            if fill is None:
                 self.vocab_mask = self._vocab_mask(mask.device)
+            else:
+                fill(mask, self._vocab_mask(mask.device))
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None,

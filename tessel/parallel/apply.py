@@ -4,8 +4,8 @@
     (the attention modules' sequence exchange over the cp mesh) -> LoRA adapters
     (lora.enabled; sharded beside their tensor-parallel projections) -> float8 linears
     (train.fp8) -> activation checkpointing -> compile -> FSDP (ZeRO 1-3; the experts over
-    their own group) -> materialise + initialise
-    -> DDP (zero 0)
+    their own group) -> materialise + initialise (`tessel.models.init`, each rank's share
+    placed by `tessel.parallel.placement`) -> DDP (zero 0)
 
 Tensor parallelism comes first because the later steps must see the DTensor parameters it
 creates (LoRA adapters come after it: its plans shard every parameter below a projection,
@@ -18,16 +18,15 @@ starts from exactly the single-process weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from tessel.config import Config
 from tessel.models import lora
+from tessel.models.init import InitialBuffer, InitialValue, materialise
 from tessel.models.loss import loss_pieces
 from tessel.models.transformer import Transformer
 from tessel.parallel.checkpointing import apply_activation_checkpointing
@@ -42,13 +41,8 @@ from tessel.parallel.fsdp import (
     data_parallel_kind,
 )
 from tessel.parallel.pipeline import split_model
+from tessel.parallel.placement import MESH
 from tessel.parallel.tensor import apply_tensor_parallel, shard_lora
-
-InitialValue = Callable[[str, tuple[int, ...]], torch.Tensor]
-"""The full initial value of a parameter, by name and shape."""
-InitialBuffer = Callable[[str, tuple[int, ...]], "torch.Tensor | None"]
-"""The full value of a persistent buffer (trained state, e.g. the MoE balancing bias), by
-name and shape, or None to keep the fresh model's value."""
 
 
 @dataclass
@@ -145,7 +139,7 @@ def build_parallel_model(
             apply_fsdp(stage, shard_mesh, max(zero, 1), param_dtype, p.offload == "params",
                        experts)
     for _, stage in stages:
-        materialise(stage, device, cfg.train.seed, initial, initial_buffer)
+        materialise(stage, device, cfg.train.seed, initial, initial_buffer, MESH)
     inner = [stage for _, stage in stages]
     parts: list[nn.Module] = list(inner)
     if kind == "ddp":
@@ -178,55 +172,3 @@ def apply_lora(cfg: Config, stage: Transformer, tp_mesh: DeviceMesh | None,
         shard_lora(stage, tp_mesh, sequence_parallel)
     if c.base_dtype == "bfloat16":
         lora.cast_base(stage, torch.bfloat16)
-
-
-@torch.no_grad()
-def materialise(model: Transformer, device: torch.device, seed: int,
-                initial: InitialValue | None = None,
-                initial_buffer: InitialBuffer | None = None) -> None:
-    """Allocate `model`'s (possibly sharded) parameters on `device` and give each its slice
-    of the full initial value (`initial(name, shape)`, else the seeded initialisation); the
-    persistent buffers take `initial_buffer(name, shape)` where it gives one."""
-    # FSDP2's CPU offload keeps the sharded parameters in host memory (it requires them there
-    # at its first use); buffers still live on the compute device.
-    offloaded = _fsdp_offloaded(model)
-    model.to_empty(device=torch.device("cpu") if offloaded else device)
-    model.tie_weights()
-    for name, param in model.named_parameters():
-        if lora.is_adapter(name):  # never in the base weights: peft's initialisation
-            full = lora.initial_value(name, tuple(param.shape), seed)
-        elif initial is not None:
-            full = initial(name, tuple(param.shape))
-        else:
-            full = model.initial_value(name, param.shape, seed)
-        if isinstance(param, DTensor):
-            # Replicate -> the parameter's placements is a local slice: no communication.
-            local_device = param.to_local().device
-            src = distribute_tensor(full.to(local_device), param.device_mesh,
-                                    [Replicate()] * param.device_mesh.ndim, src_data_rank=None)
-            param.copy_(src.redistribute(param.device_mesh, param.placements))
-        else:
-            param.copy_(full)
-    if offloaded:
-        for module in model.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[key] = buf.to(device)
-    model.init_buffers()
-    if initial_buffer is not None:
-        # The persistent buffers are what the state dict holds besides the parameters.
-        for name, buf in model.state_dict(keep_vars=True).items():
-            if not isinstance(buf, nn.Parameter):
-                full = initial_buffer(name, tuple(buf.shape))
-                if full is not None:
-                    buf.copy_(full)
-
-
-def _fsdp_offloaded(model: nn.Module) -> bool:
-    state = getattr(model, "_get_fsdp_state", None)
-    if state is None:
-        return False
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    group = state()._fsdp_param_group
-    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)

@@ -116,8 +116,9 @@ def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
     from torch.distributed.device_mesh import DeviceMesh
 
+    from tessel.models.init import materialise
     from tessel.models.transformer import Transformer
-    from tessel.parallel.apply import materialise
+    from tessel.parallel.placement import MESH
     from tessel.parallel.tensor import apply_tensor_parallel
 
     tp = dist.get_world_size()
@@ -134,7 +135,7 @@ def block_overhead(model_fields: dict[str, Any], sequence_parallel: bool,
                 model = Transformer(probe_model(base, layers, positions, tp))
             if parallel:
                 apply_tensor_parallel(model, mesh, sequence_parallel)
-            materialise(model, torch.device("cpu"), seed=0)
+            materialise(model, torch.device("cpu"), seed=0, placement=MESH)
             per_depth[parallel].append(_seconds(model, batch, parallel))
     blocks = LAYERS[1] - LAYERS[0]
 

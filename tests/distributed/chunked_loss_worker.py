@@ -14,8 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tessel.config import ModelConfig
+from tessel.models.init import materialise
 from tessel.models.transformer import Transformer
-from tessel.parallel.apply import materialise
+from tessel.parallel.placement import MESH
 from tessel.parallel.tensor import apply_tensor_parallel, loss_context
 
 SHAPE = dict(preset="tiny-llama", n_layers=2, vocab_size=500, vocab_pad_to=128)
@@ -26,7 +27,7 @@ def run(mesh, sp: bool, chunks: int, x: torch.Tensor, y: torch.Tensor
     with torch.device("meta"):
         model = Transformer(ModelConfig(**SHAPE))
     apply_tensor_parallel(model, mesh, sp)
-    materialise(model, torch.device("cpu"), seed=0)
+    materialise(model, torch.device("cpu"), seed=0, placement=MESH)
     model.loss_chunks = chunks
     with loss_context(True):
         loss = model(x, targets=y).sum()

@@ -27,8 +27,8 @@ from tessel.cli import main
 from tessel.config import Config, ModelConfig
 from tessel.data.tokenizer import train_bpe
 from tessel.generate import sample
+from tessel.models.init import materialise
 from tessel.models.transformer import Transformer
-from tessel.parallel.apply import materialise
 
 VOCAB = 320
 

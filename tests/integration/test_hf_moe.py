@@ -225,8 +225,8 @@ def _with_bias(tessel_dir: Path, bias: dict[int, torch.Tensor]) -> None:
 def _biased_model(path: Path):
     """The tessel model at `path` with its balancing bias (tessel_model leaves it zero)."""
     from tessel.checkpoint.init_from import WeightSource, load_config
+    from tessel.models.init import materialise
     from tessel.models.transformer import Transformer
-    from tessel.parallel.apply import materialise
 
     m = load_config(None, {"model.init_from": str(path)}).model
     with torch.device("meta"):

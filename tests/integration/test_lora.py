@@ -26,9 +26,9 @@ from tessel.checkpoint.init_from import WeightSource, load_config
 from tessel.cli import main
 from tessel.data import build_data
 from tessel.generate import load_run_for_inference
+from tessel.models.init import materialise
 from tessel.models.lora import TESSEL_TO_HF, add_lora
 from tessel.models.transformer import Transformer
-from tessel.parallel.apply import materialise
 from tessel.train.trainer import Trainer
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -114,8 +114,8 @@ def test_hf_export_keeps_the_real_vocabulary_and_import_pads_it(preset, tmp_path
 
     from tessel.checkpoint.hf_convert import hf_to_tessel, tessel_to_hf
     from tessel.checkpoint.init_from import WeightSource, load_config
+    from tessel.models.init import materialise
     from tessel.models.transformer import Transformer
-    from tessel.parallel.apply import materialise
 
     model = build_model(tiny(128, preset, dropout=0.0), seed=4).eval()
     tessel_to_hf(_tessel_file(model, tmp_path / "m.safetensors"), tmp_path / "hf")
