@@ -113,16 +113,10 @@ def _short_repr(value: Any) -> str:
     return r.repr(value)
 
 
-@functools.lru_cache(maxsize=1)
-def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported here)
-    """The one metered sandbox (built on first use: jinja2 is imported only then)."""
-    import jinja2
+def _generation() -> Any:
+    """The `{% generation %}` extension (transformers' assistant-token mask), a no-op."""
     import jinja2.ext
     import jinja2.nodes as nodes
-    import jinja2.utils
-    from jinja2.compiler import CodeGenerator, optimizeconst
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
-    from markupsafe import EscapeFormatter, Markup
 
     class Generation(jinja2.ext.Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text in some templates
@@ -137,6 +131,14 @@ def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported
 
         def _body(self, caller: Any) -> str:
             return caller()
+
+    return Generation
+
+
+def _template_globals() -> tuple[Any, Any]:
+    """`dict` and `namespace` as transformers gives them to templates."""
+    import jinja2
+    import jinja2.utils
 
     class TemplateDict:
         # as transformers: `dict(...)` without attribute access to the type itself
@@ -165,6 +167,14 @@ def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported
                 raise jinja2.exceptions.SecurityError(
                     f"chat templates cannot store underscore names on a namespace ({name!r})")
 
+    return TemplateDict, TemplateNamespace
+
+
+def _undefined() -> Any:
+    """Jinja's Undefined, its message kept short."""
+    import jinja2
+    import jinja2.utils
+
     class Undefined(jinja2.Undefined):
         # Jinja's own, with its error message naming the missing key in at most a few
         # hundred characters (a key can be a tuple of a million long strings)
@@ -182,6 +192,14 @@ def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported
                 return f"{owner} has no element {name}"
             return f"{owner!r} has no attribute {name}"
 
+    return Undefined
+
+
+def _formatters() -> tuple[Any, Any]:
+    """str.format's formatters, plain and for Markup, that check each field first."""
+    from jinja2.sandbox import SandboxedFormatter
+    from markupsafe import EscapeFormatter
+
     class Formatter(SandboxedFormatter):
         # str.format's fields: the width in a spec, and the value printed, checked first
         def format_field(self, value: Any, format_spec: str) -> Any:
@@ -197,6 +215,14 @@ def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported
 
     class EscapeFieldFormatter(Formatter, EscapeFormatter):
         pass
+
+    return Formatter, EscapeFieldFormatter
+
+
+def _code_generator() -> Any:
+    """Jinja's code generator with the meter called where Jinja's own code calls nothing."""
+    import jinja2.nodes as nodes
+    from jinja2.compiler import CodeGenerator, optimizeconst
 
     class Metered(CodeGenerator):
         # The generated code calls the meter where Jinja's own does not call the sandbox.
@@ -251,6 +277,18 @@ def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported
             self.write("environment.tessel_made(")  # a slice is a copy
             super().visit_Getitem(node, frame)
             self.write(")")
+
+    return Metered
+
+
+def _environment_class() -> Any:
+    """The sandbox (transformers' ImmutableSandboxedEnvironment), its operators, calls and
+    str.format metered."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from markupsafe import Markup
+
+    Metered = _code_generator()
+    Formatter, EscapeFieldFormatter = _formatters()
 
     class Environment(ImmutableSandboxedEnvironment):
         code_generator_class = Metered
@@ -310,6 +348,18 @@ def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported
         tessel_made = staticmethod(made)
         tessel_add = staticmethod(add)
 
+    return Environment
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> Any:
+    """The one metered sandbox (built on first use: jinja2 is imported only then)."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.utils
+
+    TemplateDict, TemplateNamespace = _template_globals()
+
     def finalize(value: Any) -> Any:
         # every `{{ ... }}` is printed with str() after this: the text of a value that is not
         # a string yet is measured before it is made (strings are counted by `concat`)
@@ -325,8 +375,9 @@ def environment() -> Any:  # noqa: C901 (the classes below need jinja2, imported
                     "lipsum() words:")
         return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
 
-    env = Environment(trim_blocks=True, lstrip_blocks=True, undefined=Undefined,
-                      finalize=finalize, extensions=[Generation, jinja2.ext.loopcontrols])
+    env = _environment_class()(trim_blocks=True, lstrip_blocks=True, undefined=_undefined(),
+                               finalize=finalize,
+                               extensions=[_generation(), jinja2.ext.loopcontrols])
     env.concat = concat  # joins the output, and the text of blocks and macros
     env.filters["tojson"] = _tojson
     env.filters = {name: metered_filter(name, f) for name, f in env.filters.items()}
