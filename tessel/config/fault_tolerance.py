@@ -8,7 +8,9 @@ with the mode is checked when the run starts (`tessel.parallel.replica_group.che
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
 
 from tessel.config.base import Section
 
@@ -38,6 +40,14 @@ class FaultToleranceConfig(Section):
     the step is given up (a stuck peer is then left out of the next quorum); a group that
     finds no quorum for this long stops (exit code 3). Keep it below watchdog.timeout_s."""
 
+    @field_validator("lighthouse")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        problem = lighthouse_problem(value) if value else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> FaultToleranceConfig:
         if not self.enable:
@@ -54,3 +64,19 @@ class FaultToleranceConfig(Section):
                              f"exceeds fault_tolerance.group_size={self.group_size}; no step "
                              "could commit")
         return self
+
+
+def lighthouse_problem(address: str) -> str | None:
+    """What is wrong with a Lighthouse address (fault_tolerance.lighthouse or
+    TORCHFT_LIGHTHOUSE), or None: it must be http(s)://HOST:PORT, as torchft_lighthouse prints
+    it. Checked when the config is read, so a typo is one line rather than a quorum that never
+    forms (which waited timeout_s and exited 3, as a Lighthouse that died does)."""
+    try:
+        url = urlsplit(address)
+        port = url.port
+    except ValueError:
+        port, url = None, None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname or port is None:
+        return (f"{address!r} is not a Lighthouse address: give http://HOST:PORT, as "
+                "torchft_lighthouse prints it (e.g. http://10.0.0.5:29510)")
+    return None

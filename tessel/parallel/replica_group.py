@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tessel.config import Config, FaultToleranceConfig
+from tessel.config.fault_tolerance import lighthouse_problem
 from tessel.errors import CollectiveTimeout, TesselError
 from tessel.parallel.dims import ParallelDims, ParallelError
 
@@ -83,6 +84,9 @@ def check_replicas(cfg: Config, dims: ParallelDims, precision: str) -> None:
                             "set fault_tolerance.lighthouse (e.g. http://host:29510) or "
                             "TORCHFT_LIGHTHOUSE (start one with `torchft_lighthouse "
                             "--min_replicas N`)")
+    problem = None if ft.lighthouse else lighthouse_problem(os.environ["TORCHFT_LIGHTHOUSE"])
+    if problem:
+        raise ParallelError(f"TORCHFT_LIGHTHOUSE {problem}")
 
 
 def quiet_torchft() -> None:

@@ -64,6 +64,20 @@ def test_layouts_the_mode_cannot_run_are_refused_in_one_line(tiny_config, monkey
         check_layout(cfg_off, dims, "cpu", "fp32")  # the same layout without the mode runs
 
 
+@pytest.mark.parametrize("address", ["not a url", "localhost:29510", "http://host",
+                                     "ftp://host:29510", "http://:29510", "http://host:port"])
+def test_a_lighthouse_address_that_is_no_address_is_refused_when_read(tiny_config, monkeypatch,
+                                                                       address):
+    """It waited timeout_s for a quorum and exited 3, as a Lighthouse that died does."""
+    with pytest.raises(ConfigError, match="is not a Lighthouse address: give http://HOST:PORT"):
+        tiny_config(**{**FT, "fault_tolerance.lighthouse": address})
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)  # the environment's, when the key is empty
+    cfg = tiny_config(**{**FT, "fault_tolerance.lighthouse": ""})
+    with pytest.raises(ParallelError, match="TORCHFT_LIGHTHOUSE .* is not a Lighthouse address"):
+        check_layout(cfg, ParallelDims.from_config(cfg.parallel, 1), "cpu", "fp32")
+    tiny_config(**{**FT, "fault_tolerance.lighthouse": "https://10.0.0.5:29510"})  # taken
+
+
 def test_fp16_loss_scaling_is_refused(tiny_config):
     cfg = tiny_config(**FT)
     with pytest.raises(ParallelError, match="does not combine with fp16 loss scaling"):
