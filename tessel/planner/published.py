@@ -119,6 +119,24 @@ def _titan_a100(model: str, shape: dict[str, Any], seq_len: int, micro_batch: in
     )
 
 
+def _titan_h100(gpus: int, mode: str, per_gpu: float) -> PublishedRun:
+    """A row of torchtitan's Dec 2024 Llama 3.1 8B tables (1 and 3): FSDP over `gpus` H100
+    96GB at 500 W, local batch 2, per-op selective checkpointing; `mode` eager, compile, or
+    compile + Float8; tokens/s per GPU."""
+    fp8 = mode.endswith("Float8")
+    return PublishedRun(
+        f"Llama 3 8B, {gpus} x H100 96GB 500 W ({mode})", TORCHTITAN_H100, "h100-96gb-500w",
+        gpus, {"preset": "llama3-8b"}, 8192, 2 * gpus,
+        {"zero": 3, "micro_batch": 2, "activation_checkpointing": "selective"},
+        per_gpu * gpus,
+        assumed=("seq 8192 (the default config of the time); torchtitan's per-op selective "
+                 "checkpointing, as tessel's selective"
+                 + ("; torchao's float8 linears with tensorwise scaling (the default of the "
+                    "time) on every block projection, the output layer in bf16" if fp8 else "")),
+        stack="pytorch-eager" if mode == "eager" else "pytorch-compile", fp8=fp8,
+    )
+
+
 RUNS: tuple[PublishedRun, ...] = (
     _megatron("1.7", 24, 2304, 24, 1, 1, 32, 512, 137),
     _megatron("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -168,33 +186,9 @@ RUNS: tuple[PublishedRun, ...] = (
                                 "vocab_size": 32000, "max_seq_len": 4096}, 4096, 2, "none", 2162),
     _titan_a100("Llama 2 70B", {"preset": "llama3-70b", "vocab_size": 32000, "max_seq_len": 4096},
                 4096, 1, "selective", 355),
-    *(
-        PublishedRun(
-            f"Llama 3 8B, {gpus} x H100 96GB 500 W ({'compile' if compiled else 'eager'})",
-            TORCHTITAN_H100, "h100-96gb-500w", gpus,
-            {"preset": "llama3-8b"}, 8192, 2 * gpus,
-            {"zero": 3, "micro_batch": 2, "activation_checkpointing": "selective"},
-            per_gpu * gpus,
-            assumed="seq 8192 (the default config of the time); torchtitan's per-op selective "
-                    "checkpointing, as tessel's selective",
-            stack="pytorch-compile" if compiled else "pytorch-eager",
-        )
-        for gpus, compiled, per_gpu in ((8, True, 6667), (128, True, 6514), (8, False, 5762),
-                                        (128, False, 5605))
-    ),
-    *(
-        PublishedRun(
-            f"Llama 3 8B, {gpus} x H100 96GB 500 W (compile + Float8)",
-            TORCHTITAN_H100, "h100-96gb-500w", gpus,
-            {"preset": "llama3-8b"}, 8192, 2 * gpus,
-            {"zero": 3, "micro_batch": 2, "activation_checkpointing": "selective"},
-            per_gpu * gpus,
-            assumed="seq 8192; torchao's float8 linears with tensorwise scaling (the default "
-                    "of the time) on every block projection, the output layer in bf16",
-            stack="pytorch-compile", fp8=True,
-        )
-        for gpus, per_gpu in ((8, 8532), (128, 8380))
-    ),
+    *(_titan_h100(gpus, mode, per_gpu) for gpus, mode, per_gpu in (
+        (8, "compile", 6667), (128, "compile", 6514), (8, "eager", 5762), (128, "eager", 5605),
+        (8, "compile + Float8", 8532), (128, "compile + Float8", 8380))),
     *(
         PublishedRun(
             f"GPT 175B, {gpus} x A100, batch {gbs}", MEGASCALE_2024, "a100-80gb", gpus,
