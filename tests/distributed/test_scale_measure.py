@@ -74,7 +74,8 @@ def test_a_measured_strong_sweep_sits_beside_the_planners_prediction(tmp_path: P
     html = page.read_text()  # both curves, with a point per measured run
     for series in ("tokens_per_s_per_gpu", "measured_tokens_per_s_per_gpu", "measured_efficiency"):
         assert f'<g class="dots" data-series="{series}"' in html
-    assert html.count("GPUs: measured ") == 4  # two runs x (tokens/s per GPU, efficiency)
+    # two runs x (tokens/s per process, efficiency); a CPU sweep counts processes, not GPUs
+    assert html.count("processes: measured ") == 4
     # the record carries what `tessel plan --calibrate SWEEP.json` needs: each measured run's
     # resolved config and the profile measured on this machine (gloo's latency per call)
     assert [("config" in p) for p in points] == [True, True, False]
