@@ -21,7 +21,7 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-PAGES = [README, *sorted(DOCS.glob("*.md"))]
+PAGES = [README, *sorted(DOCS.glob("*.md")), *sorted((ROOT / "benchmarks").glob("**/*.md"))]
 REFERENCE = DOCS / "config-reference.md"
 
 DEMO_COMMAND = (
