@@ -233,6 +233,12 @@ class ParallelConfig(Section):
     sequence_parallel: bool = True
     """With tp > 1, also shard norms and dropout along the sequence (Megatron SP): less
     activation memory, same communication volume."""
+    async_tp: bool = False
+    """Asynchronous tensor parallelism (PyTorch's micro-pipelined TP): the compiler splits
+    each sequence-parallel all-gather and reduce-scatter of a block into per-rank pieces
+    exchanged through symmetric memory while the projections compute on the pieces already
+    there. Needs a CUDA GPU, train.compile = true, tp > 1 with sequence_parallel, and a
+    torch with symmetric memory; refused elsewhere in one line. Within a node only (NVLink)."""
     activation_checkpointing: Literal["none", "full", "selective", "matmuls"] = "none"
     """Recompute activations in the backward pass: full = keep each block's input, recompute
     the whole block (least memory, +1 forward); selective = torchtitan's per-op policy: keep

@@ -29,6 +29,7 @@ from tessel.models import lora
 from tessel.models.init import InitialBuffer, InitialValue, materialise
 from tessel.models.loss import loss_pieces
 from tessel.models.transformer import Transformer
+from tessel.parallel.async_tp import enable_async_tp
 from tessel.parallel.checkpointing import apply_activation_checkpointing
 from tessel.parallel.context import ContextParallel, apply_context_parallel
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolve_zero
@@ -103,6 +104,7 @@ def build_parallel_model(
             assert mesh is not None
             apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel,
                                   replicate_experts=ep_mesh is None)
+            enable_async_tp(p, mesh["tp"])  # parallel.async_tp: before the blocks compile
         if ep_mesh is not None:
             apply_expert_parallel(stage, ep_mesh)
         if dims.cp > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tessel.config import Config
+from tessel.parallel.async_tp import check_async_tp
 from tessel.parallel.dims import ParallelDims, ParallelError, resolve_zero
 from tessel.parallel.fsdp import check_offload
 from tessel.parallel.replica_group import check_replicas
@@ -23,6 +24,7 @@ def check_layout(cfg: Config, dims: ParallelDims, device: torch.device | str,
     check_replicas(cfg, dims, precision)
     p = cfg.parallel
     check_offload(p, device)
+    check_async_tp(cfg, dims, device)
     if p.offload != "none" and cfg.optim.state_dtype != "float32":
         raise ParallelError(
             f"parallel.offload = {p.offload!r} keeps float32 optimizer state; set "
