@@ -116,19 +116,7 @@ def build_run(c: Checked, proc: Any, run: Any, display: Any, counters: Counters,
     """Everything the run needs, from the checked config `c`: data, model, the parts.
     `run`: the RunDir; `counters`: the run's Counters (the watchdog's beats read the step)."""
     say, cfg, dims, device = display.print, c.cfg, c.dims, c.device
-    # A LoRA run's checkpoints hold only its adapters: the frozen base is read from
-    # model.init_from on every start, resumes included, and must be the one it was.
-    lora = cfg.lora.enabled
-    source = None
-    if resume_from is None or lora:
-        source, cfg = init_source(cfg, say)
-    lora_base = None
-    if lora:
-        from tessel.checkpoint.lora import base_fingerprint, check_base
-
-        lora_base = base_fingerprint(cfg)
-        if resume_from is not None:
-            check_base(resume_from[1], lora_base, resume_from[0], cfg.model.init_from)
+    source, cfg, lora_base = _weights_source(cfg, resume_from, say)
 
     mesh = None
     if proc.distributed:
@@ -147,19 +135,7 @@ def build_run(c: Checked, proc: Any, run: Any, display: Any, counters: Counters,
     optimizers = [build_optimizer(m, cfg.optim, device, cfg.parallel.offload == "optimizer")
                   for m in model.inner]
     timer = PhaseTimer(device)
-    alerts = None
-    events = EventLog(run.events, enabled=proc.is_main)
-    if proc.is_main and cfg.alerts:
-        from tessel.observe.alerts import AlertCenter
-
-        alerts = AlertCenter(cfg.alerts, cfg.notify, str(run.path), events, say)
-    on_wait = None
-    if alerts is not None and any(a.when == "step_time.stall" for a in cfg.alerts):
-        def on_wait(seconds: float, step: int) -> None:  # the watchdog's thread, no progress
-            alerts.handle(alerts.rules.stalled(seconds, step))
-    watchdog = Watchdog(cfg.watchdog.timeout_s, run.watchdog, proc.rank, proc.world_size,
-                        on_wait=on_wait,
-                        on_fire=lambda msg, step: events.write("watchdog", step, msg))
+    events, alerts, watchdog = _monitoring(cfg, proc, run, say)
     beat = lambda what: watchdog.beat(counters.step, what)  # noqa: E731
     t = cfg.train
     train_step = TrainStep(
@@ -177,18 +153,7 @@ def build_run(c: Checked, proc: Any, run: Any, display: Any, counters: Counters,
     comm = CommMeter(device, cfg.metrics.comm_sample_interval, proc.distributed,
                      control.cpu_group, say,  # exposed communication, sampled steps
                      after=cfg.metrics.comm_sample_after)
-    hf_export = None
-    if proc.is_main and cfg.checkpoint.hf_export_interval:
-        from tessel.checkpoint.hf_export import HFExporter
-
-        hf_export = HFExporter(cfg.checkpoint.hf_export_interval, run.hf_export_log, say,
-                               peft=cfg.lora.enabled and cfg.lora.export == "peft",
-                               drop_expert_bias=cfg.checkpoint.hf_export_drop_expert_bias)
-    checkpoints = CheckpointManager(
-        run.checkpoints, model.inner, optimizers, keep_last=cfg.checkpoint.keep_last,
-        async_save=cfg.checkpoint.async_save, distributed=proc.distributed,
-        hf_export=hf_export, phase=watchdog.phase, barrier_group=control.cpu_group,
-        interval=cfg.checkpoint.interval)
+    checkpoints = _checkpoints(cfg, proc, run, say, model, optimizers, watchdog, control)
     state = run_state(model, optimizers, data, c.precision, counters, recovery, alerts)
     lifecycle = Lifecycle(cfg, run, proc, dims, device, display, events, alerts, control,
                           counters)
@@ -196,6 +161,63 @@ def build_run(c: Checked, proc: Any, run: Any, display: Any, counters: Counters,
     return Parts(cfg, device, lora_base, data, model, optimizers, timer, events, alerts,
                  watchdog, train_step, evaluator, harness, recovery, control, comm,
                  checkpoints, state, lifecycle, sample)
+
+
+def _weights_source(cfg: Any, resume_from: tuple[Path, dict[str, Any]] | None,
+                    say: Any) -> tuple[Any, Any, Any]:
+    """(the weights to start from or None, the config as the source completed it, the LoRA
+    base's fingerprint or None)."""
+    # A LoRA run's checkpoints hold only its adapters: the frozen base is read from
+    # model.init_from on every start, resumes included, and must be the one it was.
+    lora = cfg.lora.enabled
+    source = None
+    if resume_from is None or lora:
+        source, cfg = init_source(cfg, say)
+    lora_base = None
+    if lora:
+        from tessel.checkpoint.lora import base_fingerprint, check_base
+
+        lora_base = base_fingerprint(cfg)
+        if resume_from is not None:
+            check_base(resume_from[1], lora_base, resume_from[0], cfg.model.init_from)
+    return source, cfg, lora_base
+
+
+def _monitoring(cfg: Any, proc: Any, run: Any, say: Any) -> tuple[EventLog, Any, Watchdog]:
+    """The event log, the alert rules (main rank, when configured) and the watchdog, which
+    tells the stall alert when no progress is seen."""
+    alerts = None
+    events = EventLog(run.events, enabled=proc.is_main)
+    if proc.is_main and cfg.alerts:
+        from tessel.observe.alerts import AlertCenter
+
+        alerts = AlertCenter(cfg.alerts, cfg.notify, str(run.path), events, say)
+    on_wait = None
+    if alerts is not None and any(a.when == "step_time.stall" for a in cfg.alerts):
+        def on_wait(seconds: float, step: int) -> None:  # the watchdog's thread, no progress
+            alerts.handle(alerts.rules.stalled(seconds, step))
+    watchdog = Watchdog(cfg.watchdog.timeout_s, run.watchdog, proc.rank, proc.world_size,
+                        on_wait=on_wait,
+                        on_fire=lambda msg, step: events.write("watchdog", step, msg))
+    return events, alerts, watchdog
+
+
+def _checkpoints(cfg: Any, proc: Any, run: Any, say: Any, model: Any, optimizers: list[Any],
+                 watchdog: Watchdog, control: StopControl) -> CheckpointManager:
+    """The checkpoint manager, with the Hugging Face exporter on the main rank when
+    checkpoint.hf_export_interval asks for exports during training."""
+    hf_export = None
+    if proc.is_main and cfg.checkpoint.hf_export_interval:
+        from tessel.checkpoint.hf_export import HFExporter
+
+        hf_export = HFExporter(cfg.checkpoint.hf_export_interval, run.hf_export_log, say,
+                               peft=cfg.lora.enabled and cfg.lora.export == "peft",
+                               drop_expert_bias=cfg.checkpoint.hf_export_drop_expert_bias)
+    return CheckpointManager(
+        run.checkpoints, model.inner, optimizers, keep_last=cfg.checkpoint.keep_last,
+        async_save=cfg.checkpoint.async_save, distributed=proc.distributed,
+        hf_export=hf_export, phase=watchdog.phase, barrier_group=control.cpu_group,
+        interval=cfg.checkpoint.interval)
 
 
 def run_state(model: Any, optimizers: list[Any], data: Any, precision: Any,
