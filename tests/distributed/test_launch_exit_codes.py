@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_corpus
 
 from tessel.launch import local
 from tessel.launch.torchrun import workers_after_signal
@@ -132,7 +133,11 @@ def test_a_rendezvous_port_another_program_holds_is_one_line_and_exit_3(tmp_path
 @pytest.mark.budget(120)
 def test_a_nan_stop_under_nproc_exits_6_with_the_workers_line(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("TESSEL_FAULT", "nan:batch=2")
+    # a small corpus of files, byte tokens: the config's stdlib corpus would first train a
+    # tokenizer and tokenize the standard library (minutes on two cores), which this does not test
+    corpus = write_corpus(tmp_path / "corpus")
     done = _train("--nproc", "2", "--quiet", "--train.steps=4", f"--run.dir={tmp_path / 'run'}",
+                  "--data.source=files", f"--data.paths=['{corpus}']", "--data.tokenizer=bytes",
                   cwd=tmp_path)
     assert done.returncode == 6, done.stderr
     _no_traceback(done.stderr)
