@@ -23,7 +23,11 @@ def build_parser() -> Parser:
     p.add_argument("--precision", metavar="P", help="fp32 | bf16 | fp16 | auto (train.precision)")
     p.add_argument("--compile", action="store_true", help="compile each block (train.compile = true)")
     p.add_argument("--fp8", action="store_true",
-                   help="float8 linears through torchao (train.fp8 = true; FP8 GPUs only)")
+                   help="float8 linears through torchao (train.fp8 = true: tensorwise scaling)")
+    p.add_argument("--fp8-recipe", metavar="RECIPE",
+                   choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"),
+                   help="float8 with this scaling recipe (train.fp8 = RECIPE): tensorwise, "
+                        "rowwise, rowwise_with_gw_hp or mxfp8")
     p.add_argument("--warmup", default="5", metavar="N", help="untimed steps first (default 5)")
     p.add_argument("--steps", default="20", metavar="N", help="timed steps (default 20)")
     p.add_argument("--json", default="bench.json", metavar="OUT.json",
@@ -44,6 +48,8 @@ def cmd_bench(argv: list[str]) -> int:
     # bench's own flags are config fields; explicit --section.key overrides win over them.
     flags = [f"--train.precision={toml_str(args.precision)}"] if args.precision is not None else []
     flags += ["--train.compile=true"] * args.compile + ["--train.fp8=true"] * args.fp8
+    if args.fp8_recipe is not None:
+        flags.append(f"--train.fp8={toml_str(args.fp8_recipe)}")
 
     from pathlib import Path
 

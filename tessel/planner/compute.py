@@ -1,11 +1,13 @@
 """Compute time of one micro-batch on one GPU: each matmul's FLOPs at the peak the stack and
 precision give, recomputation per checkpointing policy, and float8's rate for the blocks'
-projections (train.fp8). `speed.py` adds the communication, the bubble and the optimizer."""
+projections (train.fp8: `tessel.planner.fp8`). `speed.py` adds the communication, the bubble
+and the optimizer."""
 
 from __future__ import annotations
 
 from tessel.config import ModelConfig
 from tessel.models.loss import loss_pieces
+from tessel.planner.fp8 import Fp8Terms, Linear, attention_linears, mlp_linears
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.kept import unchecked_share
 from tessel.planner.layout import Layout
@@ -22,42 +24,47 @@ RECOMPUTE = {"none": 0.0, "matmuls": 0.03, "full": 1.0 / 3.0}
 # 32,768 tokens, 128 experts of 768, top-8): 242 TFLOP/s, 0.46 of the 530 TFLOP/s this model
 # gives dense matmuls of that size (0.625 x 768/896 of 989), rounded to 0.5.
 GROUPED_GEMM_EFFICIENCY = 0.5
-# train.fp8 (torchao's float8 linears, tensorwise scaling): the fraction of the FP8 peak x
-# matmul efficiency its matmuls reach, casts and scales included (they run beside each
-# matmul, memory-bound). Fitted on torchtitan's Float8 rows (Llama 3 8B, 8 and 128 H100s at
-# 500 W with torch.compile: 8,532 and 8,380 tokens/s per GPU against 6,667 and 6,514 in bf16).
-FP8_EFFICIENCY = 0.74
 
 
 def _size_efficiency(k: float) -> float:
     return k / (k + MATMUL_HALF_SIZE)
 
 
+def linears_seconds(linears: list[Linear], rows: float, rate: float, hw: GpuProfile,
+                    fp8: Fp8Terms | None) -> float:
+    """Seconds of forward + backward of a block's linears over `rows` rows at `rate` FLOP/s
+    (times the small-dimension factor), train.fp8's converted ones as `fp8` says."""
+    total = 0.0
+    for k, n, converted in linears:
+        size = _size_efficiency(min(rows, k, n))
+        if fp8 is not None and converted:
+            total += fp8.linear_seconds(rows, k, n, rate, hw.matmul_efficiency, size)
+        else:
+            total += 6 * rows * k * n / (rate * size)
+    return total
+
+
 def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
                         layers: int, last: bool, peak: float, moe_layers: int = 0,
-                        fp8_peak: float | None = None) -> tuple[float, float]:
+                        fp8: Fp8Terms | None = None) -> tuple[float, float]:
     """(seconds of one micro-batch's forward + backward on one GPU of a pipeline rank with
     `layers` blocks, `moe_layers` of them Mixture-of-Experts layers, of which attention)
-    without recomputation. `fp8_peak`: the blocks' projections (train.fp8's float8 linears:
-    attention's and the dense MLPs', shared experts' included) run at that peak x
-    FP8_EFFICIENCY; attention, the router, routed experts and the head stay at `peak`."""
+    without recomputation. `fp8`: the blocks' linears train.fp8 converts (attention's and
+    the dense MLPs', shared experts' included) run as `Fp8Terms.linear_seconds` says;
+    attention, the router, routed experts and the head stay at `peak`."""
     tokens = layout.micro_batch * seq_len / layout.cp
     tp = layout.tp
-    d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
+    d, f = m.d_model, m.ffn_hidden
     n_in = 2 if m.mlp == "swiglu" else 1
     rate = peak * hw.matmul_efficiency
-    linear = fp8_peak * hw.matmul_efficiency * FP8_EFFICIENCY if fp8_peak else rate
 
     def matmuls(shapes: list[tuple[float, float]], rows: float, at: float) -> float:
         """Seconds of forward + backward of (K, N) matmuls over `rows` rows at rate `at`."""
         return sum(6 * rows * k * n / (at * _size_efficiency(min(rows, k, n))) for k, n in shapes)
 
-    def mlp(hidden: float) -> list[tuple[float, float]]:
-        return [(d, hidden / tp)] * n_in + [(hidden / tp, d)]
-
-    # (K, N) of each matmul of a block on one tensor-parallel rank; M is `tokens`.
-    attn_mm = matmuls([(d, q / tp), (d, kv / tp), (d, kv / tp), (q / tp, d)], tokens, linear)
-    block = attn_mm + matmuls(mlp(f), tokens, linear)
+    # Each matmul of a block on one tensor-parallel rank; M is `tokens`.
+    attn_mm = linears_seconds(attention_linears(m, tp), tokens, rate, hw, fp8)
+    block = attn_mm + linears_seconds(mlp_linears(m, f, tp), tokens, rate, hw, fp8)
     # Attention: QK^T and PV over the causal half of the (gathered) sequence, per head: each
     # context-parallel rank 1/cp of it (Ulysses: every row, heads/cp heads); contiguous
     # pieces leave the last rank (2cp-1)/cp of the mean.
@@ -77,8 +84,8 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
         moe_tokens = tokens / tp
         moe = attn_mm + attention + matmuls([(d, E)], moe_tokens, rate / 2)
         if m.moe_shared_experts:
-            shared = m.moe_shared_experts * h
-            moe += matmuls([(d, shared)] * n_in + [(shared, d)], moe_tokens, linear)
+            moe += linears_seconds(mlp_linears(m, m.moe_shared_experts * h, 1), moe_tokens,
+                                   rate, hw, fp8)
         slots = moe_tokens * k
         rows = slots * layout.ep / E
         moe += sum(6 * slots * a * b / (rate * GROUPED_GEMM_EFFICIENCY

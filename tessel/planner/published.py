@@ -132,7 +132,9 @@ def _titan_h100(gpus: int, mode: str, per_gpu: float) -> PublishedRun:
         assumed=("seq 8192 (the default config of the time); torchtitan's per-op selective "
                  "checkpointing, as tessel's selective"
                  + ("; torchao's float8 linears with tensorwise scaling (the default of the "
-                    "time) on every block projection, the output layer in bf16" if fp8 else "")),
+                    "time) on every block projection, the output layer in bf16, weights "
+                    "all-gathered in float8 (torchtitan's advised setting; the doc does not "
+                    "say)" if fp8 else "")),
         stack="pytorch-eager" if mode == "eager" else "pytorch-compile", fp8=fp8,
     )
 

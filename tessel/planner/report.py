@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tessel.config import Config
-from tessel.planner.compute import FP8_EFFICIENCY
+from tessel.planner.async_tp import FUSED_SHARE
+from tessel.planner.fp8 import described as fp8_described
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.memory import ASSUMPTIONS as MEMORY_ASSUMPTIONS
 from tessel.planner.memory import GIB
@@ -67,12 +68,10 @@ def stack_line(cfg: Config, hw: GpuProfile) -> str:
             f"{stack.factor(hw):.2f} x the profile's matmul efficiency {hw.matmul_efficiency:.3f} "
             f"on {generation(hw)} GPUs, fitted on torchtitan's published runs; "
             "`--calibrate` with a tessel bench JSON of this GPU replaces the assumption"
-            + ("; train.fp8: the blocks' projections (attention's, the dense MLPs' and shared "
-               f"experts') at the FP8 peak x {FP8_EFFICIENCY} (casts and scales), attention, "
-               "the router, routed experts and the output layer at the BF16 rate"
-               if cfg.train.fp8 and hw.fp8_flops else
-               "; train.fp8: this GPU has no FP8 peak, all at the BF16 rate"
-               if cfg.train.fp8 else ""))
+            + fp8_described(cfg, hw)
+            + ("; parallel.async_tp: each block's sequence-parallel transfers hidden behind up "
+               f"to (tp-1)/tp of its fused matmuls ({FUSED_SHARE:.2f} of its linears' time: "
+               "forward and input gradient)" if cfg.parallel.async_tp else ""))
 
 
 def table_head(device_type: str) -> str:

@@ -16,9 +16,10 @@ from tessel.config import Config, ModelConfig
 from tessel.errors import TesselError
 from tessel.models.transformer import flops_per_token
 from tessel.parallel.dims import ParallelDims
+from tessel.planner.fp8 import Fp8Terms, fp8_memory
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
-from tessel.planner.memory import GIB, Memory, estimate_memory
+from tessel.planner.memory import GIB, Memory, estimate_memory, fsdp_active
 from tessel.planner.optimizer import OptimizerSpec
 from tessel.planner.speed import MIN_CP_POSITIONS, StepTime, estimate_step
 from tessel.planner.stack import Stack, on_stack, tessel_stack
@@ -91,9 +92,12 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str | Non
     mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
                           cfg.data.document_mask, cfg.lora if cfg.lora.enabled else None,
                           flex_attention=device_type == "cuda", optimizer=opt)
+    # train.fp8 (planner/fp8.py): its casts on the FSDP shard of a weight, where it is one
+    fp8 = Fp8Terms.of(cfg, hw, layout.dp_shard * layout.cp if fsdp_active(layout) else 1)
+    mem = fp8_memory(mem, m, layout, t.seq_len, fp8)
     run_hw = on_stack(hw, stack or tessel_stack(t.compile))
     step = estimate_step(m, layout, run_hw, t.seq_len, t.global_batch_size, precision,
-                         dp_overlap, opt, fp8=t.fp8 and hw.fp8_flops is not None)
+                         dp_overlap, opt, fp8=fp8, async_tp=cfg.parallel.async_tp)
     tokens = t.global_batch_size * t.seq_len
     tps = tokens / step.total
     # MoE: FLOPs of the active parameters (the top_k experts a token is sent to).

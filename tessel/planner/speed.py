@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from tessel.config import ModelConfig
+from tessel.planner.async_tp import hidden_seconds
 from tessel.planner.calls import (
     GLOO_SCATTER,
     on_curve,
@@ -29,6 +30,7 @@ from tessel.planner.compute import (
     micro_batch_compute,
     recompute_seconds,
 )
+from tessel.planner.fp8 import Fp8Terms, gathered_bytes
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (
@@ -206,6 +208,8 @@ class _Step:
     ids: list[int]
     n_stages: int
     act_bytes: int
+    fp8: Fp8Terms | None = None
+    """train.fp8's terms (None without)."""
 
     @property
     def compute(self) -> float:
@@ -231,16 +235,22 @@ class _Step:
 def estimate_step(
     m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int, global_batch: int,
     precision: str, dp_overlap: float | None = None, optimizer: OptimizerSpec = ADAMW,
-    fp8: bool = False,
+    fp8: Fp8Terms | None = None, async_tp: bool = False,
 ) -> StepTime:
     """`dp_overlap` replaces the fraction of compute data-parallel communication hides
     behind (DDP_OVERLAP / FSDP_OVERLAP): 0 models an implementation that reduces gradients
     after the backward pass (used to replay published runs of such systems). `optimizer`:
     its update's memory traffic and, for Muon, its Newton-Schulz work and whole-matrix
-    collectives (planner/optimizer.py), all in `optimizer_s`."""
+    collectives (planner/optimizer.py), all in `optimizer_s`. `fp8`: train.fp8's terms
+    (planner/fp8.py); `async_tp`: parallel.async_tp, whose hidden transfers
+    (planner/async_tp.py) come off the tensor-parallel time."""
     s = _busiest(m, layout, hw, seq_len, global_batch // (layout.micro_batch * layout.dp),
                  precision, fp8)
     tp_comm, tp_syncs = _tensor_parallel(s)
+    if async_tp:
+        tp_comm -= s.micro_batches * (1 + s.recompute) * hidden_seconds(
+            m, layout, hw, s.tokens, s.act_bytes, s.stage.layers, s.stage.moe_layers,
+            s.within(layout.tp), fp8, hw.bf16_flops)
     cp_comm, cp_syncs = _context_parallel(s)
     ep_comm, ep_syncs = _expert_parallel(s)
     # Ranks' drift: each collective above, and FSDP's gathers and reduce-scatters, waits
@@ -265,12 +275,11 @@ def estimate_step(
 
 
 def _busiest(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
-             micro_batches: int, precision: str, fp8: bool) -> _Step:
+             micro_batches: int, precision: str, fp8: Fp8Terms | None) -> _Step:
     """The pipeline rank whose micro-batch takes longest (it sets the pace), with its
     recomputation."""
     pp, tp = layout.pp, layout.tp
     peak = hw.bf16_flops
-    fp8_peak = hw.fp8_flops if fp8 else None  # train.fp8: the blocks' projections
     if precision == "fp32":
         peak = peak / 2  # TF32 tensor cores: half the BF16 rate
     n_stages = pp * layout.pp_virtual_stages
@@ -281,7 +290,7 @@ def _busiest(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
         layers = sum(len(ranges[s]) for s in ids)
         moe = sum(moe_layer_count(m, ranges[s]) for s in ids)
         t, _ = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak,
-                                   moe, fp8_peak)
+                                   moe, fp8)
         if tp > 1:  # DTensor's host work per block (0 in GPU profiles: hidden, see GpuProfile)
             t += layers * hw.tp_block_overhead_s
         if t > t_mb:
@@ -294,7 +303,7 @@ def _busiest(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
     recompute = 0.0 if layout.activation_checkpointing == "selective" else t_recompute / t_mb
     act_bytes = 2 if precision in ("bf16", "fp16", "fp8") else 4
     return _Step(m, layout, hw, seq_len, micro_batches, t_mb + t_recompute, recompute,
-                 rank_parameters(m, layout, busiest), ids, n_stages, act_bytes)
+                 rank_parameters(m, layout, busiest), ids, n_stages, act_bytes, fp8=fp8)
 
 
 def _tensor_parallel(s: _Step) -> tuple[float, float]:
@@ -356,7 +365,10 @@ def _data_parallel(s: _Step, dp_overlap: float | None, syncs: float,
     expert_group, expert_bw = layout.expert_dp_shard, shard_bw
     gathers, scatters = fsdp_calls(layout.zero, s.micro_batches)
     scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
-    raw = (gathers * (_ring(s.act_bytes * dense, shard_group, shard_bw, all_reduce=False)
+    # train.fp8 with float8 all-gather: the converted weights move at 1 byte
+    gathered = gathered_bytes(s.fp8, s.act_bytes * dense, s.act_bytes, s.m, layout.tp,
+                              s.stage.layers, s.stage.moe_layers)
+    raw = (gathers * (_ring(gathered, shard_group, shard_bw, all_reduce=False)
                       + _ring(s.act_bytes * experts, expert_group, expert_bw, all_reduce=False))
            + scatters * scatter * (
                _ring(4.0 * dense, shard_group, shard_bw, all_reduce=False)

@@ -109,6 +109,9 @@ def test_train_flags_given_to_other_config_commands_are_refused(capsys, command,
 def test_bench_counts_are_whole_numbers(capsys):
     assert "--warmup takes a whole number, not 'x'" in one_line_error(capsys, ["bench", "--warmup=x"])
     assert "--steps takes a whole number" in one_line_error(capsys, ["bench", "--steps", "1.5"])
+    # --fp8-recipe takes train.fp8's recipes only (--fp8 alone is tensorwise, as the GPU kit runs)
+    assert "argument --fp8-recipe: invalid choice: 'fp4'" in one_line_error(
+        capsys, ["bench", "--fp8-recipe", "fp4"])
 
 
 def test_config_reference_takes_nothing_else(capsys):
