@@ -129,10 +129,11 @@ class GPT2(Architecture):
 
     def hf_config(self, m: ModelConfig) -> dict[str, Any]:
         if not (m.position == "learned" and m.norm == "layernorm" and m.mlp == "gelu" and m.bias
-                and m.n_kv_heads == m.n_heads and m.q_dim == m.d_model and not m.qk_norm):
+                and m.n_kv_heads == m.n_heads and m.q_dim == m.d_model and not m.qk_norm
+                and m.norm_placement == "pre"):
             raise HFError("model: only the GPT-2 shape (learned positions, LayerNorm, GELU, "
                           "biases, multi-head attention of d_model / n_heads per head, no "
-                          "QK-norm) exports as GPT2LMHeadModel")
+                          "QK-norm, norms before the sub-layers) exports as GPT2LMHeadModel")
         return {
             "architectures": [self.hf_class], "model_type": self.model_type,
             "n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads,
@@ -262,6 +263,9 @@ class Llama(Architecture):
 
     model_type = "llama"
     hf_class = "LlamaForCausalLM"
+    checks_variants = False
+    """Whether hf_config checks q/k/v biases, norm placement and QK-norm's scope itself
+    (Qwen2, Qwen3, OLMo 2: tessel.checkpoint.hf_qwen_olmo); Llama's layers have none."""
 
     def model_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         if hf.get("mlp_bias", False):
@@ -323,6 +327,12 @@ class Llama(Architecture):
         if not (m.position == "rope" and m.norm == "rmsnorm" and m.mlp == "swiglu" and not m.bias):
             raise HFError(f"model: only the Llama shape (RoPE, RMSNorm, SwiGLU, no biases) "
                           f"exports as {self.hf_class}")
+        if not self.checks_variants and (
+                m.qkv_bias or m.norm_placement != "pre" or m.qk_norm_scope != "head"):
+            raise HFError(f"model: {self.hf_class} has no q/k/v biases, norms after the "
+                          f"sub-layers or projection-wide QK-norm; this model has qkv_bias="
+                          f"{m.qkv_bias}, norm_placement={m.norm_placement!r}, qk_norm_scope="
+                          f"{m.qk_norm_scope!r}")
         out = {
             "architectures": [self.hf_class], "model_type": self.model_type,
             "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,

@@ -1,6 +1,6 @@
 """The Hugging Face architectures tessel converts, by `model_type`, and the one a tessel
 model exports as. The mappings themselves: `hf_arch` (GPT-2, Llama), `hf_moe` (Mixtral,
-Qwen3-MoE)."""
+Qwen3-MoE), `hf_qwen_olmo` (Qwen2, Qwen3, OLMo 2)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from tessel.checkpoint.hf_arch import GPT2, Architecture, HFError, Llama
 from tessel.checkpoint.hf_moe import Mixtral, Qwen3Moe
+from tessel.checkpoint.hf_qwen_olmo import Olmo2, Qwen2, Qwen3
 from tessel.config import ConfigError
 
 if TYPE_CHECKING:
     from tessel.config import Config, ModelConfig
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.model_type: a for a in (GPT2(), Llama(), Mixtral(), Qwen3Moe())}
+    a.model_type: a for a in (GPT2(), Llama(), Mixtral(), Qwen3Moe(), Qwen2(), Qwen3(),
+                              Olmo2())}
 
 
 def for_hf_config(hf: dict[str, Any], where: str) -> Architecture:
@@ -29,14 +31,19 @@ def for_hf_config(hf: dict[str, Any], where: str) -> Architecture:
 
 
 def for_model(m: ModelConfig) -> Architecture:
-    """GPT-2 for the learned-position GELU shape, Llama for the RoPE SwiGLU one; an MoE model
-    as Qwen3-MoE with QK-norm (Qwen3 has it, Mixtral not), else as Mixtral. Each refuses in
-    `hf_config` the shapes it cannot hold."""
+    """GPT-2 for the learned-position GELU shape, Llama for the RoPE SwiGLU one; a dense
+    model with per-head QK-norm as Qwen3, with projection-wide QK-norm or norms after the
+    sub-layers as OLMo 2, with q/k/v biases alone as Qwen2; an MoE model as Qwen3-MoE with
+    QK-norm (Qwen3 has it, Mixtral not), else as Mixtral. Each refuses in `hf_config` the
+    shapes it cannot hold."""
     if m.moe_experts:
         return ARCHITECTURES["qwen3_moe" if m.qk_norm else "mixtral"]
-    if m.qk_norm:
-        raise HFError("model: dense models with model.qk_norm have no Hugging Face export "
-                      "(Qwen3ForCausalLM is not mapped yet)")
+    if m.qk_norm:  # per head: Qwen3; over each projection: OLMo 2
+        return ARCHITECTURES["qwen3" if m.qk_norm_scope == "head" else "olmo2"]
+    if m.norm_placement == "post":
+        return ARCHITECTURES["olmo2"]
+    if m.qkv_bias and not m.bias:
+        return ARCHITECTURES["qwen2"]
     return ARCHITECTURES["llama" if m.position == "rope" else "gpt2"]
 
 

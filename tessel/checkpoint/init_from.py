@@ -43,6 +43,7 @@ else:  # pragma: no cover
 # (dropout: stock GPT-2's 0.1); explicit settings override the non-shape ones.
 _MODEL_FIELDS = (
     "dropout", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "vocab_size",
+    "qk_norm_scope", "qkv_bias", "norm_placement",
     "max_seq_len", "ffn_hidden",
     "position", "rope_theta", "norm", "norm_eps", "mlp", "tie_embeddings", "bias",
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",

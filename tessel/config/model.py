@@ -39,6 +39,18 @@ class ModelConfig(Section):
     """RMSNorm (epsilon norm_eps, a learned weight of head_dim) over each head of the queries
     and of the keys, before the rotary embedding (Qwen3's QK-norm). Keeps attention logits
     from growing; one weight shared by all heads."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """What model.qk_norm normalises: each head of head_dim (Qwen3), or the whole query and
+    key projections, n_heads x head_dim and n_kv_heads x head_dim wide with a weight of that
+    width (OLMo 2). Under tensor parallelism a projection-wide norm sums its squares over
+    the tp ranks' heads."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2), the output projection
+    and MLP without; model.bias = true puts biases everywhere instead."""
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
+    """Where each block normalises: "pre" (GPT-2, Llama) the input of attention and MLP;
+    "post" (OLMo 2) their outputs, before each is added to the residual stream, with no
+    input norms; "sandwich" (Gemma 3) both."""
     vocab_size: int = Field(2048, gt=0)
     """Token ids the model predicts over; must hold every token id of the tokenizer."""
     vocab_pad_to: int = Field(128, gt=0)
@@ -186,6 +198,11 @@ class ModelConfig(Section):
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 "model.n_kv_heads must divide model.n_heads"
             )
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            raise ValueError(
+                f"qk_norm_scope={self.qk_norm_scope!r} has no QK-norm to place; set "
+                "model.qk_norm=true, or drop model.qk_norm_scope"
+            )
         self._check_moe()
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(
@@ -245,6 +262,7 @@ class ModelConfig(Section):
 # What weights fix (other model fields, e.g. dropout, may differ from the source's).
 SHAPE_FIELDS = {
     "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "vocab_size",
+    "qk_norm_scope", "qkv_bias", "norm_placement",
     "ffn_hidden", "position", "norm", "mlp", "tie_embeddings", "bias", "rope_theta",
     "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",

@@ -68,6 +68,22 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "ffn_hidden": 28672},
     "llama3-405b": {**_LLAMA3, "n_layers": 126, "d_model": 16384, "n_heads": 128,
                     "ffn_hidden": 53248},
+    # ---- Qwen2.5, Qwen3, OLMo 2 (Hugging Face config.json values; tessel's counts equal
+    # transformers' own: 7,615,616,512, 8,190,735,360 and 7,298,617,344) -------------------
+    # Qwen/Qwen2.5-7B: biases on q/k/v only; context of the instruct model (base: 131072)
+    "qwen2.5-7b": {**_LLAMA3, "n_layers": 28, "d_model": 3584, "n_heads": 28, "n_kv_heads": 4,
+                   "ffn_hidden": 18944, "vocab_size": 152064, "max_seq_len": 32768,
+                   "rope_theta": 1e6, "norm_eps": 1e-6, "qkv_bias": True},
+    # Qwen/Qwen3-8B: heads of 128, per-head QK-norm
+    "qwen3-8b": {**_LLAMA3, "n_layers": 36, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8,
+                 "head_dim": 128, "ffn_hidden": 12288, "vocab_size": 151936,
+                 "max_seq_len": 40960, "rope_theta": 1e6, "norm_eps": 1e-6, "qk_norm": True},
+    # allenai/OLMo-2-1124-7B: multi-head, QK-norm over each projection, norms after the
+    # sub-layers
+    "olmo-2-7b": {**_LLAMA3, "n_layers": 32, "d_model": 4096, "n_heads": 32, "n_kv_heads": 32,
+                  "ffn_hidden": 11008, "vocab_size": 100352, "max_seq_len": 4096,
+                  "rope_theta": 500000.0, "norm_eps": 1e-6, "qk_norm": True,
+                  "qk_norm_scope": "projection", "norm_placement": "post"},
     # ---- Mixture-of-Experts ------------------------------------------------------------
     # a CPU-trainable MoE: tiny-llama's attention, 8 experts (top-2) + 1 shared expert in
     # layers 1-3, layer 0 dense (DeepSeek-style)

@@ -1,5 +1,5 @@
-"""Attention: projections, QK-norm, RoPE, the masks and the kernel, and the one place where
-context parallelism, document masks and the kernel meet.
+"""Attention: projections, QK-norm (per head or per projection), RoPE, the masks and the
+kernel, and the one place where context parallelism, document masks and the kernel meet.
 
 Sequence layout. Without context parallelism a rank holds every position of its sequences.
 With it, a rank holds some of them: `positions` (B, T_local), the global index of each local
@@ -70,14 +70,23 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         kv_dim = cfg.n_kv_heads * cfg.head_dim
         # q_dim = d_model unless model.head_dim says otherwise (Qwen3: 32 x 128 on 2048).
-        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias  # Qwen2: biases on q, k, v only
+        self.wq = nn.Linear(cfg.d_model, cfg.q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
-        # QK-norm (Qwen3): one RMSNorm over head_dim for all query heads, one for all key
-        # heads; None without it, so other models keep their parameters and state dict.
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # QK-norm: one RMSNorm over head_dim for all query heads, one for all key heads
+        # (Qwen3), or one over each whole projection (OLMo 2); None without it, so other
+        # models keep their parameters and state dict.
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if cfg.qk_norm and cfg.qk_norm_scope == "head":
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        elif cfg.qk_norm:
+            self.q_norm = ProjectionNorm(cfg.q_dim, cfg.norm_eps)
+            self.k_norm = ProjectionNorm(kv_dim, cfg.norm_eps)
+        self.per_head_norm = cfg.qk_norm_scope == "head"
         self.dropout = cfg.dropout
         self.sequence: SequenceExchange | None = None
         """Context parallelism (tessel.parallel.context): how this rank's part of the
@@ -89,14 +98,18 @@ class Attention(nn.Module):
         (B, T, hd/2, 2); mask: from `attention_mask` (None: causal); sharded: x holds this
         rank's part of the sequence (context parallelism) -> (B, T, C)."""
         B, T, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if not self.per_head_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # the whole projections (OLMo 2)
         # Head counts come from the shapes (-1), not the config: under tensor parallelism
         # each rank holds n_heads/tp query heads and n_kv_heads/tp key/value heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before RoPE
-            # In the weight's dtype (fp32 under autocast, as transformers normalises): a
-            # bf16 input with an fp32 weight has no fused kernel and warns.
+        q = q.view(B, T, -1, self.head_dim)
+        k = k.view(B, T, -1, self.head_dim)
+        v = v.view(B, T, -1, self.head_dim)
+        if self.per_head_norm and self.q_norm is not None and self.k_norm is not None:
+            # Per head, before RoPE. In the weight's dtype (fp32 under autocast, as
+            # transformers normalises): a bf16 input with an fp32 weight has no fused kernel
+            # and warns.
             dtype = self.q_norm.weight.dtype
             q, k = self.q_norm(q.to(dtype)).type_as(q), self.k_norm(k.to(dtype)).type_as(k)
         if freqs is not None:
@@ -112,6 +125,28 @@ class Attention(nn.Module):
         if exchange is not None:
             y = exchange.restore(y)
         return self.wo(y.reshape(B, T, -1))  # (B, T, C)
+
+
+class ProjectionNorm(nn.Module):
+    """RMSNorm over a whole projection's output, all heads together (OLMo 2's QK-norm),
+    computed in float32 and scaled by the weight before the cast back, as OLMo 2 does.
+
+    Written as plain sums rather than `F.rms_norm` so that it runs unchanged on a tensor
+    whose last dimension is split over ranks (tensor parallelism gives each rank some heads:
+    `tessel.parallel.tensor` hands it a DTensor sharded there, whose sum of squares is then
+    one all-reduce of a value per token)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.width = width
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., width) -> the same shape and dtype."""
+        xf = x.float()
+        mean_square = xf.pow(2).sum(-1, keepdim=True) / self.width
+        return (self.weight * (xf * torch.rsqrt(mean_square + self.eps))).to(x.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,

@@ -1,8 +1,9 @@
 """One decoder-only transformer covering GPT-2/GPT-3 and Llama shapes.
 
 Variants (all from `ModelConfig`): learned or rotary positions, LayerNorm or RMSNorm, GELU MLP
-or SwiGLU, multi-head or grouped-query attention, a head width of its own and QK-norm (Qwen3),
-tied or untied embeddings, biases on or off.
+or SwiGLU, multi-head or grouped-query attention, a head width of its own and QK-norm (Qwen3,
+per head; OLMo 2, per projection), tied or untied embeddings, biases on or off (or on q/k/v
+only: Qwen2), norms before the sub-layers or after them (OLMo 2).
 Nothing here knows about parallelism. Blocks live in a ModuleDict keyed "0".."L-1" so that a
 pipeline stage can drop blocks and keep the checkpoint names of the rest.
 
@@ -91,17 +92,29 @@ class Block(nn.Module):
         """`index`: the block's layer number, which decides whether its MLP is an MoE layer
         (cfg.is_moe_layer). Either way it is called `feed_forward`."""
         super().__init__()
-        self.attention_norm = _norm(cfg)
+        # model.norm_placement: norms on the sub-layers' inputs ("pre"), on their outputs
+        # before the residual add ("post", OLMo 2), or both ("sandwich"); None where absent,
+        # so a model keeps only the parameters (and state dict names) it has.
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+        self.attention_norm = _norm(cfg) if pre else None
         self.attention = Attention(cfg)
-        self.ffn_norm = _norm(cfg)
+        self.post_attention_norm = _norm(cfg) if post else None
+        self.ffn_norm = _norm(cfg) if pre else None
         self.feed_forward: nn.Module = _mlp(cfg, index)
+        self.post_ffn_norm = _norm(cfg) if post else None
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor | None,
                 mask: AttentionMask | None = None, sharded: bool = False) -> torch.Tensor:
         """`sharded`: x holds this rank's part of the sequence (context parallelism)."""
-        x = x + self.resid_dropout(self.attention(self.attention_norm(x), freqs, mask, sharded))
-        return x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
+        a = self.attention(_normed(self.attention_norm, x), freqs, mask, sharded)
+        x = x + self.resid_dropout(_normed(self.post_attention_norm, a))
+        f = self.feed_forward(_normed(self.ffn_norm, x))
+        return x + self.resid_dropout(_normed(self.post_ffn_norm, f))
+
+
+def _normed(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 def _mlp(cfg: ModelConfig, index: int) -> nn.Module:
@@ -341,14 +354,30 @@ def _block_params(cfg: ModelConfig, index: int) -> tuple[int, int, int]:
     `index`; active = all for a dense block."""
     d, q, kv = cfg.d_model, cfg.q_dim, cfg.n_kv_heads * cfg.head_dim
     attn_mm = 2 * d * q + 2 * d * kv
-    attn = (_linear(d, q, cfg.bias) + _linear(q, d, cfg.bias) + 2 * _linear(d, kv, cfg.bias)
-            + 2 * _norm_params(cfg) + (2 * cfg.head_dim if cfg.qk_norm else 0))
+    qkv_bias = cfg.bias or cfg.qkv_bias
+    attn = (_linear(d, q, qkv_bias) + _linear(q, d, cfg.bias) + 2 * _linear(d, kv, qkv_bias)
+            + block_norms(cfg) * _norm_params(cfg) + qk_norm_params(cfg))
     if cfg.is_moe_layer(index):
         active, mm, total = _moe_params(cfg)
     else:
         mm, total = _mlp_params(cfg, cfg.ffn_hidden)
         active = mm
     return attn_mm + active, attn_mm + mm, attn + total
+
+
+def qk_norm_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """QK-norm's weights on one of `tp` tensor-parallel ranks: one head's width each for q
+    and k (replicated), or each whole projection's (split like the projection's columns)."""
+    if not cfg.qk_norm:
+        return 0
+    if cfg.qk_norm_scope == "head":
+        return 2 * cfg.head_dim
+    return (cfg.q_dim + cfg.n_kv_heads * cfg.head_dim) // tp
+
+
+def block_norms(cfg: ModelConfig) -> int:
+    """Norms on a block's residual stream: two (before or after each sub-layer), or four."""
+    return 4 if cfg.norm_placement == "sandwich" else 2
 
 
 def _norm_params(cfg: ModelConfig) -> int:

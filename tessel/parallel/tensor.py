@@ -2,8 +2,9 @@
 
 Per block: wq/wk/wv and w1/w3 are split by output columns (each rank holds n_heads/tp query
 heads, n_kv_heads/tp key/value heads, ffn_hidden/tp hidden units); wo and w2 by input rows,
-so each block needs one all-reduce in forward and one in backward per sub-layer. QK-norm
-weights (model.qk_norm) are replicated, their gradients summed over tp. The
+so each block needs one all-reduce in forward and one in backward per sub-layer. Per-head
+QK-norm weights (model.qk_norm) are replicated, their gradients summed over tp; projection-wide
+ones (OLMo 2) are split like the projection's columns (`ColumnShardedNorm`). The
 embedding is split by vocabulary rows (vocab-parallel), the output projection by vocabulary
 columns (tp divides model.padded_vocab_size; the -inf mask of the padding ids is sharded the
 same way), and the loss is computed on vocabulary-sharded logits (`loss_parallel`) without
@@ -20,10 +21,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -116,16 +119,24 @@ def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
     }
-    if block.attention.q_norm is not None:
+    if block.attention.q_norm is not None and block.attention.per_head_norm:
         # QK-norm runs on each rank's own heads (B, T, H/tp, hd): its weight is replicated
         # and its gradient, partial per rank, summed over tp. SequenceParallel does both
         # for a module whose input is sharded along `sequence_dim` (here the heads).
         for norm in ("attention.q_norm", "attention.k_norm"):
             plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    elif block.attention.q_norm is not None:
+        # Over the whole projection (OLMo 2): its weight split like the projection's
+        # columns, its mean square summed over the ranks' heads.
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            plan[norm] = ColumnShardedNorm()
     if sp:
+        # Norms on the residual stream run on this rank's positions: before the sub-layers,
+        # after them (model.norm_placement), or both. A norm after a sub-layer hands its
+        # output to the residual add, which holds this rank's positions as a plain tensor.
+        plan.update({name: SequenceParallel(use_local_output=name.startswith("post_"))
+                     for name in SEQUENCE_NORMS if getattr(block, name) is not None})
         plan.update({
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
             # Gather the sequence before attention (x, freqs, mask, sharded).
             "attention": PrepareModuleInput(
                 input_layouts=(Shard(1), None, None, None),
@@ -133,6 +144,32 @@ def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:
             ),
         })
     return plan
+
+
+SEQUENCE_NORMS = ("attention_norm", "post_attention_norm", "ffn_norm", "post_ffn_norm")
+"""A block's norms on the residual stream (those its model.norm_placement gives it)."""
+
+
+class ColumnShardedNorm(ParallelStyle):
+    """A norm over a last dimension that a column-parallel projection split over the tp
+    ranks (`tessel.models.attention.ProjectionNorm`): its weight Shard(0), its input this
+    rank's columns as a Shard(-1) DTensor, so the norm's sum of squares over the last
+    dimension becomes one all-reduce of a value per token; its output this rank's columns
+    again, as a plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        def columns(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            (x,) = inputs
+            return (DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False),)
+
+        def local(_mod: nn.Module, out: DTensor, _mesh: DeviceMesh) -> torch.Tensor:
+            return out.to_local()
+
+        return distribute_module(module, device_mesh, shard, columns, local)
 
 
 def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, experts: bool) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from tessel.config import LoraConfig, ModelConfig
 from tessel.models.loss import loss_pieces
+from tessel.models.transformer import block_norms, qk_norm_params
 from tessel.parallel.checkpointing import checkpointed_blocks
 from tessel.parallel.dims import stage_layer_counts
 from tessel.parallel.fsdp import data_parallel_kind
@@ -150,12 +151,11 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
     """Parameters held by one tensor-parallel (and expert-parallel) rank of a pipeline rank
     with `layers` blocks, `moe_layers` of them Mixture-of-Experts layers, the embeddings if
     `first`, the final norm and head if `last`. Column-parallel weights and biases and
-    row-parallel weights are split by tp; row-parallel biases, norms and QK-norm weights
-    (head_dim each) are replicated; the embedding and the head (padded_vocab_size rows) are
-    split over the vocabulary. An MoE layer has the fp32 router (moe_experts x d_model),
-    moe_experts / ep routed experts (no biases) and its shared experts, a dense MLP of
-    moe_shared_experts x moe_ffn_hidden; none of it is split by tp (MoE layers run on each tp
-    rank's part of the sequence)."""
+    row-parallel weights are split by tp, and so is projection-wide QK-norm; row-parallel
+    biases, norms and per-head QK-norm are replicated; embedding and head split over the
+    vocabulary. An MoE layer has the fp32 router (moe_experts x d_model), moe_experts / ep
+    routed experts (no biases) and its shared experts, a dense MLP of moe_shared_experts x
+    moe_ffn_hidden; none of it split by tp (MoE layers run on each tp rank's tokens)."""
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     n_in = 2 if m.mlp == "swiglu" else 1  # w1 (and w3)
     norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
@@ -166,8 +166,8 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
         return mm, mm + ((n_in * hidden // split + d) if m.bias else 0)
 
     attn_mm = (d * q + 2 * d * kv) // tp + q * d // tp
-    attn = (attn_mm + (((q + 2 * kv) // tp + d) if m.bias else 0) + 2 * norm
-            + (2 * m.head_dim if m.qk_norm else 0))
+    attn = (attn_mm + ((q + 2 * kv) // tp if m.bias or m.qkv_bias else 0) + (d if m.bias else 0)
+            + block_norms(m) * norm + qk_norm_params(m, tp))
     dense_mm, dense_all = mlp(f, tp)
     expert_layer = moe_mm = moe_all = 0
     if moe_layers:

@@ -88,7 +88,8 @@ _FFN_MODULE = "feed_forward"  # a block's MLP, dense or MoE (and its shared expe
 _COLUMN_INPUTS = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
                   "feed_forward.w3", "output")
 _ROW_LINEARS = ("attention.wo", "feed_forward.w2")
-_SEQUENCE_MODULES = ("attention_norm", "ffn_norm", "norm", "block", "resid_dropout", "emb_dropout")
+_SEQUENCE_MODULES = ("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm", "norm",
+                     "block", "resid_dropout", "emb_dropout")
 _SHARDED_MODULES = ("attention", "attention.q_norm", "attention.k_norm", "feed_forward", "loss")
 
 # Regimes: how the trainer runs a precision. FSDP (zero >= 1) gathers bf16 parameters, so
