@@ -262,4 +262,7 @@ def test_five_steps_leave_trls_weights(hf_dir: Path, tmp_path: Path):
         assert float(moved) > 0 or float(diff) == 0, name  # every weight trained
         worst = max(worst, float(diff))
     print(f"five steps: largest weight difference from TRL's {worst:.3g}")  # pytest -s
-    assert worst < 1e-5, worst  # a step moves a weight by ~lr = 1e-3
+    # A step moves a weight by up to lr = 1e-3. Measured: 8.0e-6 with AdamW's eps = 1e-8, where
+    # Adam divides the float noise of near-zero gradients by their tiny root mean square;
+    # 1.2e-7 with eps = 1e-3 on both sides (the same run otherwise).
+    assert worst < 1e-5, worst
