@@ -263,6 +263,9 @@ class Llama(Architecture):
 
     model_type = "llama"
     hf_class = "LlamaForCausalLM"
+    windows = False
+    """Whether the architecture carries model.sliding_window (Mistral); others refuse a
+    config that sets one (unless its use_sliding_window is false: Qwen2)."""
     checks_variants = False
     """Whether hf_config checks q/k/v biases, norm placement and QK-norm's scope itself
     (Qwen2, Qwen3, OLMo 2: tessel.checkpoint.hf_qwen_olmo); Llama's layers have none."""
@@ -311,9 +314,17 @@ class Llama(Architecture):
                 "rope_original_max_seq_len": int(get_field(
                     rope, "original_max_position_embeddings", where)),
             })
+        elif kind == "linear":
+            fields.update({"rope_scaling_type": "linear", "rope_scaling_factor": float(
+                get_field(rope, "factor", f"{where} rope scaling"))})
         elif kind != "default":
             raise HFError(f"{where}: rope scaling {kind!r} is not supported (tessel supports "
-                          "none and 'llama3')")
+                          "none, 'llama3' and 'linear')")
+        window = hf.get("sliding_window")
+        if window is not None and hf.get("use_sliding_window", True) and not self.windows:
+            raise HFError(f"{where}: sliding_window={window} is not supported for "
+                          f"{self.hf_class} (MistralForCausalLM and Gemma3ForCausalLM carry "
+                          "windows); set it to null in config.json to import without one")
         return fields
 
     def hf_config(self, m: ModelConfig) -> dict[str, Any]:
@@ -333,6 +344,14 @@ class Llama(Architecture):
                           f"sub-layers or projection-wide QK-norm; this model has qkv_bias="
                           f"{m.qkv_bias}, norm_placement={m.norm_placement!r}, qk_norm_scope="
                           f"{m.qk_norm_scope!r}")
+        gemma = {"embed_scale": m.embed_scale, "norm_offset": m.norm_offset,
+                 "query_scale": m.query_scale, "final_logit_softcap": m.final_logit_softcap,
+                 "rope_local_theta": m.rope_local_theta, "layer_types": m.layer_types,
+                 **({} if self.windows else {"sliding_window": m.sliding_window})}
+        kept = {k: v for k, v in gemma.items() if v not in (None, False)}
+        if kept:  # Gemma 3's (tessel.checkpoint.hf_mistral_gemma) or Mistral's, not Llama's
+            raise HFError(f"model: {self.hf_class} cannot hold "
+                          f"{', '.join(f'model.{k}={v!r}' for k, v in kept.items())}")
         out = {
             "architectures": [self.hf_class], "model_type": self.model_type,
             "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
@@ -344,7 +363,9 @@ class Llama(Architecture):
             "attention_dropout": 0.0, "tie_word_embeddings": m.tie_embeddings,
             "initializer_range": m.init_std, "use_cache": True, "rope_scaling": None,
         }
-        if m.rope_scaling_factor != 1.0:
+        if m.rope_scaling_factor != 1.0 and m.rope_scaling_type == "linear":
+            out["rope_scaling"] = {"rope_type": "linear", "factor": m.rope_scaling_factor}
+        elif m.rope_scaling_factor != 1.0:
             # Written the transformers-4 way (rope_theta + rope_scaling), which 5 also reads.
             out["rope_scaling"] = {
                 "rope_type": "llama3", "factor": m.rope_scaling_factor,

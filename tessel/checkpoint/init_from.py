@@ -48,6 +48,9 @@ _MODEL_FIELDS = (
     "position", "rope_theta", "norm", "norm_eps", "mlp", "tie_embeddings", "bias",
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
     "rope_original_max_seq_len",
+    # sliding windows, per-layer RoPE and Gemma's conventions (Mistral, Gemma 3)
+    "rope_scaling_type", "sliding_window", "layer_types", "rope_local_theta", "embed_scale",
+    "norm_offset", "query_scale", "final_logit_softcap",
     # Mixture-of-Experts structure and routing (the balancing settings are the new run's)
     "moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
     "moe_every", "moe_router",

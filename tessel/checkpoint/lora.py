@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from tessel.checkpoint.eod import run_eod
 from tessel.checkpoint.errors import CheckpointError, check_finite
-from tessel.checkpoint.hf_arch import HFError, Llama, one_to_one
+from tessel.checkpoint.hf_arch import HFError, one_to_one
 from tessel.checkpoint.init_from import WeightSource
 from tessel.config import Config, ModelConfig
 from tessel.fileio import atomic_directory
@@ -168,15 +168,21 @@ def merged_tensors(cfg: Config, ckpt: Path) -> dict[str, torch.Tensor]:
 def export_peft(src: Path, out: Path) -> str:
     """Write the adapters of the LoRA run or checkpoint `src` as a peft adapter directory
     `out` (atomically); returns a one-line summary."""
+    from tessel.checkpoint.hf_models import for_model
+
     found = lora_config_of(src)
     if found is None:
         raise HFError(f"{str(src)!r} is not a LoRA run or checkpoint (lora.enabled); "
                       "--peft exports adapters only")
     cfg, ckpt = found
     m = cfg.model
-    if m.position != "rope" or m.mlp != "swiglu" or m.moe_experts or m.qk_norm:
-        raise HFError("--peft: peft adapters are written for Llama-shaped models "
-                      "(LlamaForCausalLM); export merged weights instead (without --peft)")
+    # Llama's projection names, which Qwen2, Qwen3, OLMo 2, Mistral and Gemma 3 share (their
+    # biases and QK-norms have no adapters)
+    if m.position != "rope" or m.mlp == "gelu" or m.moe_experts:
+        raise HFError("--peft: peft adapters are written for Llama-shaped dense models "
+                      "(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, "
+                      "MistralForCausalLM, Gemma3ForCausalLM); export merged weights instead "
+                      "(without --peft)")
     if out.exists():
         raise HFError(f"{str(out)!r} already exists; choose a new output directory")
     check_base_now(cfg, ckpt)  # the adapters are only good on the base they were trained on
@@ -209,7 +215,7 @@ def export_peft(src: Path, out: Path) -> str:
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     return (f"wrote {out}: peft LoRA adapter (r={cfg.lora.rank}, {', '.join(targets)}), "
             f"{len(tensors)} tensors, {size / 2**20:.2f} MiB; load it with "
-            f"peft.PeftModel.from_pretrained(base, {str(out)!r}) on {Llama.hf_class} "
+            f"peft.PeftModel.from_pretrained(base, {str(out)!r}) on {for_model(m).hf_class} "
             f"{init_from or '(base)'}")
 
 

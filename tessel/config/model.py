@@ -81,8 +81,9 @@ class ModelConfig(Section):
     """Normalisation layer."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the normalisation layers."""
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    """GELU MLP (GPT) or gated SwiGLU (Llama)."""
+    mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"
+    """GELU MLP (GPT), gated SwiGLU (Llama) or gated GeGLU (Gemma: GELU with the tanh
+    approximation on the gate)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output projection."""
     bias: bool = True
@@ -92,6 +93,36 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0)
     """Standard deviation of the normal weight initialisation; residual output projections
     are scaled by 1/sqrt(2*n_layers) as in GPT-2."""
+    sliding_window: int | None = Field(None, gt=0)
+    """Sliding-window (local) attention: a local layer's query sees the last `sliding_window`
+    positions, its own included (key position > query position - sliding_window, as
+    transformers' Mistral and Gemma 3 mask), within its document; which layers are local:
+    `layer_types` (None there: every layer, as Mistral). Windows count global positions
+    under context parallelism. None = every layer attends to the whole causal prefix."""
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    """Each layer's attention, in Hugging Face's words: "sliding_attention" (local, needs
+    `sliding_window`) or "full_attention" (global); one entry per layer (Gemma 3: five local
+    to one global). None = every layer local when `sliding_window` is set, else global."""
+    rope_local_theta: float | None = Field(None, gt=0)
+    """RoPE base of the local (sliding-window) layers, unscaled (Gemma 3's
+    rope_local_base_freq, 10000); global layers keep `rope_theta` and its scaling. None =
+    local layers use the global table."""
+    rope_scaling_type: Literal["llama3", "linear"] = "llama3"
+    """How `rope_scaling_factor` scales the global layers' RoPE: "llama3" (Llama 3.1's
+    band-wise scaling with the low/high frequency factors) or "linear" (every frequency
+    divided by the factor: positions interpolated, Gemma 3)."""
+    embed_scale: bool = False
+    """Multiply the token embeddings by sqrt(d_model) (Gemma), the factor rounded to the
+    embedding's dtype first as transformers does (bfloat16 weights: sqrt(2560) -> 50.5)."""
+    norm_offset: bool = False
+    """RMSNorm computes x * (1 + weight), in float32 (Gemma): weights are stored as Hugging
+    Face stores them, 0 meaning a unit scale, and start at 0. Applies to every RMSNorm of
+    the model, QK-norm included. Needs model.norm = "rmsnorm"."""
+    query_scale: float | None = Field(None, gt=0)
+    """The factor attention scores are multiplied by; None = 1 / sqrt(head_dim). Gemma 3:
+    query_pre_attn_scalar ** -0.5 (27B: 168 ** -0.5 on heads of 128)."""
+    final_logit_softcap: float | None = Field(None, gt=0)
+    """Soft-cap the output logits: cap * tanh(logits / cap) (Gemma 2: 30). None = off."""
     moe_experts: int = Field(0, ge=0)
     """Routed experts per Mixture-of-Experts layer; 0 = a dense model (every layer has one
     MLP). MoE layers replace the MLP with a router, these experts and the shared experts."""
@@ -204,6 +235,7 @@ class ModelConfig(Section):
                 "model.qk_norm=true, or drop model.qk_norm_scope"
             )
         self._check_moe()
+        self._check_gemma()
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"rotary embeddings need an even head dim, got {self.head_dim}; "
@@ -237,6 +269,31 @@ class ModelConfig(Section):
                 f"among n_layers={self.n_layers}; lower it or set model.moe_experts=0"
             )
 
+    def _check_gemma(self) -> None:
+        """Sliding windows, per-layer-kind RoPE and Gemma's conventions."""
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(
+                    f"model.layer_types has {len(self.layer_types)} entries for n_layers="
+                    f"{self.n_layers}; give one per layer")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("model.layer_types names sliding_attention layers but "
+                                 "model.sliding_window is unset; set the window")
+        if self.rope_local_theta is not None and self.position != "rope":
+            raise ValueError("model.rope_local_theta needs model.position = 'rope'")
+        if self.mlp == "geglu" and self.moe_experts:
+            raise ValueError("model.mlp = 'geglu' is for dense models (experts are SwiGLU or "
+                             "GELU); set model.moe_experts = 0 or another model.mlp")
+        if self.norm_offset and self.norm != "rmsnorm":
+            raise ValueError("model.norm_offset needs model.norm = 'rmsnorm'; set it or drop "
+                             "model.norm_offset")
+
+    def is_local_layer(self, index: int) -> bool:
+        """Whether block `index` (0-based) attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[index] == "sliding_attention"
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether block `index` (0-based) has an MoE layer instead of a dense MLP."""
         first = self.moe_first_dense_layers
@@ -264,7 +321,8 @@ SHAPE_FIELDS = {
     "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "vocab_size",
     "qk_norm_scope", "qkv_bias", "norm_placement",
     "ffn_hidden", "position", "norm", "mlp", "tie_embeddings", "bias", "rope_theta",
-    "rope_scaling_factor",
+    "rope_scaling_factor", "rope_scaling_type", "sliding_window", "layer_types",
+    "rope_local_theta", "embed_scale", "norm_offset", "query_scale", "final_logit_softcap",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
     "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers", "moe_every",
 }

@@ -40,6 +40,25 @@ _LLAMA3: dict[str, Any] = dict(
     n_kv_heads=8,
 )
 
+_MISTRAL: dict[str, Any] = {**_LLAMA3, "vocab_size": 32768, "max_seq_len": 32768,
+                            "rope_theta": 1e6, "norm_eps": 1e-5}
+
+
+def _gemma3(n_layers: int, **shape: Any) -> dict[str, Any]:
+    """A Gemma 3 text model (the published Gemma3TextConfig of google/gemma-3-*-pt): five
+    local layers of a 1024-token window to one global; local RoPE base 10000, global 1e6
+    with linear scaling 8; vocabulary 262,208 padded to a multiple of 64 (no extra rows:
+    parameter counts are transformers' own)."""
+    kinds = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+    return dict(
+        vocab_size=262208, vocab_pad_to=64, max_seq_len=131072, position="rope",
+        rope_theta=1e6, rope_scaling_factor=8.0, rope_scaling_type="linear",
+        rope_local_theta=10000.0, sliding_window=1024, layer_types=kinds, norm="rmsnorm",
+        norm_eps=1e-6, norm_offset=True, norm_placement="sandwich", mlp="geglu",
+        tie_embeddings=True, bias=False, qk_norm=True, embed_scale=True,
+        n_layers=n_layers, **{"head_dim": 256, "query_scale": 256 ** -0.5, **shape})
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # debug model: trains in seconds on a laptop CPU (bytes or a 512-token BPE)
     "tiny": {**_GPT2, "n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 512,
@@ -68,6 +87,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "ffn_hidden": 28672},
     "llama3-405b": {**_LLAMA3, "n_layers": 126, "d_model": 16384, "n_heads": 128,
                     "ffn_hidden": 53248},
+    # ---- sliding-window families (Hugging Face config.json values) ------------------------
+    # mistralai/Mistral-7B-v0.3: Llama's layout, no sliding window (v0.1 had 4096)
+    "mistral-7b": {**_MISTRAL, "n_layers": 32, "d_model": 4096, "n_heads": 32, "n_kv_heads": 8,
+                   "ffn_hidden": 14336},
+    # google/gemma-3-{4b,12b,27b}: the text models (Gemma3ForCausalLM; no vision tower)
+    "gemma-3-4b": _gemma3(34, d_model=2560, n_heads=8, n_kv_heads=4, ffn_hidden=10240),
+    "gemma-3-12b": _gemma3(48, d_model=3840, n_heads=16, n_kv_heads=8, ffn_hidden=15360),
+    # heads of 128, scores scaled by query_pre_attn_scalar 168 (= d_model / n_heads) ** -0.5
+    "gemma-3-27b": _gemma3(62, d_model=5376, n_heads=32, n_kv_heads=16, ffn_hidden=21504,
+                           head_dim=128, query_scale=168 ** -0.5),
     # ---- Qwen2.5, Qwen3, OLMo 2 (Hugging Face config.json values; tessel's counts equal
     # transformers' own: 7,615,616,512, 8,190,735,360 and 7,298,617,344) -------------------
     # Qwen/Qwen2.5-7B: biases on q/k/v only; context of the instruct model (base: 131072)

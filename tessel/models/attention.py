@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from tessel.models.variants import rms_norm
+
 if TYPE_CHECKING:  # the config imports the presets from this package
     from tessel.config import ModelConfig
 
@@ -81,13 +83,15 @@ class Attention(nn.Module):
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if cfg.qk_norm and cfg.qk_norm_scope == "head":
-            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
-            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.q_norm = rms_norm(cfg.head_dim, cfg)  # (1 + weight) under model.norm_offset
+            self.k_norm = rms_norm(cfg.head_dim, cfg)
         elif cfg.qk_norm:
             self.q_norm = ProjectionNorm(cfg.q_dim, cfg.norm_eps)
             self.k_norm = ProjectionNorm(kv_dim, cfg.norm_eps)
         self.per_head_norm = cfg.qk_norm_scope == "head"
         self.dropout = cfg.dropout
+        self.scale = cfg.query_scale
+        """The scores' factor (model.query_scale); None: the kernel's 1 / sqrt(head_dim)."""
         self.sequence: SequenceExchange | None = None
         """Context parallelism (tessel.parallel.context): how this rank's part of the
         sequence meets the others'; None = every position is here."""
@@ -121,7 +125,7 @@ class Attention(nn.Module):
             # Keys/values after RoPE (each rotated by its own global position) and before
             # the grouped-query expansion: GQA models move only their KV heads.
             q, k, v = exchange.exchange(q, k, v)
-        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0, self.scale)
         if exchange is not None:
             y = exchange.restore(y)
         return self.wo(y.reshape(B, T, -1))  # (B, T, C)
@@ -150,9 +154,10 @@ class ProjectionNorm(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
-           dropout: float = 0.0) -> torch.Tensor:
+           dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
     """The kernel. q: (B, T_q, H, hd), k, v: (B, T_kv, H_kv, hd) with H a multiple of H_kv;
-    mask None means causal with T_q = T_kv -> (B, T_q, H, hd).
+    mask None means causal with T_q = T_kv; scale: the scores' factor (None: 1 / sqrt(hd))
+    -> (B, T_q, H, hd).
 
     Grouped-query attention goes to the kernel as it is (`enable_gqa`): CPU's SDPA kernel,
     CUDA's flash kernel and FlexAttention read each KV head for its query group, so the keys
@@ -167,12 +172,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         gqa = False
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
     if isinstance(mask, BlockMask):  # CUDA: FlexAttention's fused kernel
-        y = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        y = _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     else:
         # Without a mask SDPA may pick the flash kernel; an explicit mask already contains
         # the causal part.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=dropout, enable_gqa=gqa)
+                                           dropout_p=dropout, scale=scale, enable_gqa=gqa)
     return y.transpose(1, 2)  # (B, T_q, H, hd)
 
 
@@ -180,29 +185,36 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
 
 
 def attention_mask(doc_ids: torch.Tensor | None, rows: torch.Tensor | None, kv_len: int,
-                   device: torch.device, flex: bool, dtype: torch.dtype
-                   ) -> AttentionMask | None:
+                   device: torch.device, flex: bool, dtype: torch.dtype,
+                   window: int | None = None) -> AttentionMask | None:
     """The mask of one forward: causal, and within each document when `doc_ids` (B, T_kv)
     gives the whole sample's documents; `rows` (B, T_q) are the global positions of the query
     rows (context parallelism), None for all kv_len of them in order. `flex`: FlexAttention's
     block mask (CUDA) instead of a dense one. None: plain causal attention (SDPA's own
-    kernel).
+    kernel). `window`: a local layer's mask, which also hides keys `window` or more
+    positions before the query (model.sliding_window; global positions, so context
+    parallelism sees the window the whole sequence would).
 
     A dense mask is additive, in `dtype` (the queries' dtype): 0 where a key is seen, -inf
     where not. SDPA turns a boolean mask into exactly this in every layer it is handed to,
     and autograd keeps each layer's copy for backward (a (T_q, T_kv) float matrix per layer:
     under context parallelism more than the rank's whole share of activations at long
     sequences); made once here, every layer uses and keeps the same one."""
-    if rows is None:
+    if rows is None and window is None:
         if doc_ids is None:
             return None
         if flex:
             return document_block_mask(doc_ids)
         return _additive(document_causal_mask(doc_ids), dtype)
+    if rows is None:  # a window over the whole sequence: every position is a query row
+        batch = doc_ids.shape[0] if doc_ids is not None else 1
+        rows = torch.arange(kv_len, device=device).expand(batch, -1)
     if flex:
-        return _rows_block_mask(rows, doc_ids, kv_len)
+        return _rows_block_mask(rows, doc_ids, kv_len, window)
     kv = torch.arange(kv_len, device=device)
     allowed = rows[:, :, None] >= kv  # (B, T_q, T_kv): causal from the global positions
+    if window is not None:
+        allowed = allowed & (rows[:, :, None] - kv < window)
     if doc_ids is not None:
         allowed = allowed & (doc_ids.gather(1, rows)[:, :, None] == doc_ids[:, None, :])
     return _additive(allowed[:, None], dtype)
@@ -214,17 +226,24 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, float("-inf"))
 
 
-def _rows_block_mask(rows: torch.Tensor, doc_ids: torch.Tensor | None, kv_len: int) -> BlockMask:
-    """FlexAttention block mask of query rows at global positions `rows` against every key."""
+def _rows_block_mask(rows: torch.Tensor, doc_ids: torch.Tensor | None, kv_len: int,
+                     window: int | None = None) -> BlockMask:
+    """FlexAttention block mask of query rows at global positions `rows` against every key,
+    within `window` positions back when given."""
     B, Tq = rows.shape
     if doc_ids is None:
-        def allowed(b, h, q, kv):  # noqa: ANN001, ANN202, ARG001 (FlexAttention's mask_mod)
+        def causal(b, h, q, kv):  # noqa: ANN001, ANN202, ARG001 (FlexAttention's mask_mod)
             return rows[b, q] >= kv
     else:
         row_docs = doc_ids.gather(1, rows)
 
-        def allowed(b, h, q, kv):  # noqa: ANN001, ANN202, ARG001
+        def causal(b, h, q, kv):  # noqa: ANN001, ANN202, ARG001
             return (rows[b, q] >= kv) & (row_docs[b, q] == doc_ids[b, kv])
+
+    allowed = causal
+    if window is not None:
+        def allowed(b, h, q, kv):  # noqa: ANN001, ANN202
+            return causal(b, h, q, kv) & (rows[b, q] - kv < window)
 
     create = _create_block_mask() if rows.is_cuda else create_block_mask
     return create(allowed, B, None, Tq, kv_len, device=rows.device)

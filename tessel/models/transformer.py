@@ -34,6 +34,13 @@ from tessel.models.attention import (  # noqa: F401 (document_* and apply_rope: 
 )
 from tessel.models.loss import chunked_loss_sum
 from tessel.models.moe import MoE
+from tessel.models.variants import (
+    attention_share,
+    rms_norm,
+    scale_embeddings,
+    softcap,
+    uses_local_table,
+)
 
 if TYPE_CHECKING:  # the config imports the presets from this package
     from tessel.config import ModelConfig
@@ -41,17 +48,21 @@ if TYPE_CHECKING:  # the config imports the presets from this package
 
 def _norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return rms_norm(cfg.d_model, cfg)  # (1 + weight) under model.norm_offset
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None,
-                     scaling: tuple[float, float, float, int] | None = None) -> torch.Tensor:
+                     scaling: tuple[float, float, float, int] | None = None,
+                     linear: float = 1.0) -> torch.Tensor:
     """cos/sin table of shape (max_seq_len, head_dim/2, 2) in float32. `scaling` = (factor,
-    low_freq_factor, high_freq_factor, original_max_seq_len): Llama 3.1's frequency scaling."""
+    low_freq_factor, high_freq_factor, original_max_seq_len): Llama 3.1's frequency scaling;
+    `linear`: every frequency divided by it (transformers' "linear" RoPE, Gemma 3)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling is not None:
         inv = llama3_inv_freq(inv, *scaling)
+    if linear != 1.0:
+        inv = inv / linear
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(t, inv)  # (T, hd/2)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
@@ -76,15 +87,20 @@ class FeedForward(nn.Module):
         """`hidden`: the MLP's hidden size, cfg.ffn_hidden unless given (MoE shared experts)."""
         super().__init__()
         hidden = hidden or cfg.ffn_hidden
-        self.gated = cfg.mlp == "swiglu"
+        self.gated = cfg.mlp != "gelu"
+        self.gate = F.silu if cfg.mlp == "swiglu" else _gelu_tanh  # GeGLU: Gemma
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(self.gate(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class Block(nn.Module):
@@ -103,6 +119,9 @@ class Block(nn.Module):
         self.feed_forward: nn.Module = _mlp(cfg, index)
         self.post_ffn_norm = _norm(cfg) if post else None
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.local = cfg.is_local_layer(index)
+        """Whether this block attends through the sliding window (model.sliding_window):
+        the model hands it the local mask and RoPE table."""
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor | None,
                 mask: AttentionMask | None = None, sharded: bool = False) -> torch.Tensor:
@@ -151,6 +170,8 @@ class Transformer(nn.Module):
         self.tie_weights()
         # Not persistent: derived from the config, recomputed by init_buffers.
         self.register_buffer("rope_freqs", self._rope_table(), persistent=False)
+        # The local layers' own table (model.rope_local_theta); None: they use rope_freqs.
+        self.register_buffer("rope_local_freqs", self._rope_table(local=True), persistent=False)
         # Added to the logits: -inf at the padding ids, so they are never predicted and get
         # no gradient; None without padding. Sharded like the logits under tensor
         # parallelism (tessel.parallel.tensor places it).
@@ -162,15 +183,25 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def _rope_table(self) -> torch.Tensor | None:
+    def _rope_table(self, local: bool = False) -> torch.Tensor | None:
+        """The global layers' table (rope_theta, scaled), or with `local` the local layers'
+        own (rope_local_theta, unscaled; None when they have none)."""
         cfg = self.cfg
+        if local:
+            if not uses_local_table(cfg):
+                return None
+            assert cfg.rope_local_theta is not None
+            return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta)
         if cfg.position != "rope":
             return None
-        scaling = None
-        if cfg.rope_scaling_factor != 1.0:
+        scaling, linear = None, 1.0
+        if cfg.rope_scaling_factor != 1.0 and cfg.rope_scaling_type == "linear":
+            linear = cfg.rope_scaling_factor
+        elif cfg.rope_scaling_factor != 1.0:
             scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
                        cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len)
-        return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=scaling)
+        return rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                scaling=scaling, linear=linear)
 
     def _vocab_mask(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """(padded_vocab_size,) float32: 0 for real ids, -inf for padding; None if none."""
@@ -190,7 +221,9 @@ class Transformer(nn.Module):
         """
         cfg = self.cfg
         if len(shape) == 1:  # norm weights and biases
-            return torch.full(shape, 1.0 if name.endswith("norm.weight") else 0.0)
+            # model.norm_offset: x * (1 + weight), so a unit scale is a zero weight
+            unit = 0.0 if cfg.norm_offset else 1.0
+            return torch.full(shape, unit if name.endswith("norm.weight") else 0.0)
         gen = torch.Generator(device="cpu").manual_seed(
             (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
         )
@@ -225,6 +258,8 @@ class Transformer(nn.Module):
         `tessel.models.init.Placement.fill`); None: every buffer is whole here."""
         if self.rope_freqs is not None:
             self.rope_freqs = self._rope_table().to(self.rope_freqs.device)
+        if self.rope_local_freqs is not None:
+            self.rope_local_freqs = self._rope_table(local=True).to(self.rope_local_freqs.device)
         for module in self.modules():
             if isinstance(module, MoE):  # a fresh model: no balancing bias yet, no statistics
                 module.expert_bias.zero_()
@@ -266,6 +301,8 @@ class Transformer(nn.Module):
         # the head it returns its hidden state.
         if self.embeds:
             h = self.tok_embeddings(tokens)  # (B, T, C)
+            if self.cfg.embed_scale:  # Gemma: x sqrt(d_model)
+                h = scale_embeddings(h, self.cfg.d_model)
             if self.pos_embeddings is not None:  # (T, C), or (B, T, C) per token
                 h = h + self.pos_embeddings(
                     where if where is not None else torch.arange(T, device=tokens.device))
@@ -273,22 +310,26 @@ class Transformer(nn.Module):
         else:
             h = tokens
         freqs = self.rope_freqs  # the table, sliced to T in attention
+        local_freqs = self.rope_local_freqs if self.rope_local_freqs is not None else freqs
         if freqs is not None and where is not None:
             freqs = freqs[where]  # (B, T, hd/2, 2): each token's own position
-        mask = None
-        if doc_ids is not None or sharded:
-            flex = tokens.is_cuda and not (self.training and self.cfg.dropout > 0)
-            # Under all-gather context parallelism the kernel runs this rank's query rows
-            # against every key; under Ulysses every row (for a share of the heads).
-            rows = positions if sharded and cp.local_queries else None
-            kv_len = T * cp.size if sharded else T
-            # The queries' dtype: autocast's, else the hidden state's.
-            device = tokens.device.type
-            dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                     else h.dtype)
-            mask = attention_mask(doc_ids, rows, kv_len, tokens.device, flex, dtype)
+            local_freqs = local_freqs[where] if self.rope_local_freqs is not None else freqs
+        kv_len = T * cp.size if sharded else T
+        # The queries' dtype: autocast's, else the hidden state's.
+        device = tokens.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else h.dtype)
+        mask = self._mask(doc_ids, positions if sharded else None, kv_len, tokens, dtype)
+        local_mask = mask
+        window = self.cfg.sliding_window
+        if window is not None and window < kv_len:  # a window as long as the sequence: none
+            local_mask = self._mask(doc_ids, positions if sharded else None, kv_len, tokens,
+                                    dtype, window)
         for block in self.layers.values():
-            h = block(h, freqs, mask, sharded)
+            if block.local:
+                h = block(h, local_freqs, local_mask, sharded)
+            else:
+                h = block(h, freqs, mask, sharded)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
@@ -298,9 +339,26 @@ class Transformer(nn.Module):
             return chunked_loss_sum(self.logits, h, targets, self.loss_chunks).reshape(1)
         return self.logits(h)
 
+    def _mask(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, kv_len: int,
+              tokens: torch.Tensor, dtype: torch.dtype, window: int | None = None
+              ) -> AttentionMask | None:
+        """The global layers' mask, or with `window` the local layers'; `positions`: this
+        rank's global positions under context parallelism, else None."""
+        if doc_ids is None and positions is None and window is None:
+            return None  # plain causal attention: SDPA's own kernel
+        cp = self.context_parallel
+        flex = tokens.is_cuda and not (self.training and self.cfg.dropout > 0)
+        # Under all-gather context parallelism the kernel runs this rank's query rows
+        # against every key; under Ulysses every row (for a share of the heads).
+        rows = positions if positions is not None and cp is not None and cp.local_queries else None
+        return attention_mask(doc_ids, rows, kv_len, tokens.device, flex, dtype, window)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., C) final hidden states -> (..., padded_vocab_size) logits, -inf at padding."""
+        """(..., C) final hidden states -> (..., padded_vocab_size) logits, -inf at padding
+        (soft-capped first under model.final_logit_softcap)."""
         logits = self.output(h)
+        if self.cfg.final_logit_softcap is not None:
+            logits = softcap(logits, self.cfg.final_logit_softcap)
         if self.vocab_mask is not None:
             logits = logits + self.vocab_mask.to(logits.dtype)
         return logits
@@ -331,8 +389,8 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 
 def _mlp_params(cfg: ModelConfig, hidden: int) -> tuple[int, int]:
     """(matmul weights, all parameters) of one dense MLP with `hidden` units."""
-    d, n_mats = cfg.d_model, 3 if cfg.mlp == "swiglu" else 2
-    bias = (2 * hidden if cfg.mlp == "swiglu" else hidden) + d if cfg.bias else 0
+    d, n_mats = cfg.d_model, 3 if cfg.mlp != "gelu" else 2
+    bias = (2 * hidden if cfg.mlp != "gelu" else hidden) + d if cfg.bias else 0
     return n_mats * d * hidden, n_mats * d * hidden + bias
 
 
@@ -341,7 +399,7 @@ def _moe_params(cfg: ModelConfig) -> tuple[int, int, int]:
     layer: router, routed experts (top_k of them active), shared experts (always active)."""
     assert cfg.moe_ffn_hidden is not None
     d, E, f = cfg.d_model, cfg.moe_experts, cfg.moe_ffn_hidden
-    expert = (3 if cfg.mlp == "swiglu" else 2) * d * f  # no biases
+    expert = (3 if cfg.mlp != "gelu" else 2) * d * f  # no biases
     shared_mm, shared_all = (_mlp_params(cfg, cfg.moe_shared_experts * f)
                              if cfg.moe_shared_experts else (0, 0))
     router = E * d
@@ -399,7 +457,7 @@ def active_param_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> in
     idle = 0
     if cfg.moe_experts:
         assert cfg.moe_ffn_hidden is not None
-        expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * cfg.moe_ffn_hidden
+        expert = (3 if cfg.mlp != "gelu" else 2) * cfg.d_model * cfg.moe_ffn_hidden
         idle = cfg.n_moe_layers * (cfg.moe_experts - cfg.moe_top_k) * expert
     return param_count(cfg, exclude_embeddings) - idle
 
@@ -414,8 +472,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     causal halving) and ignores norms, activations and the softmax. In MoE layers a token
     uses the router, its top_k routed experts and the shared experts (active parameters, as
     DeepSeek-V3 and Megatron count); the permutation and the weighted combine are not
-    counted.
+    counted. A local layer (model.sliding_window) counts the share of that work its window
+    leaves (`window_flops_share`: min(window, position) keys per query against the causal
+    layer's position), so the same matrix shrinks as the causal triangle does.
     """
     active = sum(_block_params(cfg, i)[0] for i in range(cfg.n_layers))
     n_matmul = active + cfg.padded_vocab_size * cfg.d_model  # padding: real work
-    return 6 * n_matmul + 12 * cfg.n_layers * cfg.q_dim * seq_len
+    share = attention_share(cfg, seq_len)
+    if share == 1.0:
+        return 6 * n_matmul + 12 * cfg.n_layers * cfg.q_dim * seq_len
+    return 6 * n_matmul + round(12 * cfg.n_layers * share * cfg.q_dim * seq_len)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tessel.config import ModelConfig
 from tessel.models.loss import loss_pieces
+from tessel.models.variants import attention_share
 from tessel.planner.fp8 import Fp8Terms, Linear, attention_linears, mlp_linears
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.kept import unchecked_share
@@ -55,7 +56,7 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
     tokens = layout.micro_batch * seq_len / layout.cp
     tp = layout.tp
     d, f = m.d_model, m.ffn_hidden
-    n_in = 2 if m.mlp == "swiglu" else 1
+    n_in = 2 if m.mlp != "gelu" else 1
     rate = peak * hw.matmul_efficiency
 
     def matmuls(shapes: list[tuple[float, float]], rows: float, at: float) -> float:
@@ -70,6 +71,8 @@ def micro_batch_compute(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len:
     # pieces leave the last rank (2cp-1)/cp of the mean.
     heads = m.n_heads / tp
     attn_flops = 6 * 2 * tokens * seq_len * m.head_dim * heads / 2
+    # Sliding-window layers (model.sliding_window) see min(window, position) keys.
+    attn_flops *= attention_share(m, seq_len)
     if layout.cp > 1 and not layout.cp_load_balance and layout.cp_mode == "allgather":
         attn_flops *= (2 * layout.cp - 1) / layout.cp
     attention = attn_flops / (rate * _size_efficiency(m.head_dim))
@@ -115,7 +118,7 @@ def recompute_seconds(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: i
         kv = m.n_kv_heads * m.head_dim
         hidden = m.ffn_hidden / tp
         even = [(d, kv / tp), (m.q_dim / tp, d),
-                (d, hidden) if m.mlp == "swiglu" else (hidden, d)]
+                (d, hidden) if m.mlp != "gelu" else (hidden, d)]
         seconds += share * layers * sum(
             2 * tokens * k * n / (rate * _size_efficiency(min(tokens, k, n))) for k, n in even)
     if last and loss_pieces(layout.loss_chunks, tokens, m.padded_vocab_size / tp) > 1:

@@ -4,6 +4,7 @@ blocks (parallel.activation_checkpointing_every) and a chunked loss (parallel.lo
 from __future__ import annotations
 
 from tessel.config import ModelConfig
+from tessel.models.variants import attention_share, uses_local_table
 from tessel.parallel.checkpointing import checkpointed_blocks
 from tessel.planner.layout import Layout
 from tessel.planner.saved import ActivationProfile, SavedBytes
@@ -58,6 +59,12 @@ def shared_per_token(m: ModelConfig, layout: Layout, seq_len: int, document_mask
     per_token = 4.0 * m.head_dim if m.position == "rope" and (document_mask or cp > 1) else 0.0
     if masked and dense_mask:
         per_token += seq_len * (1 if rows_here else cp) * compute
+    # Sliding-window layers (model.sliding_window) get a mask of their own, with or without
+    # documents, and their own per-token rotation with model.rope_local_theta.
+    if attention_share(m, seq_len) < 1.0:
+        per_token += seq_len * (1 if rows_here else cp) * compute if dense_mask else 0.0
+        if uses_local_table(m) and (document_mask or cp > 1):
+            per_token += 4.0 * m.head_dim
     return per_token
 
 

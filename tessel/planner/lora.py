@@ -25,7 +25,7 @@ def projection_shapes(m: ModelConfig) -> dict[str, tuple[int, int, bool]]:
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
     shapes = {"wq": (d, q, True), "wk": (d, kv, True), "wv": (d, kv, True),
               "wo": (q, d, False), "w1": (d, f, True), "w2": (f, d, False)}
-    if m.mlp == "swiglu":
+    if m.mlp != "gelu":
         shapes["w3"] = (d, f, True)
     return shapes
 

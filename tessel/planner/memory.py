@@ -157,7 +157,7 @@ def stage_parameters(m: ModelConfig, layers: int, first: bool, last: bool, tp: i
     routed experts (no biases) and its shared experts, a dense MLP of moe_shared_experts x
     moe_ffn_hidden; none of it split by tp (MoE layers run on each tp rank's tokens)."""
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
-    n_in = 2 if m.mlp == "swiglu" else 1  # w1 (and w3)
+    n_in = 2 if m.mlp != "gelu" else 1  # w1 (and w3)
     norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
 
     def mlp(hidden: int, split: int) -> tuple[int, int]:

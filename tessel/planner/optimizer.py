@@ -77,7 +77,7 @@ def muon_matrices(m: ModelConfig, layers: int, moe_layers: int) -> list[tuple[in
     """(rows, cols, how many) of the whole (unsplit) hidden matrices of `layers` blocks,
     `moe_layers` of them Mixture-of-Experts layers."""
     d, f, q, kv = m.d_model, m.ffn_hidden, m.q_dim, m.n_kv_heads * m.head_dim
-    n_in = 2 if m.mlp == "swiglu" else 1
+    n_in = 2 if m.mlp != "gelu" else 1
     out = [(q, d, layers), (kv, d, 2 * layers), (d, q, layers)]
     dense = layers - moe_layers
     if dense:

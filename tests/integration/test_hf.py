@@ -230,13 +230,13 @@ def test_sharded_output_above_the_size_limit_and_bf16(tmp_path: Path):
 def test_bad_hf_input_is_one_line(tmp_path: Path, corpus: Path):
     src = save_hf(hf_llama(), tmp_path / "hf")
     # An architecture tessel does not convert.
-    other = tmp_path / "mistral"
+    other = tmp_path / "falcon"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "mistral",
-                                                   "architectures": ["MistralForCausalLM"]}))
+    (other / "config.json").write_text(json.dumps({"model_type": "falcon",
+                                                   "architectures": ["FalconForCausalLM"]}))
     (other / "model.safetensors").write_bytes(b"")
     assert_one_line_error(tessel_here("convert", "hf-to-tessel", str(other), str(tmp_path / "x")),
-                          "unsupported architecture 'mistral'")
+                          "unsupported architecture 'falcon'")
     # A tensor missing, a field missing, a shape that does not match.
     broken = tmp_path / "broken"
     broken.mkdir()
