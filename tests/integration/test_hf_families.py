@@ -158,3 +158,44 @@ def test_exports_refuse_what_the_family_cannot_hold(changes, needle, tmp_path: P
     with pytest.raises(HFError) as exc:
         for_model(m).hf_config(m)
     assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.budget(30)  # seconds on the reference machine: measured 22, +~40%
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_adapters_load_in_peft_and_merge_as_transformers_computes(family, tmp_path: Path,
+                                                                       corpus: Path):
+    """A LoRA run on every projection of the family's model, its peft adapters written
+    during training (lora.export = "peft") under the family's module names: peft on the
+    transformers base computes tessel's logits, and so does the merged export."""
+    from peft import PeftModel
+    from test_lora import lora_overrides, tessel_lora_model
+
+    from tessel.checkpoint import latest_checkpoint
+    from tessel.checkpoint.init_from import load_config
+    from tessel.train import Trainer
+
+    hf = FAMILIES[family]().eval()
+    src = save_hf(hf, tmp_path / "hf", corpus)
+    run = tmp_path / "run"
+    overrides = lora_overrides(src, run, corpus, **{
+        "train.steps": 2, "checkpoint.hf_export_interval": 2, "lora.export": "peft",
+        "data.cache_dir": str(tmp_path / "cache")})
+    Trainer(load_config(None, overrides), console=False).train()
+    cfg = Config.load(run / "config.toml")
+    ours = tessel_lora_model(src, latest_checkpoint(run / "checkpoints"), cfg)
+    adapters = run / "checkpoints/step_00000002/hf"
+    written = json.loads((adapters / "adapter_config.json").read_text())
+    assert sorted(written["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    x = torch.randint(0, VOCAB, (2, 40))
+    base = type(hf).from_pretrained(src).eval()
+    with torch.no_grad():
+        plain = base(x).logits
+        theirs = PeftModel.from_pretrained(base, adapters).eval()(x).logits
+        mine = ours(x)
+    assert relative(mine, theirs) <= RTOL
+    assert (plain - theirs).abs().max() > 1e-2  # the adapters matter
+    assert main(["convert", "tessel-to-hf", str(run), str(tmp_path / "merged")]) == 0
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(x).logits
+    assert relative(mine, merged) <= 1e-4
