@@ -74,45 +74,23 @@ class GpuProfile:
     collective_latency_s: float = COLLECTIVE_LATENCY_S
     """Seconds every collective call costs beyond its bytes' time (TOML: collective_latency_us)."""
     tp_block_overhead_s: float = 0.0
-    """Seconds one tensor-parallel block's forward + backward of one micro-batch adds beyond
-    a tp-th of the block's compute and its collectives: DTensor's sharding propagation,
-    redistribution (with its copies) and wrapping, and the sharded matmuls' lower rate
-    (TOML: tp_block_overhead_us). Measured on CPU processes by `tessel scale --measure`
-    (the config's blocks over a fake process group, whose collectives move nothing), where
-    it adds to the step; 0 in the built-in GPU profiles, where the host issues kernels ahead
-    of the GPU and the time hides behind them (torch.compile removes most of it)."""
+    """Host seconds one tensor-parallel block adds to a micro-batch's forward + backward
+    beyond a tp-th of its compute (TOML: tp_block_overhead_us). This and the four fields
+    after it are measured on CPU processes by `tessel scale --measure` and 0 (empty) in the
+    built-in GPU profiles; `tessel.planner.cpu` says what each means and adds them to a
+    step."""
     tp_block_optimizer_s: float = 0.0
-    """Host seconds one tensor-parallel block's parameters add to each optimizer phase
-    (gradient clipping and the multi-tensor update dispatched through DTensor; TOML:
-    tp_block_optimizer_us); measured and 0 as tp_block_overhead_s."""
+    """The same per block and optimizer step (TOML: tp_block_optimizer_us)."""
     sync_drift: float = 0.0
-    """How far ranks that computed the same work drift apart, so that a synchronising
-    collective (tensor-, context-, expert- or data-parallel) waits for the slowest: seconds
-    per square root of the compute seconds since the previous one (independent noise in each
-    rank's operators adds up like a random walk: after L seconds of compute the wait is
-    sync_drift x sqrt(L), beside the call's latency and bytes; the larger of this and
-    sync_skew x L counts). Measured on CPU processes by
-    `tessel scale --measure` over segments of 8, 32 and 128 ms (0.004-0.052 on the
-    project's 2-core virtual machine, where a collective waited 0.3-1.4 ms after 7-12 ms of
-    compute and 2-10 ms after 110-190 ms); 0 in the built-in GPU profiles,
-    whose kernels' times vary far less."""
+    """The ranks' drift: a synchronising collective waits sync_drift x sqrt(L) for the
+    slowest rank, L the compute seconds since the previous one."""
     sync_skew: float = 0.0
-    """The wait for the slowest rank as a fraction of the compute since the previous
-    collective, which counts where it is larger than sync_drift x sqrt(L): after longer
-    compute, such as DDP's one all-reduce after a step's whole forward and backward, the wait
-    grows in proportion to it (as if one rank's core ran steadily slower). Measured on CPU
-    processes by `tessel scale --measure` as the wait after segments of 128 ms over their
-    length (0.017-0.069 on the project's 2-core virtual machine); 0 in the built-in GPU
-    profiles."""
+    """The ranks' steady difference in speed: the wait is sync_skew x L where that is
+    larger."""
     collective_curve: tuple[tuple[float, float], ...] = ()
-    """A collective call's seconds against the bytes each rank sends in its ring (an
-    all-reduce of S bytes on n ranks: 2 (n - 1) / n x S), measured (ascending bytes; TOML:
-    collective_curve_us, [[bytes, microseconds], ...]). Where given, the tensor-parallel
-    calls and DDP's gradient buckets are priced on it (piecewise linear, its last slope
-    beyond it, its first point below it) instead of collective_latency_s + bytes / bandwidth:
-    between CPU processes a call's time is no line (gloo on the project's 2-core machine:
-    0.6-1.5 ms at 1-4 KB, 1.6-2.5 ms at 64 KB-2 MB, 12 ms at 16 MB). Measured on CPU
-    processes by `tessel scale --measure`; empty in the built-in GPU profiles."""
+    """A collective call's seconds against the bytes each rank sends in its ring, ascending
+    (TOML: collective_curve_us, [[bytes, microseconds], ...]); where given, tensor-parallel
+    calls and DDP's buckets are priced on it."""
     device_names: tuple[str, ...] = ()
     """Substrings of torch.cuda.get_device_name() that identify this GPU (case aside; where
     several profiles' names match, the longest name wins: "H100 NVL" over "H100")."""

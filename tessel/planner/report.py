@@ -6,6 +6,7 @@ from typing import Any
 
 from tessel.config import Config
 from tessel.planner.async_tp import FUSED_SHARE
+from tessel.planner.cpu import ASSUMPTIONS as CPU_ASSUMPTIONS
 from tessel.planner.fp8 import described as fp8_described
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.memory import ASSUMPTIONS as MEMORY_ASSUMPTIONS
@@ -15,7 +16,7 @@ from tessel.planner.search import Plan, SearchResult, precision_for
 from tessel.planner.speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 from tessel.planner.stack import generation, tessel_stack
 
-ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS]
+ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS, *CPU_ASSUMPTIONS]
 TOP_REJECTED = 3
 
 

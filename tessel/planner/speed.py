@@ -7,6 +7,10 @@ prefetches its all-gathers and issues its reduce-scatters while blocks compute, 
 exceeds the compute they hide behind is exposed; tensor-parallel collectives (DTensor),
 context parallelism's exchange (each layer waits for its keys and values before the kernel
 runs) and pipeline sends are not overlapped.
+
+This is a GPU's model. What CPU processes add to it (gloo's calls, the ranks' drift, DTensor's
+host work) is `tessel.planner.cpu`'s, asked through one object (`CpuTerms`) at the points
+below where it adds or prices something; a GPU profile's adds nothing.
 """
 
 from __future__ import annotations
@@ -16,13 +20,7 @@ from dataclasses import dataclass
 
 from tessel.config import ModelConfig
 from tessel.planner.async_tp import hidden_seconds
-from tessel.planner.calls import (
-    GLOO_SCATTER,
-    on_curve,
-    ring_bytes,
-    tp_calls,
-    tp_calls_seconds,
-)
+from tessel.planner.calls import TpTraffic, tp_calls
 from tessel.planner.calls import ring_seconds as _ring
 from tessel.planner.compute import (
     GROUPED_GEMM_EFFICIENCY,
@@ -30,6 +28,7 @@ from tessel.planner.compute import (
     micro_batch_compute,
     recompute_seconds,
 )
+from tessel.planner.cpu import CpuTerms, Waits, cpu_terms
 from tessel.planner.fp8 import Fp8Terms, gathered_bytes
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
@@ -45,13 +44,6 @@ from tessel.planner.optimizer import ADAMW, OptimizerSpec, muon_step
 
 DDP_OVERLAP = 0.8  # fraction of the backward pass DDP's all-reduce hides behind
 FSDP_OVERLAP = 0.85  # fraction of compute FSDP2's prefetched collectives hide behind
-# On CPU processes (a profile with device_type "cpu") data-parallel collectives hide behind
-# nothing: gloo moves the bytes on threads of the same process, which share its core with
-# the computing thread, so a collective "in flight behind the backward" takes its time from
-# the backward. Measured on 2 processes of this project's 2-core machine (demo model, 8.9 MB
-# of gradients): DDP's backward with its all-reduce took 12-31 ms longer than without
-# (no_sync), the all-reduce alone 8-17 ms.
-CPU_OVERLAP = 0.0
 HOST_LINK_BYTES_PER_S = 25e9  # device <-> host, PCIe 5 x16 achievable per GPU
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # AdamW on the host, parameters per second per rank
 ZERO_BUBBLE_FACTOR = 0.5  # credited half the interleaved bubble (not measured)
@@ -77,15 +69,11 @@ ASSUMPTIONS = (
     "reduce-scatter) at comm_efficiency x the per-GPU intra-node bandwidth when the group "
     f"fits in a node, else the inter-node bandwidth; DDP hides behind {DDP_OVERLAP:.0%} of "
     f"backward, FSDP behind {FSDP_OVERLAP:.0%} of compute (ZeRO-1, which gathers and "
-    "reduce-scatters once per step, of one micro-batch's; on CPU processes behind nothing); "
-    "tensor-parallel collectives and "
+    "reduce-scatters once per step, of one micro-batch's); tensor-parallel collectives and "
     "pipeline sends are exposed; every call also costs the profile's collective latency "
     f"(calls: a DDP bucket of {DDP_BUCKET_MB} MiB, an FSDP unit's gather or reduce-scatter, "
     "a tensor-parallel block's 4 (10 with sequence parallelism), a pipeline send, a "
-    "context-parallel layer's 2 (Ulysses 4), an expert dispatch's 2); a profile measured on "
-    "CPU processes prices tensor-parallel calls and DDP buckets instead at their sizes on its "
-    "measured curve of a call's time (collective_curve; an all-gather at half an all-reduce "
-    "of twice its bytes)",
+    "context-parallel layer's 2 (Ulysses 4), an expert dispatch's 2)",
     "context parallelism: each rank computes its 1/cp of every sequence's causal attention "
     "(head-tail chunks balance it; contiguous pieces cost the last rank (2cp-1)/cp of the "
     "mean). allgather: per layer the whole sequence's keys and values, 2 x micro_batch x "
@@ -97,16 +85,6 @@ ASSUMPTIONS = (
     "ranks fit in a node, else over the NIC; exposed (the kernel waits for the exchange); "
     "the masked kernel's lower efficiency on short pieces is not modelled, so the search "
     f"splits a sequence only where each rank keeps {MIN_CP_POSITIONS:,} positions or more",
-    "ranks' drift (the profile's sync_drift and sync_skew, measured on CPU processes, 0 for "
-    "GPUs): every tensor-, context- or expert-parallel collective, FSDP gather and "
-    "reduce-scatter, and DDP's first bucket of the step waits for the slowest rank the larger "
-    "of sync_drift x sqrt(L) and sync_skew x L, L the compute seconds since the previous "
-    "collective; a micro-batch's compute is spread evenly between its collectives",
-    "tensor parallelism's cost beyond a tp-th of a block's compute (DTensor's host work, "
-    "its copies, the sharded matmuls' rate) per block and micro-batch: the profile's "
-    "tp_block_overhead_s, added to compute, and per block and optimizer step "
-    "tp_block_optimizer_s (measured on CPU processes; 0 for GPUs, where the host runs ahead "
-    "of the kernels)",
     f"MoE layers: routed experts' FLOPs for each token's top_k experts (active parameters) at "
     f"{GROUPED_GEMM_EFFICIENCY} x a dense matmul's rate (grouped GEMM), each expert's rows "
     "tokens x top_k x ep / experts (balanced routing); the fp32 router at half the BF16 rate; "
@@ -176,13 +154,6 @@ def cp_exchange(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
     return _ring(2 * layout.micro_batch * seq_len * kv * act_bytes, cp, bandwidth, all_reduce=False)
 
 
-def sync_wait(hw: GpuProfile, compute_s: float) -> float:
-    """Seconds a synchronising collective waits for the slowest rank after `compute_s` of
-    compute since the previous one: the ranks' random drift (sync_drift x sqrt(L)) or, after
-    longer compute, their steady difference in speed (sync_skew x L), whichever is larger."""
-    return max(hw.sync_drift * math.sqrt(compute_s), hw.sync_skew * compute_s)
-
-
 def fsdp_calls(zero: int, micro_batches: int) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) of each FSDP unit in a step: ZeRO-1 gathers the
     parameters and reduce-scatters the gradients once, ZeRO-2 gathers and reduce-scatters
@@ -208,6 +179,8 @@ class _Step:
     ids: list[int]
     n_stages: int
     act_bytes: int
+    cpu: CpuTerms
+    """What CPU processes add (`tessel.planner.cpu`; nothing for a GPU profile)."""
     fp8: Fp8Terms | None = None
     """train.fp8's terms (None without)."""
 
@@ -245,7 +218,7 @@ def estimate_step(
     (planner/fp8.py); `async_tp`: parallel.async_tp, whose hidden transfers
     (planner/async_tp.py) come off the tensor-parallel time."""
     s = _busiest(m, layout, hw, seq_len, global_batch // (layout.micro_batch * layout.dp),
-                 precision, fp8)
+                 precision, fp8, cpu_terms(hw))
     tp_comm, tp_syncs = _tensor_parallel(s)
     if async_tp:
         tp_comm -= s.micro_batches * (1 + s.recompute) * hidden_seconds(
@@ -253,20 +226,18 @@ def estimate_step(
             s.within(layout.tp), fp8, hw.bf16_flops)
     cp_comm, cp_syncs = _context_parallel(s)
     ep_comm, ep_syncs = _expert_parallel(s)
-    # Ranks' drift: each collective above, and FSDP's gathers and reduce-scatters, waits
-    # for the slowest rank after the compute since the one before (a micro-batch's spread
-    # evenly over its collectives).
+    # What each synchronising collective waits for the slowest rank (CPU processes' drift;
+    # nothing on a GPU profile): the calls above, FSDP's gathers and reduce-scatters.
     syncs = tp_syncs + cp_syncs + ep_syncs
+    fsdp_syncs = 0
     if fsdp_active(layout) and layout.dp * layout.cp > 1:
-        syncs_with_dp = syncs + (s.stage.layers + 1) * sum(
+        fsdp_syncs = (s.stage.layers + 1) * sum(
             fsdp_calls(layout.zero, s.micro_batches)) / s.micro_batches
-    else:
-        syncs_with_dp = syncs
-    drift = sync_wait(hw, s.t_mb / syncs_with_dp) if syncs_with_dp else 0.0
-    tp_comm += s.micro_batches * tp_syncs * drift
-    cp_comm += s.micro_batches * cp_syncs * drift
-    ep_comm += s.micro_batches * ep_syncs * drift
-    dp_comm, raw = _data_parallel(s, dp_overlap, syncs, drift)
+    waits = s.cpu.waits(s.t_mb, s.compute, syncs, fsdp_syncs)
+    tp_comm += s.micro_batches * tp_syncs * waits.per_call
+    cp_comm += s.micro_batches * cp_syncs * waits.per_call
+    ep_comm += s.micro_batches * ep_syncs * waits.per_call
+    dp_comm, raw = _data_parallel(s, s.cpu.dp_overlap(dp_overlap), waits)
     pp_comm, bubble = _pipeline(s, tp_comm + ep_comm + cp_comm)
     optimizer_s, offload = _optimizer_and_offload(s, optimizer)
     raw_comm = tp_comm + raw + pp_comm + cp_comm + ep_comm
@@ -275,10 +246,10 @@ def estimate_step(
 
 
 def _busiest(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
-             micro_batches: int, precision: str, fp8: Fp8Terms | None) -> _Step:
+             micro_batches: int, precision: str, fp8: Fp8Terms | None, cpu: CpuTerms) -> _Step:
     """The pipeline rank whose micro-batch takes longest (it sets the pace), with its
     recomputation."""
-    pp, tp = layout.pp, layout.tp
+    pp = layout.pp
     peak = hw.bf16_flops
     if precision == "fp32":
         peak = peak / 2  # TF32 tensor cores: half the BF16 rate
@@ -291,8 +262,7 @@ def _busiest(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
         moe = sum(moe_layer_count(m, ranges[s]) for s in ids)
         t, _ = micro_batch_compute(m, layout, hw, seq_len, layers, n_stages - 1 in ids, peak,
                                    moe, fp8)
-        if tp > 1:  # DTensor's host work per block (0 in GPU profiles: hidden, see GpuProfile)
-            t += layers * hw.tp_block_overhead_s
+        t += cpu.block_seconds(layout, layers)  # DTensor's host work (CPU processes)
         if t > t_mb:
             t_mb, busiest = t, rank
     ids = rank_stages(layout, busiest)
@@ -303,7 +273,7 @@ def _busiest(m: ModelConfig, layout: Layout, hw: GpuProfile, seq_len: int,
     recompute = 0.0 if layout.activation_checkpointing == "selective" else t_recompute / t_mb
     act_bytes = 2 if precision in ("bf16", "fp16", "fp8") else 4
     return _Step(m, layout, hw, seq_len, micro_batches, t_mb + t_recompute, recompute,
-                 rank_parameters(m, layout, busiest), ids, n_stages, act_bytes, fp8=fp8)
+                 rank_parameters(m, layout, busiest), ids, n_stages, act_bytes, cpu, fp8=fp8)
 
 
 def _tensor_parallel(s: _Step) -> tuple[float, float]:
@@ -315,8 +285,9 @@ def _tensor_parallel(s: _Step) -> tuple[float, float]:
     layers = stage.layers
     collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
     calls = tp_calls(layout, layers, stage.moe_layers, 0 in s.ids, last)
-    per_mb = tp_calls_seconds(s.hw, layout, s.tokens * s.m.d_model * s.act_bytes,
-                              collectives, calls, 0 in s.ids, last, s.within(layout.tp))
+    traffic = TpTraffic(layout, s.tokens * s.m.d_model * s.act_bytes, collectives, calls,
+                        0 in s.ids, last, s.within(layout.tp), s.hw.collective_latency_s)
+    per_mb = s.cpu.tp_seconds(traffic, traffic.seconds())
     tp_syncs = calls * (1 + s.recompute) if layout.tp > 1 else 0
     return s.micro_batches * per_mb * (1 + s.recompute), tp_syncs
 
@@ -349,8 +320,7 @@ def _expert_parallel(s: _Step) -> tuple[float, float]:
     return ep_comm, stage.moe_layers * passes * 2 * EP_CALLS_EACH_WAY
 
 
-def _data_parallel(s: _Step, dp_overlap: float | None, syncs: float,
-                   drift: float) -> tuple[float, float]:
+def _data_parallel(s: _Step, dp_overlap: float | None, waits: Waits) -> tuple[float, float]:
     """(exposed seconds, raw seconds) of data parallelism over dp x cp ranks (FSDP's shard
     group includes the cp ranks): DDP's bucketed all-reduce, or FSDP's gathers and
     reduce-scatters (routed experts over their own group, ep apart across dp_shard x tp)."""
@@ -358,13 +328,13 @@ def _data_parallel(s: _Step, dp_overlap: float | None, syncs: float,
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
     if not fsdp_active(layout):
-        return _ddp(s, dp_overlap, syncs, drift)
+        return _ddp(s, dp_overlap, waits)
     dense, experts = s.stage.total - s.stage.experts, s.stage.experts
     shard_group = layout.dp_shard * layout.cp
     shard_bw = s.within(layout.dp_shard * layout.cp * layout.tp)
     expert_group, expert_bw = layout.expert_dp_shard, shard_bw
     gathers, scatters = fsdp_calls(layout.zero, s.micro_batches)
-    scatter = GLOO_SCATTER if hw.device_type == "cpu" else 1.0
+    scatter = s.cpu.scatter  # a reduce-scatter's bytes (gloo has none of its own)
     # train.fp8 with float8 all-gather: the converted weights move at 1 byte
     gathered = gathered_bytes(s.fp8, s.act_bytes * dense, s.act_bytes, s.m, layout.tp,
                               s.stage.layers, s.stage.moe_layers)
@@ -381,10 +351,8 @@ def _data_parallel(s: _Step, dp_overlap: float | None, syncs: float,
     if layout.dp_replicate > 1:  # HSDP: sharded gradients all-reduced across replicas
         raw += _ring(4.0 * (dense / shard_group + experts / expert_group),
                      layout.dp_replicate, s.inter, all_reduce=True) + units * lat
-    raw += units * (gathers + scatters) * drift
+    raw += units * (gathers + scatters) * waits.per_call
     hide = FSDP_OVERLAP if dp_overlap is None else dp_overlap
-    if dp_overlap is None and hw.device_type == "cpu":
-        hide = CPU_OVERLAP
     # ZeRO-1 gathers parameters once (behind the first micro-batch's forward) and
     # reduce-scatters gradients once (behind the last one's backward): one micro-batch
     # of compute to hide behind, however many there are. ZeRO-2/3 collectives run in
@@ -393,25 +361,18 @@ def _data_parallel(s: _Step, dp_overlap: float | None, syncs: float,
     return max(0.0, raw - hide * window), raw
 
 
-def _ddp(s: _Step, dp_overlap: float | None, syncs: float, drift: float) -> tuple[float, float]:
+def _ddp(s: _Step, dp_overlap: float | None, waits: Waits) -> tuple[float, float]:
     """(exposed, raw) seconds of DDP's all-reduce of the fp32 gradients in buckets."""
     layout, hw = s.layout, s.hw
     grad_bytes = 4.0 * s.stage.total
     buckets = max(1, math.ceil(grad_bytes / (DDP_BUCKET_MB * 2**20)))
-    if hw.collective_curve:  # each bucket at its size on the measured curve
-        raw = buckets * on_curve(hw.collective_curve,
-                                 ring_bytes(grad_bytes / buckets, layout.dp * layout.cp, True))
-    else:
-        raw = (_ring(grad_bytes, layout.dp * layout.cp,
-                     s.within(layout.dp * layout.cp * layout.tp), all_reduce=True)
-               + buckets * hw.collective_latency_s)
+    ranks = layout.dp * layout.cp
+    raw = (_ring(grad_bytes, ranks, s.within(ranks * layout.tp), all_reduce=True)
+           + buckets * hw.collective_latency_s)
+    raw = s.cpu.ddp_seconds(raw, grad_bytes, buckets, ranks)
     hide = DDP_OVERLAP if dp_overlap is None else dp_overlap
-    if dp_overlap is None and hw.device_type == "cpu":
-        hide = CPU_OVERLAP
-    # its first bucket waits for the slowest rank after the step's whole compute when
-    # nothing synchronised the ranks before (accumulation runs without), else after the
-    # last micro-batch's last piece; the buckets after it follow at once
-    raw += sync_wait(hw, s.compute) if not syncs else drift
+    # its first bucket waits for the slowest rank (the buckets after it follow at once)
+    raw += waits.first_bucket
     return max(0.0, raw - hide * s.t_mb * 2 / 3), raw  # the last micro-batch's backward
 
 
@@ -450,8 +411,7 @@ def _optimizer_and_offload(s: _Step, optimizer: OptimizerSpec) -> tuple[float, f
                     if fsdp else stage.total)
     link = s.within(layout.dp_shard * layout.cp * layout.tp) if fsdp else s.within(layout.tp)
     optimizer_s = optimizer_step_time(s.m, layout, hw, stage, local_params, optimizer, link)
-    if layout.tp > 1:  # DTensor's host work in clipping and the update (0 in GPU profiles)
-        optimizer_s += stage.layers * hw.tp_block_optimizer_s
+    optimizer_s += s.cpu.optimizer_seconds(layout, stage.layers)  # DTensor's host work
     offload = 0.0
     if layout.offload != "none":
         # Gradients to the host, parameters both ways, AdamW on the host CPU.

@@ -23,6 +23,7 @@ from typing import Any
 
 from tessel.config import Config, with_saved_defaults
 from tessel.errors import TesselError
+from tessel.planner.cpu import stretched
 from tessel.planner.hardware import (
     CALIBRATION_LIMITS,
     GpuProfile,
@@ -115,13 +116,12 @@ def read_sweep(data: dict[str, Any], where: str) -> MeasuredSweep:
 
 
 def _stretched(hw: GpuProfile, factor: float) -> GpuProfile:
-    return dataclasses.replace(hw, comm_efficiency=min(hw.comm_efficiency / factor,
-                                                       efficiency_ceiling(hw)),
-                               collective_latency_s=hw.collective_latency_s * factor,
-                               sync_drift=hw.sync_drift * factor,
-                               sync_skew=hw.sync_skew * factor,
-                               collective_curve=tuple((b, t * factor)
-                                                      for b, t in hw.collective_curve))
+    """All communication `factor` times slower: the link's efficiency, each call's latency
+    and the CPU terms that are communication (`tessel.planner.cpu.stretched`)."""
+    return dataclasses.replace(stretched(hw, factor),
+                               comm_efficiency=min(hw.comm_efficiency / factor,
+                                                   efficiency_ceiling(hw)),
+                               collective_latency_s=hw.collective_latency_s * factor)
 
 
 def fit(hw: GpuProfile, sweep: MeasuredSweep,

@@ -126,7 +126,8 @@ def test_a_measured_curve_prices_each_call_at_its_size():
     (collective_curve) replaces latency + bytes / bandwidth for the tensor-parallel calls and
     DDP's buckets: piecewise linear, the last slope beyond it, the first point below it; an
     all-gather costs half an all-reduce of twice its ring bytes (its second half)."""
-    from tessel.planner.calls import on_curve, ring_bytes
+    from tessel.planner.calls import ring_bytes
+    from tessel.planner.cpu import on_curve
 
     curve = ((1000.0, 1e-3), (2000.0, 2e-3), (4000.0, 3e-3))
     assert on_curve(curve, 10.0) == 1e-3  # a call costs at least the smallest one's time
@@ -217,7 +218,7 @@ def test_a_steady_difference_in_speed_counts_where_it_exceeds_the_drift():
     """sync_skew x L, where larger than sync_drift x sqrt(L): DDP's one wait after a step's
     whole compute takes it; a tensor-parallel block's short pieces keep the drift."""
     from tessel.planner.calls import tp_calls
-    from tessel.planner.speed import sync_wait
+    from tessel.planner.cpu import sync_wait
 
     m = ModelConfig(preset="gpt2-124m")
     drifting = dataclasses.replace(H100, sync_drift=0.002)
