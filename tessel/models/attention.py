@@ -206,6 +206,8 @@ def attention_mask(doc_ids: torch.Tensor | None, rows: torch.Tensor | None, kv_l
         if flex:
             return document_block_mask(doc_ids)
         return _additive(document_causal_mask(doc_ids), dtype)
+    if rows is None and flex:
+        return _window_block_mask(doc_ids, kv_len, window, device)
     if rows is None:  # a window over the whole sequence: every position is a query row
         batch = doc_ids.shape[0] if doc_ids is not None else 1
         rows = torch.arange(kv_len, device=device).expand(batch, -1)
@@ -247,6 +249,23 @@ def _rows_block_mask(rows: torch.Tensor, doc_ids: torch.Tensor | None, kv_len: i
 
     create = _create_block_mask() if rows.is_cuda else create_block_mask
     return create(allowed, B, None, Tq, kv_len, device=rows.device)
+
+
+def _window_block_mask(doc_ids: torch.Tensor | None, T: int, window: int | None,
+                       device: torch.device) -> BlockMask:
+    """FlexAttention block mask of a local layer over the whole sequence: causal, within
+    `window` positions back and, with `doc_ids`, within each document (no document: one
+    mask for every sequence of the batch)."""
+    if doc_ids is None:
+        def allowed(b, h, q, kv):  # noqa: ANN001, ANN202, ARG001 (FlexAttention's mask_mod)
+            return (q >= kv) & (q - kv < window)
+    else:
+        def allowed(b, h, q, kv):  # noqa: ANN001, ANN202, ARG001
+            return (q >= kv) & (q - kv < window) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    batch = doc_ids.shape[0] if doc_ids is not None else None
+    create = _create_block_mask() if torch.device(device).type == "cuda" else create_block_mask
+    return create(allowed, batch, None, T, T, device=device)
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:

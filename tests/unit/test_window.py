@@ -69,3 +69,28 @@ def test_config_refusals_are_one_line(fields, message):
     with pytest.raises(ConfigError, match=message) as exc:
         validate(ModelConfig, {"preset": "tiny-llama", "n_layers": 2, **fields})
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.filterwarnings("ignore")  # flex_attention uncompiled on CPU warns that it is slow
+def test_flex_block_masks_with_a_window_equal_the_dense_masks():
+    """CUDA's path (FlexAttention's block masks, here evaluated eagerly on CPU) attends as
+    the dense masks do: whole sequences and a context-parallel rank's rows, with and without
+    documents."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from tessel.models.attention import attend
+
+    torch.manual_seed(0)
+    B, T, H, hd, W = 2, 256, 2, 8, 37
+    docs = torch.tensor([[0] * 100 + [1] * 156, [0] * 256])
+    q, k, v = (torch.randn(B, T, H, hd) for _ in range(3))
+    cpu = torch.device("cpu")
+    for rows in (None, torch.cat([torch.arange(0, 64), torch.arange(192, 256)]).expand(B, -1)):
+        for d in (docs, None):
+            dense = attention_mask(d, rows, T, cpu, False, torch.float32, W)
+            block = attention_mask(d, rows, T, cpu, True, torch.float32, W)
+            qq = q if rows is None else q[:, rows[0]]
+            want = attend(qq, k, v, dense, scale=0.3)
+            got = flex_attention(qq.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 block_mask=block, scale=0.3).transpose(1, 2)
+            assert (got - want).abs().max() < 1e-5, (rows is None, d is None)
