@@ -92,18 +92,27 @@ def test_hf_to_tessel_matches_transformers_and_round_trips_bit_for_bit(arch, tmp
     # tessel pads the vocabulary (model.vocab_pad_to): its extra ids are -inf, never predicted.
     assert ours.shape[-1] == 384 and (ours[..., VOCAB:] == float("-inf")).all()
     assert (ours[..., :VOCAB] - theirs).abs().max() <= 1e-5
-    # Greedy decoding picks the same tokens.
-    prompt = x[0, :10].tolist()
+    assert_greedy_and_direct_weights(model, hf, src, x[0, :10].tolist())
+    assert_round_trip(src, tmp_path / "tessel", tmp_path / "back")
+
+
+def assert_greedy_and_direct_weights(model: Transformer, hf, src: Path,  # noqa: ANN001
+                                     prompt: list[int]) -> None:
+    """Greedy decoding from `prompt` picks transformers' tokens, and model.init_from on the
+    HF directory `src` loads the weights `model` holds."""
     got = sample(model, prompt, 24, temperature=0)
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)[0, 10:].tolist()
+                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert got == want
-    # The same weights straight from the HF directory (init_from), and back to HF exactly.
     direct = tessel_model(src)
     for (n, a), (_, b) in zip(model.state_dict().items(), direct.state_dict().items()):
         assert torch.equal(a, b), n
-    assert main(["convert", "tessel-to-hf", str(tmp_path / "tessel"), str(tmp_path / "back")]) == 0
-    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "back/model.safetensors")
+
+
+def assert_round_trip(src: Path, imported: Path, back: Path) -> None:
+    """`tessel-to-hf` of `imported` (src converted) writes src's tensors bit for bit."""
+    assert main(["convert", "tessel-to-hf", str(imported), str(back)]) == 0
+    before, after = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
     assert before.keys() == after.keys()
     for k in before:
         assert torch.equal(before[k], after[k]), k

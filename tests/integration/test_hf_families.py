@@ -10,9 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from test_cli import assert_one_line_error, tessel
-from test_hf import VOCAB, save_hf, tessel_model
+from test_hf import (
+    VOCAB,
+    assert_greedy_and_direct_weights,
+    assert_round_trip,
+    save_hf,
+    tessel_model,
+)
+from test_hf_moe import _edit_config
 from transformers import (
     AutoModelForCausalLM,
     Olmo2Config,
@@ -25,7 +31,6 @@ from transformers import (
 
 from tessel.cli import main
 from tessel.config import Config
-from tessel.generate import sample
 
 RTOL = 1e-5  # fp32: max |difference| over max |logit|
 
@@ -77,24 +82,11 @@ def test_import_generate_export_match_transformers(family, tmp_path: Path, capsy
         ours, theirs = model(x), hf(x).logits
     imported = relative(ours, theirs)
     assert imported <= RTOL
-    prompt = x[0, :10].tolist()
-    got = sample(model, prompt, 24, temperature=0)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)[0, 10:].tolist()
-    assert got == want
-    # model.init_from on the HF directory loads the same weights.
-    direct = tessel_model(src)
-    for (n, a), (_, b) in zip(model.state_dict().items(), direct.state_dict().items()):
-        assert torch.equal(a, b), n
+    assert_greedy_and_direct_weights(model, hf, src, x[0, :10].tolist())
     # Export: the same tensors bit for bit; transformers reloads them to the same logits.
     capsys.readouterr()
-    assert main(["convert", "tessel-to-hf", str(tmp_path / "tessel"), str(tmp_path / "back")]) == 0
+    assert_round_trip(src, tmp_path / "tessel", tmp_path / "back")
     assert hf.__class__.__name__ in capsys.readouterr().out
-    before = load_file(src / "model.safetensors")
-    after = load_file(tmp_path / "back/model.safetensors")
-    assert before.keys() == after.keys()
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert again.__class__ is hf.__class__
     with torch.no_grad():
@@ -102,14 +94,6 @@ def test_import_generate_export_match_transformers(family, tmp_path: Path, capsy
     print(f"{family}: relative logit difference HF -> tessel {imported:.1e}, "
           f"tessel -> HF {exported:.1e}")
     assert exported <= RTOL
-
-
-def _edited(src: Path, dst: Path, **changes) -> Path:
-    dst.mkdir()
-    cfg = {**json.loads((src / "config.json").read_text()), **changes}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
-    return dst
 
 
 def test_what_tessel_cannot_compute_is_refused_in_one_line(tmp_path: Path, capsys):
@@ -126,7 +110,7 @@ def test_what_tessel_cannot_compute_is_refused_in_one_line(tmp_path: Path, capsy
          "sliding-window attention in layers [1]"),
     ]
     for i, (family, changes, needle) in enumerate(cases):
-        bad = _edited(srcs[family], tmp_path / f"bad{i}", **changes)
+        bad = _edit_config(srcs[family], tmp_path / f"bad{i}", **changes)
         capsys.readouterr()
         assert main(["convert", "hf-to-tessel", str(bad), str(tmp_path / f"out{i}")]) == 2, needle
         err = capsys.readouterr().err.strip().splitlines()
