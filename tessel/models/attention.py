@@ -86,8 +86,8 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(cfg.head_dim, cfg)  # (1 + weight) under model.norm_offset
             self.k_norm = rms_norm(cfg.head_dim, cfg)
         elif cfg.qk_norm:
-            self.q_norm = ProjectionNorm(cfg.q_dim, cfg.norm_eps)
-            self.k_norm = ProjectionNorm(kv_dim, cfg.norm_eps)
+            self.q_norm = ProjectionNorm(cfg.q_dim, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = ProjectionNorm(kv_dim, cfg.norm_eps, cfg.norm_offset)
         self.per_head_norm = cfg.qk_norm_scope == "head"
         self.dropout = cfg.dropout
         self.scale = cfg.query_scale
@@ -140,17 +140,20 @@ class ProjectionNorm(nn.Module):
     `tessel.parallel.tensor` hands it a DTensor sharded there, whose sum of squares is then
     one all-reduce of a value per token)."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, offset: bool = False):
         super().__init__()
         self.width = width
         self.eps = eps
+        self.offset = offset
+        """model.norm_offset: scale by (1 + weight), a zero weight meaning a unit scale."""
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., width) -> the same shape and dtype."""
         xf = x.float()
         mean_square = xf.pow(2).sum(-1, keepdim=True) / self.width
-        return (self.weight * (xf * torch.rsqrt(mean_square + self.eps))).to(x.dtype)
+        scale = self.weight + 1 if self.offset else self.weight
+        return (scale * (xf * torch.rsqrt(mean_square + self.eps))).to(x.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,

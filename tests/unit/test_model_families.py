@@ -66,3 +66,15 @@ def test_planner_parameters_and_flops_match_the_built_model(variant):
 def test_a_norm_scope_without_qk_norm_is_refused():
     with pytest.raises(ConfigError, match="qk_norm_scope='projection' has no QK-norm to place"):
         Config.load(None, {"model.preset": "tiny-llama", "model.qk_norm_scope": "projection"})
+
+
+def test_projection_wide_qk_norm_under_norm_offset_starts_as_a_unit_scale():
+    """model.norm_offset (Gemma's (1 + weight)) reaches every RMSNorm: a projection-wide
+    QK-norm too, whose zero initial weight is then a unit scale, not a zero output."""
+    m = ModelConfig(preset="tiny-llama", qk_norm=True, qk_norm_scope="projection",
+                    norm_offset=True)
+    norm = build_model(m).layers["0"].attention.q_norm
+    assert not norm.weight.any()
+    x = torch.randn(2, 5, m.q_dim)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.norm_eps)
+    torch.testing.assert_close(norm(x), want)
