@@ -205,3 +205,51 @@ def test_lora_adapters_load_into_peft_on_the_familys_own_class(arch, tmp_path: P
         mine = ours.eval()(x)[..., :VOCAB]
     assert close(mine, theirs)
     assert not close(plain, theirs)  # the adapters matter: the test means something
+
+
+def test_gemma3_fine_tunes_with_its_own_chat_template_and_exports_during_training(
+        tmp_path: Path, corpus: Path):
+    """SFT from the tiny Gemma 3 with its own template (found beside its tokenizer):
+    the copy exported during training is a Gemma3ForCausalLM with the trained model's logits,
+    and its tokenizer's apply_chat_template renders the conversations as tessel rendered
+    them for training (the learned tokens: tests/unit/test_family_templates.py, on the same
+    template, tests/data/chat/gemma3.jinja)."""
+    from transformers import AutoTokenizer
+
+    from tessel.checkpoint import latest_checkpoint
+    from tessel.data.chat_template import resolve_template
+    from tessel.data.tokenizer import train_bpe
+
+    src = save_hf(hf_gemma3(), tmp_path / "hf")
+    texts = [f.read_text() for f in sorted(corpus.iterdir())]
+    train_bpe(texts, VOCAB - 20, special_tokens=("<start_of_turn>", "<end_of_turn>", "<bos>",
+                                                 "<eos>")).save(src / "tokenizer.json")
+    gemma3 = (Path(__file__).parents[1] / "data/chat/gemma3.jinja").read_text()
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": gemma3, "bos_token": "<bos>", "eos_token": "<eos>"}))
+    chats = [[{"role": "user", "content": f"what is {i} plus {i}?"},
+              {"role": "assistant", "content": f"the model reads {2 * i} tokens"}]
+             for i in range(40)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    run = tmp_path / "run"
+    out = tessel_here("train", f"--model.init_from={src}", f"--run.dir={run}",
+                      "--data.source=sft", f"--data.paths=['{data}']", "--train.seq_len=64",
+                      "--train.steps=2", "--train.micro_batch_size=2",
+                      "--train.global_batch_size=2", "--train.eval_interval=0",
+                      "--train.eval_iters=1", "--checkpoint.interval=2",
+                      "--checkpoint.hf_export_interval=2", "--metrics.tensorboard=false",
+                      "--run.sample_tokens=0", "--data.split=100,0",
+                      f"--data.cache_dir={tmp_path / 'cache'}")
+    assert out.returncode == 0, out.stderr
+    export = run / "checkpoints/step_00000002/hf"  # the run waits for its export at the end
+    theirs = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert type(theirs) is Gemma3ForCausalLM
+    ours = tessel_model(latest_checkpoint(run / "checkpoints"))
+    x = torch.randint(0, VOCAB, (2, 80))
+    with torch.no_grad():
+        assert close(ours(x)[..., :VOCAB], theirs(x).logits)
+    tok = AutoTokenizer.from_pretrained(export)
+    trained = resolve_template("auto", src, "<eos>")
+    for c in chats[:3]:
+        assert tok.apply_chat_template(c, tokenize=False) == trained.render(c)

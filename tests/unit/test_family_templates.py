@@ -5,6 +5,8 @@ reply and its end-of-turn token) on the conversations of test_sft, edge cases in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_sft import edge_conversations, tok  # noqa: F401 (tok: the shared tokenizer fixture)
 from tokenizers import Tokenizer as HFTokenizer
@@ -14,32 +16,9 @@ from tessel.data.chat_template import ChatTemplate
 from tessel.data.sft import assistant_spans, chat_encoder, encode_example
 from tessel.errors import DataError
 
+CHAT = Path(__file__).parents[1] / "data/chat"
 # google/gemma-3-*-it's template, verbatim but for its image branch (text models only).
-GEMMA3 = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
-    {{- message['content'] | trim -}}
-    {{ '<end_of_turn>\\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\\n'}}
-{%- endif -%}
-"""
+GEMMA3 = (CHAT / "gemma3.jinja").read_text()
 GEMMA3_MARKED = GEMMA3.replace(
     """    {{- message['content'] | trim -}}
     {{ '<end_of_turn>\\n' }}""",
@@ -49,31 +28,7 @@ GEMMA3_MARKED = GEMMA3.replace(
     {{ '<end_of_turn>\\n' }}{%- endif -%}""")
 # mistralai/Mistral-7B-Instruct-v0.3's template without its tool branches (the system message
 # goes before the last user message only, as there).
-MISTRAL = """{%- if messages[0]["role"] == "system" %}
-    {%- set system_message = messages[0]["content"] %}
-    {%- set loop_messages = messages[1:] %}
-{%- else %}
-    {%- set loop_messages = messages %}
-{%- endif %}
-
-{{- bos_token }}
-{%- for message in loop_messages %}
-    {%- if (message["role"] == "user") != (loop.index0 % 2 == 0) %}
-        {{- raise_exception("After the optional system message, roles must alternate") }}
-    {%- endif %}
-    {%- if message["role"] == "user" %}
-        {%- if loop.last and system_message is defined %}
-            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}
-        {%- else %}
-            {{- "[INST] " + message["content"] + "[/INST]" }}
-        {%- endif %}
-    {%- elif message["role"] == "assistant" %}
-        {{- " " + message["content"]|trim + eos_token}}
-    {%- else %}
-        {{- raise_exception("Only user and assistant roles are supported!") }}
-    {%- endif %}
-{%- endfor %}
-"""
+MISTRAL = (CHAT / "mistral.jinja").read_text()
 MISTRAL_MARKED = MISTRAL.replace(
     """        {{- " " + message["content"]|trim + eos_token}}""",
     """        {{- " " }}{% generation %}{{- message["content"]|trim + eos_token}}{% endgeneration %}""")
