@@ -37,6 +37,7 @@ class Batch(NamedTuple):
     inputs: torch.Tensor  # (B, T) int64
     targets: torch.Tensor  # (B, T) int64; IGNORE_INDEX (-100) where not learned (fine-tuning)
     doc_ids: torch.Tensor | None  # (B, T) int64 document index per position, when masking
+    ref: torch.Tensor | None = None  # (B/2, 2) float64 reference log-probabilities (DPO)
 
 
 class BlendSchedule:

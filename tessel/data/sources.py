@@ -142,6 +142,13 @@ def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -
     """Train and validation loaders for this data-parallel rank, and the tokenizer."""
     d, t = cfg.data, cfg.train
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    if cfg.train.objective == "dpo":  # preference pairs of dpo.paths (data.source unread)
+        from tessel.data.preference_data import build_preference_data
+
+        train, val, tok, figures, template = build_preference_data(cfg, cache, dp_rank, dp_size,
+                                                                   console)
+        # no unigram baseline: a preference loss is no cross-entropy to compare it with
+        return Data(train, val, tok, float("nan"), figures, template)  # type: ignore[arg-type]
     if d.source == "sft":
         return _sft_data(cfg, cache, dp_rank, dp_size, console)
     tok, corpora, weights, fingerprints = (

@@ -65,9 +65,13 @@ class Evaluator:
             # run (the ranks' collectives stay in step), count nothing
             return batch._replace(targets=torch.full_like(batch.targets, IGNORE_INDEX)), False
 
+        s.model.train(False)
+        if s.objective is not None:  # DPO: its loss and metrics (tessel.train.dpo_run)
+            loss = s.objective.evaluate(s, next_batch, iters)
+            s.model.train(True)
+            return loss
         total = torch.zeros((), device=s.device, dtype=torch.float64)
         count = 0
-        s.model.train(False)
         if s.schedule is not None:
             # The schedule runs whole steps of `accum` micro-batches.
             for i in range(math.ceil(iters / s.accum)):
@@ -84,7 +88,7 @@ class Evaluator:
             for i in range(iters):
                 self.beat(f"evaluation batch {i}")
                 batch, counted = next_batch()
-                x, y, docs, positions = s.shard(*s.on_device(batch))
+                x, y, docs, positions = s.shard(*s.on_device(batch)[:3])
                 with loss_context(s.dims.tp > 1), s.precision.autocast():
                     out = model(x, docs, positions, **s.loss_inputs(y))
                     total += local_value(s.loss_sum(out, y)).double()

@@ -167,7 +167,9 @@ class Lifecycle:
             self.events.write("finish", step, f"finished at step {step}", val_loss=val_loss)
             msg = f"done: step {step}"
             if val_loss is not None:
-                msg += f", val loss {val_loss:.4f} (unigram baseline {unigram_baseline:.4f})"
+                msg += f", val loss {val_loss:.4f}"
+                if unigram_baseline == unigram_baseline:  # DPO has none (NaN)
+                    msg += f" (unigram baseline {unigram_baseline:.4f})"
             self.display.print(msg + f"; checkpoint in {latest}")
             if sample.due(step):
                 self.display.print(sample.text())

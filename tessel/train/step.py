@@ -56,6 +56,9 @@ class TrainStep:
         """Pieces the last stage computes the loss in (parallel.loss_chunks)."""
         """Context parallelism: shards each micro-batch's sequences for this rank."""
         self.loss_factor = 1.0  # fault injection only (TESSEL_FAULT)
+        self.objective: Any = None
+        """train.objective = "dpo": the loss hook (tessel.train.dpo_run.PreferenceObjective)
+        that replaces the token cross-entropy; None: the cross-entropy."""
         self.replicas: Any = None
         """Fault tolerance ([fault_tolerance]): averages the loss and gradients over the
         replica groups (`average(loss, grads) -> loss`) and says whether the step may be
@@ -93,7 +96,9 @@ class TrainStep:
         this replica's on the rank that reports it, zero elsewhere."""
         self.phase("forward/backward (DDP/FSDP/TP/PP collectives inside)")
         self.timer.start("compute")
-        n_tokens = self.counted_tokens(batches) if self.masked else sum(
+        objective = self.objective
+        divisors = objective.divisors(batches, self.dims.dp) if objective is not None else None
+        n_tokens = self.counted_tokens(batches) if self.masked and objective is None else sum(
             b.targets.numel() for b in batches)
         scaler = self.precision.scaler
         # fp16: the loss scale this step's gradients are multiplied by (GradScaler syncs
@@ -111,13 +116,14 @@ class TrainStep:
             # gradients are averaged over the cp ranks too: scale so they sum instead.
             divisor = n_tokens / self.dims.cp
             for i, batch in enumerate(batches):
-                x, y, docs, positions = self.shard(*self.on_device(batch))
+                x, y, docs, positions = self.shard(*self.on_device(batch)[:3])
                 last = i == len(batches) - 1
                 with (self.model.dp.micro_batch(self.model.parts, last),
                       loss_context(self.dims.tp > 1)):
                     with self.precision.autocast():
                         out = model(x, docs, positions, **self.loss_inputs(y))  # (B, T/cp, V)
-                    loss = self.loss_sum(out, y) / divisor
+                    loss = (objective.loss(out, y, batch.ref, divisors) if objective is not None
+                            else self.loss_sum(out, y) / divisor)
                     if self.loss_factor != 1.0:
                         loss = loss * self.loss_factor
                     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -177,7 +183,7 @@ class TrainStep:
     def _pipeline_step(self, batches: list[Batch], n_tokens: int) -> torch.Tensor:
         """All micro-batches of the step through the pipeline schedule (which interleaves
         their forward and backward passes); the loss lives on the last stage."""
-        x, y, docs, positions = self.shard(*self.on_device(concat(batches)))
+        x, y, docs, positions = self.shard(*self.on_device(concat(batches))[:3])
         self._loss_tokens = n_tokens / self.dims.cp  # as in the plain step: cp ranks sum
         losses: list[torch.Tensor] = []
         args = (x,) if self.model.has_first else ()
@@ -196,7 +202,7 @@ class TrainStep:
     def pipeline_eval_sum(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
         """Summed loss of `batches` through the pipeline schedule without gradients, and
         the number of target tokens (the sum is on the last stage, zero elsewhere)."""
-        x, y, docs, positions = self.shard(*self.on_device(concat(batches)))
+        x, y, docs, positions = self.shard(*self.on_device(concat(batches))[:3])
         self._loss_tokens = 1  # sums
         self._pipeline_infers = True  # the next training step re-initialises the stages
         losses: list[torch.Tensor] = []

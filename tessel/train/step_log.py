@@ -80,13 +80,16 @@ class StepLogger:
         rec.update(memory_stats(self.device))
         self._emit(rec, eta_s, rec["token_budget_pct"])
 
-    def eval(self, *, step: int, val_loss: float, tokens_seen: int, elapsed_s: float) -> None:
+    def eval(self, *, step: int, val_loss: float, tokens_seen: int, elapsed_s: float,
+             extra: dict[str, float] | None = None) -> None:
+        """One validation record; `extra`: more held-out figures (DPO's eval_rewards/*)."""
         rec = {
             "step": step,
             "val_loss": val_loss,
             "val_ppl": math.exp(min(val_loss, 50.0)),
             "tokens_seen": tokens_seen,
             "elapsed_s": elapsed_s,
+            **(extra or {}),
         }
         self._emit(rec, 0.0, 0.0)
 

@@ -235,7 +235,7 @@ class Trainer:
 
     def _log_train(self, log: StepLogger, loss: torch.Tensor, grad_norm: torch.Tensor,
                    window: float, window_steps: int, elapsed: float, first_step: int) -> None:
-        t = self.cfg.train
+        t, objective = self.cfg.train, self.train_step.objective
         scaler = self.precision.scaler
         log.train(
             step=self.step,
@@ -250,14 +250,17 @@ class Trainer:
             loss_scale=float(scaler.get_scale()) if scaler is not None else None,
             extra={**self.train_step.moe.metrics(self.cfg.model.moe_capacity_factor is not None),
                    **self.data.figures, **self.comm.window(window / window_steps),
+                   **(objective.metrics() if objective is not None else {}),
                    **(self.replicas.figures() if self.replicas is not None else {})})
 
     def _evaluate(self, log: StepLogger, start: float) -> None:
         if self.evaluator.val is None:  # no validation split
             return
         self.last_val_loss = self.evaluator.loss()
+        objective = self.train_step.objective
         log.eval(step=self.step, val_loss=self.last_val_loss, tokens_seen=self.tokens_seen,
-                 elapsed_s=self.elapsed_prev + time.perf_counter() - start)
+                 elapsed_s=self.elapsed_prev + time.perf_counter() - start,
+                 extra=objective.eval_metrics if objective is not None else None)
 
     def _score(self, log: StepLogger, start: float) -> None:
         """Benchmark scores through lm_eval (every rank runs them; rank 0 writes). A failure

@@ -135,8 +135,8 @@ def test_every_recipe_loads():
         elif path.stem.startswith("long-"):  # long context: the preset's, split over cp ranks
             assert cfg.parallel.cp > 1 and cfg.model.preset == path.stem.removeprefix("long-")
             assert cfg.train.seq_len > PRESETS[cfg.model.preset]["max_seq_len"]
-        else:  # a recipe is named after its preset; sft-NAME fine-tunes the NAME preset
-            assert cfg.model.preset == path.stem.removeprefix("sft-")
+        else:  # a recipe is named after its preset; sft-/dpo-NAME fine-tunes the NAME preset
+            assert cfg.model.preset == path.stem.removeprefix("sft-").removeprefix("dpo-")
 
 
 def test_readme_reference_matches_the_typed_config():

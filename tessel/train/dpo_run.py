@@ -1,0 +1,186 @@
+"""train.objective = "dpo" in `tessel train`: the loss hook TrainStep calls instead of the
+token cross-entropy, the reference log-probabilities (computed once, kept in the run
+directory), the held-out evaluation and the metrics (tessel.train.dpo's formulas).
+
+The step's divisors are the step's pair count and chosen-reply token count over every
+data-parallel rank, all-reduced once per step before the backward passes (as TrainStep's
+counted targets), so N processes compute what one does with the same pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessel.config import ConfigError
+from tessel.data import Batch
+from tessel.errors import DataError
+from tessel.fileio import write_text_atomic
+from tessel.models.loss import IGNORE_INDEX
+from tessel.parallel.dist import all_reduce_sum
+from tessel.train.dpo import PairStats, pair_losses, row_logps, split_pairs, step_loss
+
+REFERENCE_FILE = "reference_logps.npy"
+"""In the run directory: the reference log-probabilities of the train then validation pairs
+(N, 2) float64; beside it REFERENCE_FILE + ".json" names the pairs they were made for."""
+
+
+def check_dpo(cfg: Any, dims: Any) -> None:
+    """Refuse, before anything is written, what a DPO run cannot do yet (one line)."""
+    if cfg.train.objective != "dpo":
+        return
+    unsupported = [(dims.tp > 1, "tensor parallelism (parallel.tp_size > 1)"),
+                   (dims.pp > 1, "pipeline parallelism (parallel.pp_size > 1)"),
+                   (dims.cp > 1, "context parallelism (parallel.cp_size > 1)"),
+                   (cfg.parallel.loss_chunks > 1, "parallel.loss_chunks > 1"),
+                   (cfg.fault_tolerance.enable, "fault_tolerance.enable")]
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(f"train.objective = \"dpo\" does not run with {what} yet; use data "
+                              "parallelism (any parallel.zero stage, LoRA included)")
+
+
+class PreferenceObjective:
+    """The DPO loss of TrainStep's micro-batches, and the pair metrics of the logged steps."""
+
+    def __init__(self, settings: Any, distributed: bool, device: torch.device):
+        self.settings = settings  # the [dpo] section
+        self.distributed, self.device = distributed, device
+        self.stats = PairStats()
+        self.eval_metrics: dict[str, float] = {}
+
+    def divisors(self, batches: list[Batch], dp: int) -> tuple[float, float]:
+        """(pairs, chosen-reply tokens) of the step on all data-parallel ranks, each over
+        the data-parallel degree (DDP/FSDP average the gradients over it)."""
+        pairs = sum(b.targets.shape[0] // 2 for b in batches)
+        tokens = sum(int((b.targets[:b.targets.shape[0] // 2] != IGNORE_INDEX).sum())
+                     for b in batches)
+        local = torch.tensor([pairs, tokens], dtype=torch.float64, device=self.device)
+        if self.distributed:
+            world = torch.distributed.get_world_size()
+            local = all_reduce_sum(local) * dp / world  # every rank of a replica counted
+        return max(float(local[0]), 1.0) / dp, max(float(local[1]), 1.0) / dp
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None,
+             divisors: tuple[float, float]) -> torch.Tensor:
+        """This micro-batch's share of the step's loss (tessel.train.dpo.step_loss)."""
+        if ref is None:
+            raise RuntimeError("a DPO micro-batch without reference log-probabilities")
+        logps, counts = row_logps(logits, targets)
+        policy, counts = split_pairs(logps), split_pairs(counts)
+        ref = ref.to(policy.device)
+        self.stats.add(policy, ref, self.settings.beta)
+        return step_loss(policy, ref, counts, self.settings, *divisors)
+
+    def metrics(self) -> dict[str, float]:
+        """TRL's rewards/* and logps/* over the pairs since the last call, on all ranks
+        (every rank calls it: one all-reduce)."""
+        vector = self.stats.vector()
+        self.stats = PairStats()
+        if self.distributed:  # a replica's ranks count alike: the means are unchanged
+            vector = all_reduce_sum(torch.tensor(vector, dtype=torch.float64,
+                                                 device=self.device)).tolist()
+        return PairStats.means(vector)
+
+    @torch.no_grad()
+    def evaluate(self, step: Any, draw: Any, iters: int) -> float:
+        """The held-out loss (the training loss's formula, means over the counted pairs and
+        chosen tokens) over `iters` micro-batches `draw()` gives as (batch, counted); sets
+        `eval_metrics` (eval_rewards/*, eval_logps/*)."""
+        s, model = self.settings, step.model.parts[0]
+        stats, sums = PairStats(), torch.zeros(3, dtype=torch.float64, device=step.device)
+        for _ in range(iters):
+            batch, counted = draw()
+            x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
+            with step.precision.autocast():
+                logps, counts = row_logps(model(x, docs, positions), y)
+            if not counted:  # run (the ranks' collectives stay in step), count nothing
+                continue
+            policy, counts = split_pairs(logps).double(), split_pairs(counts)
+            ref = batch.ref.to(policy.device)
+            stats.add(policy, ref, s.beta)
+            losses = pair_losses(policy, ref, counts, s.loss, s.beta, s.label_smoothing)
+            sums += torch.stack([losses.sum(), -policy[:, 0].sum(),
+                                 counts[:, 0].sum().double()])
+        vector = torch.tensor(stats.vector(), dtype=torch.float64, device=step.device)
+        if self.distributed:
+            vector, sums = all_reduce_sum(vector), all_reduce_sum(sums)
+        self.eval_metrics = {f"eval_{k}": v for k, v in PairStats.means(vector.tolist()).items()}
+        pairs = float(vector[0])
+        if not pairs:
+            return math.nan
+        loss = s.loss_weight * float(sums[0]) / pairs
+        if s.sft_weight:
+            loss += s.sft_weight * float(sums[1]) / max(float(sums[2]), 1.0)
+        return loss
+
+
+@torch.no_grad()
+def reference_logps(step: Any, datasets: list[Any], mbs: int) -> np.ndarray:
+    """The model's log-probabilities (N, 2) of every pair of `datasets`, in order. Every rank
+    runs every pair (the same forward passes on all ranks, as sharded layouts need)."""
+    from tessel.data.preference_data import pair_batch
+
+    model, out = step.model.parts[0], []
+    step.model.train(False)
+    for ds in datasets:
+        for lo in range(0, ds.n_samples, mbs):
+            batch = pair_batch(ds, list(range(lo, min(lo + mbs, ds.n_samples))))
+            x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
+            with step.precision.autocast():
+                logps, _ = row_logps(model(x, docs, positions), y)
+            out.append(split_pairs(logps).double().cpu().numpy())
+    step.model.train(True)
+    return np.concatenate(out)
+
+
+def attach_reference(step: Any, data: Any, run_path: Path, resumed: bool, is_main: bool,
+                     say: Any) -> None:
+    """Give the train and validation pairs their reference log-probabilities: those of the
+    run directory on a resume (refused when missing or made for other pairs), else one pass
+    of the initial policy, written there by the main rank."""
+    sets = [data.train.dataset] + ([data.val.dataset] if data.val is not None else [])
+    key = {"pairs": [ds.n_samples for ds in sets], "fingerprints": [ds.fingerprint for ds in sets]}
+    path = run_path / REFERENCE_FILE
+    if resumed:
+        ref = _read_reference(path, key)
+    else:
+        say(f"tessel: reference log-probabilities of {sum(key['pairs']):,} pairs (one pass of "
+            f"the initial model; kept in {path})")
+        ref = reference_logps(step, sets, data.train.mbs)
+        if is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            with tmp.open("wb") as f:
+                np.save(f, ref, allow_pickle=False)
+            tmp.replace(path)
+            write_text_atomic(path.with_name(path.name + ".json"), json.dumps(key))
+    lo = 0
+    for ds in sets:
+        ds.ref, lo = ref[lo:lo + ds.n_samples], lo + ds.n_samples
+
+
+def _read_reference(path: Path, key: dict[str, Any]) -> np.ndarray:
+    try:
+        saved = json.loads(path.with_name(path.name + ".json").read_text())
+        ref = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        raise DataError(f"the run's reference log-probabilities ({path}) are missing or damaged; "
+                        "a DPO run resumes only with them: start a new run") from None
+    if saved != key or ref.shape != (sum(key["pairs"]), 2):
+        raise DataError(f"the reference log-probabilities in {path} were made for other "
+                        "preference pairs; resume with the dpo.paths, data.split and "
+                        "train.seq_len the run started with")
+    return ref
+
+
+def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool, proc: Any,
+                  say: Any) -> PreferenceObjective:
+    """The DPO loss hook of a run, its pairs given their reference log-probabilities."""
+    attach_reference(step, data, run_path, resumed, proc.is_main, say)
+    return PreferenceObjective(cfg.dpo, proc.distributed, step.device)
