@@ -60,6 +60,7 @@ from tessel.checkpoint.state_file import (
 )
 from tessel.fileio import fsync_dir
 from tessel.models.lora import is_adapter
+from tessel.parallel.fp8 import plain_tensor
 
 
 @contextlib.contextmanager
@@ -91,7 +92,13 @@ def _model_state(m: nn.Module) -> dict[str, Any]:
     emb, out = getattr(m, "tok_embeddings", None), getattr(m, "output", None)
     if emb is not None and out is not None and out.weight is emb.weight:
         sd.pop("output.weight", None)
-    return sd
+    return {k: plain_tensor(v) for k, v in sd.items()}
+
+
+def _optimizer_state(m: nn.Module, o: Any) -> dict[str, Any]:
+    """The optimizer's flattened state dict, its tensors plain (`plain_tensor`)."""
+    sd = get_optimizer_state_dict(m, o, options=_OPTIM)
+    return {k: plain_tensor(v) for k, v in sd.items()}
 # `no_dist` on async_save (where this torch has it): one process saves without a process group, and
 # its writer thread then does not warn about it.
 _ASYNC_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
@@ -192,7 +199,7 @@ def _state_dict(models: Models, optimizers: Optimizers) -> dict[str, Any]:
     if opts:
         sd["optim"] = {}
         for m, o in zip(ms, opts):
-            sd["optim"].update(get_optimizer_state_dict(m, o, options=_OPTIM))
+            sd["optim"].update(_optimizer_state(m, o))
     return sd
 
 
@@ -378,7 +385,7 @@ def load_model(path: Path, models: Models) -> None:
 def load_optimizer(path: Path, models: Models, optimizers: Optimizers) -> None:
     """Load optimizer state saved under any layout into this rank's optimizers."""
     for m, o in zip(_as_list(models), _as_list(optimizers)):
-        holder = {"optim": get_optimizer_state_dict(m, o, options=_OPTIM)}
+        holder = {"optim": _optimizer_state(m, o)}
         _dcp_load(path, holder)
         set_optimizer_state_dict(m, o, holder["optim"], options=_OPTIM)
 

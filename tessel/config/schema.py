@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessel.config.base import ConfigError, Section
 from tessel.config.blend import weighted_paths
-from tessel.config.dpo import DpoConfig
 from tessel.config.evaluation import LMEvalConfig
 from tessel.config.fault_tolerance import FaultToleranceConfig
 from tessel.config.load import merge, read_toml, validate
@@ -149,10 +148,6 @@ class TrainConfig(Section):
     the data-parallel size (the quotient is the gradient-accumulation count)."""
     seq_len: int = Field(256, gt=0)
     """Tokens per sequence; at most model.max_seq_len."""
-    objective: Literal["lm", "dpo"] = "lm"
-    """What the run learns: `lm` predicts the next token (pretraining; fine-tuning with
-    data.source = "sft"); `dpo` learns preferences from the pairs of dpo.paths ([dpo]),
-    train.micro_batch_size and global_batch_size then counting pairs (two rows each)."""
     eval_interval: int = Field(100, ge=0)
     """Evaluate on the validation split every N steps and at the end (0: only at the end)."""
     eval_iters: int = Field(10, gt=0)
@@ -166,10 +161,28 @@ class TrainConfig(Section):
     fp32 weights; `auto` is bf16 on a CUDA device that supports it, fp32 otherwise."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
-    fp8: bool = False
-    """Run the blocks' linear layers in float8 (torchao's float8 training, dynamic tensorwise
-    scaling; `pip install torchao`) under bf16 precision. Needs a GPU with FP8 tensor cores
-    (compute capability 8.9+: Ada, Hopper, Blackwell); refused elsewhere."""
+    fp8: bool | Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] = False
+    """Run the blocks' linear layers in float8 through torchao's float8 training
+    (`pip install torchao`): `tensorwise` (one dynamic scale per tensor; `true` means this),
+    `rowwise` (one per row, scales rounded to powers of 2), `rowwise_with_gw_hp` (rowwise,
+    the weight gradient in high precision); `mxfp8` is refused (a torchao prototype). The
+    output layer, the MoE router and routed experts, and matrices with a dimension not a
+    multiple of 16 stay in high precision (the start-up line lists them). Any layout. Needs
+    a GPU with FP8 tensor cores (compute capability 8.9+) unless emulated
+    (train.fp8_emulate)."""
+    fp8_emulate: bool | None = None
+    """Emulate the float8 matmuls (the same casts, scales and autograd; the product of the
+    dequantised operands in float32): None = on CPU only (one start-up line says so), true
+    also on a GPU (debugging), false on CPU is refused."""
+    fp8_all_gather: bool = True
+    """Under FSDP (parallel.zero >= 1) all-gather the float8 weights instead of the high
+    precision ones (half the bytes of bf16). Tensorwise scaling only (other recipes
+    all-gather in high precision)."""
+    fp8_recompute_weight: bool = False
+    """torchtitan's force_recompute_fp8_weight_in_bwd: cast the weight to float8 again in
+    backward instead of keeping its float8 copy. torchao 0.18 always does this (its
+    Float8Linear saves the high-precision weight), so both values run the same; kept for
+    configs written for torchtitan."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; `auto` picks CUDA when present."""
 
@@ -355,8 +368,6 @@ class Config(BaseModel):
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    dpo: DpoConfig = Field(default_factory=DpoConfig)
-    """Preference optimisation (train.objective = "dpo")."""
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -376,9 +387,6 @@ class Config(BaseModel):
         if self.lora.enabled and self.optim.name != "adamw":
             raise ValueError(f"lora.enabled trains its adapters with AdamW only; set "
                              f"optim.name = \"adamw\" (not {self.optim.name!r})")
-        if t.objective == "dpo" and not self.dpo.paths:
-            raise ValueError("train.objective = \"dpo\" needs preference records; set "
-                             "dpo.paths to JSONL files of prompt/chosen/rejected records")
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(

@@ -1,15 +1,18 @@
 """Build the model for one rank of a layout, in the one fixed order:
 
-    build on meta -> pipeline split -> tensor parallel -> expert parallel -> context parallel
+    build on meta -> pipeline split -> float8 linears (train.fp8) -> tensor parallel (float8
+    styles under tensorwise scaling) -> expert parallel -> context parallel
     (the attention modules' sequence exchange over the cp mesh) -> LoRA adapters
-    (lora.enabled; sharded beside their tensor-parallel projections) -> float8 linears
-    (train.fp8) -> activation checkpointing -> compile -> FSDP (ZeRO 1-3; the experts over
-    their own group) -> materialise + initialise (`tessel.models.init`, each rank's share
-    placed by `tessel.parallel.placement`) -> DDP (zero 0)
+    (lora.enabled; sharded beside their tensor-parallel projections) -> activation
+    checkpointing -> compile -> FSDP (ZeRO 1-3; the experts over their own group) ->
+    materialise + initialise (`tessel.models.init`, each rank's share placed by
+    `tessel.parallel.placement`) -> DDP (zero 0)
 
-Tensor parallelism comes first because the later steps must see the DTensor parameters it
-creates (LoRA adapters come after it: its plans shard every parameter below a projection,
-and the adapters' own placements follow their projection's); activation checkpointing
+Float8 linears come before tensor parallelism, whose float8 styles take Float8Linear
+modules (torchtitan too converts before it parallelises). Tensor parallelism comes next
+because the later steps must see the DTensor parameters it creates (LoRA adapters come
+after it: its plans shard every parameter below a projection, and the adapters' own
+placements follow their projection's); activation checkpointing
 wraps the block forward that compile then traces; FSDP shards whatever the blocks hold by
 then. DDP wraps real tensors, so it comes after initialisation. Weights are initialised per
 parameter from its full, unsharded value (`Transformer.initial_value`), so every layout
@@ -34,6 +37,13 @@ from tessel.parallel.checkpointing import apply_activation_checkpointing
 from tessel.parallel.context import ContextParallel, apply_context_parallel
 from tessel.parallel.dims import ParallelDims, flat_mesh, resolve_zero
 from tessel.parallel.expert import apply_expert_parallel, mesh_experts, moe_layers
+from tessel.parallel.fp8 import (
+    apply_fp8,
+    fp8_all_gather,
+    fp8_emulated,
+    fp8_recipe,
+    tp_styles,
+)
 from tessel.parallel.fsdp import (
     DataParallel,
     ExpertSharding,
@@ -99,11 +109,15 @@ def build_parallel_model(
     if dims.ep > 1:
         assert mesh is not None
         ep_mesh, experts_fsdp_mesh = dims.expert_meshes(mesh)
+    recipe = fp8_recipe(cfg)
     for _, stage in stages:
+        if recipe is not None:  # before tensor parallelism: its float8 styles need them
+            apply_fp8(stage, cfg, fp8_emulated(cfg, device), fp8_all_gather(cfg, kind), dims.tp)
         if dims.tp > 1:
             assert mesh is not None
             apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel,
-                                  replicate_experts=ep_mesh is None)
+                                  replicate_experts=ep_mesh is None,
+                                  styles=tp_styles(cfg, device))
             enable_async_tp(p, mesh["tp"])  # parallel.async_tp: before the blocks compile
         if ep_mesh is not None:
             apply_expert_parallel(stage, ep_mesh)
@@ -114,10 +128,6 @@ def build_parallel_model(
         if cfg.lora.enabled:
             apply_lora(cfg, stage, mesh["tp"] if dims.tp > 1 and mesh is not None else None,
                        p.sequence_parallel)
-        if cfg.train.fp8:
-            from tessel.parallel.fp8 import apply_fp8
-
-            apply_fp8(stage)
         apply_activation_checkpointing(stage, p.activation_checkpointing,
                                        p.activation_checkpointing_every)
         # this rank's logits per micro-batch: its tokens (1/cp) x its vocabulary (1/tp)

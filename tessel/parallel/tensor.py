@@ -38,17 +38,20 @@ from torch.distributed.tensor.parallel import (
 from tessel.models.moe import MoE
 from tessel.models.transformer import Transformer
 from tessel.parallel.expert import mesh_experts
+from tessel.parallel.fp8 import TPStyles
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool,
-                          replicate_experts: bool = True) -> None:
+                          replicate_experts: bool = True, styles: TPStyles | None = None) -> None:
     """Shard `model` (a whole model or a pipeline stage of one) over `tp_mesh` in place.
 
     MoE layers (which need sequence parallelism) are not split: each rank runs its own part
     of the sequence through them, like a data-parallel rank; their router and shared experts,
     and the routed experts unless expert parallelism will shard them (`replicate_experts`
-    False), are replicated over `tp_mesh` with partial gradients (see `replicate_moe`)."""
+    False), are replicated over `tp_mesh` with partial gradients (see `replicate_moe`).
+    `styles`: the blocks' projection styles (train.fp8's float8 ones; PyTorch's by default)."""
     sp = sequence_parallel
+    styles = styles or TPStyles()
     seq = Shard(1) if sp else Replicate()  # layout of the residual stream between sub-layers
     plan: dict = {}
     if model.tok_embeddings is not None:
@@ -82,24 +85,25 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoE):
             replicate_moe(block.feed_forward, tp_mesh, replicate_experts)
-            block_plan = _attention_plan(block, sp)
+            block_plan = _attention_plan(block, sp, styles)
             # The MoE layer takes this rank's part of the sequence as a plain tensor.
             block_plan["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                 use_local_output=True)
             parallelize_module(block, tp_mesh, block_plan)
             continue
-        block_plan = _attention_plan(block, sp)
+        block_plan = _attention_plan(block, sp, styles)
+        ff = block.feed_forward
         block_plan.update({
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": styles.colwise(ff.w1),
+            "feed_forward.w2": styles.rowwise(ff.w2, output_layouts=seq),
         })
-        if block.feed_forward.w3 is not None:
-            block_plan["feed_forward.w3"] = ColwiseParallel()
+        if ff.w3 is not None:
+            block_plan["feed_forward.w3"] = styles.colwise(ff.w3)
         if sp:
             # Gather the sequence before the MLP.
-            block_plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            block_plan["feed_forward"] = styles.prepare_input(
+                [ff.w1, ff.w3], input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, block_plan)
     # parallelize_module replaced the embedding and the output weight separately: tie again.
     model.tie_weights()
@@ -110,14 +114,15 @@ def _gather_sequence(_module: torch.nn.Module, _args: tuple, out: DTensor) -> DT
     return out.redistribute(out.device_mesh, [Replicate()] * out.device_mesh.ndim)
 
 
-def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:
+def _attention_plan(block: torch.nn.Module, sp: bool, styles: TPStyles) -> dict:
     """A block's attention and norms (the MLP's plan is the caller's)."""
     seq = Shard(1) if sp else Replicate()
+    att = block.attention
     plan: dict = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "attention.wq": styles.colwise(att.wq),
+        "attention.wk": styles.colwise(att.wk),
+        "attention.wv": styles.colwise(att.wv),
+        "attention.wo": styles.rowwise(att.wo, output_layouts=seq),
     }
     if block.attention.q_norm is not None and block.attention.per_head_norm:
         # QK-norm runs on each rank's own heads (B, T, H/tp, hd): its weight is replicated
@@ -138,8 +143,8 @@ def _attention_plan(block: torch.nn.Module, sp: bool) -> dict:
                      for name in SEQUENCE_NORMS if getattr(block, name) is not None})
         plan.update({
             # Gather the sequence before attention (x, freqs, mask, sharded).
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
+            "attention": styles.prepare_input(
+                [att.wq, att.wk, att.wv], input_layouts=(Shard(1), None, None, None),
                 desired_input_layouts=(Replicate(), None, None, None),
             ),
         })

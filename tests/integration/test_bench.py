@@ -43,9 +43,11 @@ def test_bench_refuses_bad_options(capsys):
 
 
 def test_fp8_is_refused_without_fp8_hardware(tiny_config, capsys):
-    cfg = tiny_config(**{"train.fp8": True, "train.device": "cpu"})
+    # unemulated (on a CPU train.fp8 is emulated unless train.fp8_emulate = false)
+    cfg = tiny_config(**{"train.fp8": True, "train.device": "cpu", "train.fp8_emulate": False})
     with pytest.raises(TesselError, match="train.fp8 needs an NVIDIA GPU with FP8 tensor cores"):
         Trainer(cfg, console=False)
     assert not Path(cfg.run.dir).exists()
-    assert tessel_main(["bench", *SMALL, "--fp8", "--train.device=cpu"]) == 2
+    assert tessel_main(["bench", *SMALL, "--fp8", "--train.device=cpu",
+                        "--train.fp8_emulate=false"]) == 2
     assert "FP8 tensor cores" in capsys.readouterr().err
