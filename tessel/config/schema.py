@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessel.config.base import ConfigError, Section
 from tessel.config.blend import weighted_paths
+from tessel.config.dpo import DpoConfig
 from tessel.config.evaluation import LMEvalConfig
 from tessel.config.fault_tolerance import FaultToleranceConfig
 from tessel.config.load import merge, read_toml, validate
@@ -148,6 +149,10 @@ class TrainConfig(Section):
     the data-parallel size (the quotient is the gradient-accumulation count)."""
     seq_len: int = Field(256, gt=0)
     """Tokens per sequence; at most model.max_seq_len."""
+    objective: Literal["lm", "dpo"] = "lm"
+    """What the run learns: `lm` predicts the next token (pretraining; fine-tuning with
+    data.source = "sft"); `dpo` learns preferences from the pairs of dpo.paths ([dpo]),
+    train.micro_batch_size and global_batch_size then counting pairs (two rows each)."""
     eval_interval: int = Field(100, ge=0)
     """Evaluate on the validation split every N steps and at the end (0: only at the end)."""
     eval_iters: int = Field(10, gt=0)
@@ -368,6 +373,8 @@ class Config(BaseModel):
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    dpo: DpoConfig = Field(default_factory=DpoConfig)
+    """Preference optimisation (train.objective = "dpo")."""
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -387,6 +394,9 @@ class Config(BaseModel):
         if self.lora.enabled and self.optim.name != "adamw":
             raise ValueError(f"lora.enabled trains its adapters with AdamW only; set "
                              f"optim.name = \"adamw\" (not {self.optim.name!r})")
+        if t.objective == "dpo" and not self.dpo.paths:
+            raise ValueError("train.objective = \"dpo\" needs preference records; set "
+                             "dpo.paths to JSONL files of prompt/chosen/rejected records")
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(

@@ -31,6 +31,7 @@ from tessel.parallel.replica_group import data_share, replica_groups
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
 from tessel.train.control import StopControl, stop_at_once
 from tessel.train.device import pick_device
+from tessel.train.dpo_run import check_dpo, dpo_objective
 from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
 from tessel.train.final_sample import FinalSample
@@ -73,6 +74,7 @@ def check_run(cfg: Config, proc: Any, resume: bool, force: bool, say: Any) -> Ch
     mbs_as_given = cfg.train.micro_batch_size
     cfg = replan_if_elastic(cfg, dims, say)
     check_layout(cfg, dims, device, precision.name)
+    check_dpo(cfg, dims)
     refuse_if_too_big(cfg, device, proc.world_size, force, say)
     check_fp8(cfg, device, dims.tp, say)
     check_alerts(cfg.alerts, cfg.notify)
@@ -143,6 +145,9 @@ def build_run(c: Checked, proc: Any, run: Any, display: Any, counters: Counters,
         accum=t.global_batch_size // (t.micro_batch_size * dims.dp * replica_groups(cfg)),
         grad_clip=t.grad_clip, parallel_cfg=cfg.parallel, distributed=proc.distributed,
         timer=timer, phase=watchdog.phase, masked=cfg.data.source == "sft")
+    if cfg.train.objective == "dpo":  # the loss hook, and the reference log-probabilities
+        train_step.objective = dpo_objective(cfg, train_step, data, run.path,
+                                             resume_from is not None, proc, say)
     evaluator = Evaluator(train_step, data.val, t.eval_iters, beat=beat,
                           interval=t.eval_interval, last=t.steps)
     harness = (Harness(cfg, c.lm_eval_tasks, train_step, data.tokenizer, beat=beat)
