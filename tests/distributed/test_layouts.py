@@ -459,18 +459,38 @@ def assert_planner_memory_matches(run: Path, world: int) -> None:
     assert sum(rec["exp_avg"] for rec in records) == (adapters or expected) - muon, run.name
 
 
-@pytest.mark.budget(490)  # seconds on the reference machine: measured, +~40% (Muon: estimated)
-def test_two_process_layouts_match_the_single_process_run(refs, tmp_path: Path):
-    spec = _spec(tmp_path, refs["corpus"], {**LAYOUTS_2, **COMPRESSED_2}, short=True)
+# The runs of the signal and async-save tests below, which close the 2-process job.
+TERM = {"checkpoint.interval": 0}
+LAGGING = {"parallel.zero": 2, "checkpoint.async_save": True, "parallel.timeout_s": 60}
+
+
+@pytest.fixture(scope="module")
+def two_process_job(refs, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """(the finished torchrun job, its directory): every 2-process run of this module but the
+    hung rank's, one after another in one process group (a torchrun start costs two Python
+    processes importing torch, seconds on two cores, for each test that would start its own)."""
+    root = tmp_path_factory.mktemp("two_process")
+    spec = _spec(root, refs["corpus"], {**LAYOUTS_2, **COMPRESSED_2}, short=True)
     spec["measure_memory"] = True
     # Starting from Hugging Face weights (model.init_from): each rank loads its own shards.
     from_hf = {"model.init_from": str(refs["hf"])}
     for name, layout in {"tp2_from_hf": {"parallel.tp": 2}, "pp2_from_hf": {"parallel.pp": 2},
                          "zero3_from_hf": {"parallel.zero": 3}}.items():
-        spec["runs"].append({"overrides": base(tmp_path / name, refs["corpus"], **SHORT_RUN,
+        spec["runs"].append({"overrides": base(root / name, refs["corpus"], **SHORT_RUN,
                                                **from_hf, **layout)})
-    spec["runs"] += lora_runs(refs, tmp_path)
-    proc = torchrun(2, spec, tmp_path)
+    spec["runs"] += lora_runs(refs, root)
+    # last: a preemption notice to rank 1 alone once 2 steps are done; then rank 1's async
+    # saves lag (each run's fault and lag are its own)
+    spec["runs"] += [{"overrides": base(root / "term", refs["corpus"], **TERM),
+                      "fault": "term:rank=1:step=2"},
+                     {"overrides": base(root / "lagging", refs["corpus"], **LAGGING),
+                      "slow_async_save": {"rank": 1}}]
+    return torchrun(2, spec, root), root
+
+
+@pytest.mark.budget(490)  # seconds on the reference machine: measured, +~40% (Muon: estimated)
+def test_two_process_layouts_match_the_single_process_run(refs, two_process_job):
+    proc, tmp_path = two_process_job
     assert proc.returncode == 0, job_output(proc)
     for name in LAYOUTS_2:
         assert_same_run(tmp_path / name, refs[ref_for(name)])
@@ -665,10 +685,8 @@ def test_a_hung_rank_ends_the_job_with_a_clear_message(refs, tmp_path: Path):
     assert [s for s, _ in list_checkpoints(tmp_path / "hang/checkpoints")] == [2]
 
 
-def test_sigterm_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(refs, tmp_path: Path):
-    spec = _spec(tmp_path, refs["corpus"], {"term": {"checkpoint.interval": 0}})
-    spec["runs"][0]["fault"] = "term:rank=1:step=2"  # a preemption notice to rank 1 alone
-    proc = torchrun(2, spec, tmp_path)
+def test_sigterm_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(two_process_job):
+    proc, tmp_path = two_process_job  # its "term" run: TERM, fault term:rank=1:step=2
     assert proc.returncode == 0, job_output(proc)
     # The signal reached rank 1 alone, once 2 steps were done: both ranks saved, and stopped.
     assert [s for s, _ in list_checkpoints(tmp_path / "term/checkpoints")] == [2]
@@ -676,13 +694,10 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(refs, 
     assert steps == [1, 2]
 
 
-def test_async_saves_that_finish_at_different_times_on_each_rank(refs, tmp_path: Path):
+def test_async_saves_that_finish_at_different_times_on_each_rank(refs, two_process_job):
     """Publishing an async save ends in a barrier: ranks must agree that every rank has
     written it, not each act when its own writer is done (which deadlocked)."""
-    async_save = {"parallel.zero": 2, "checkpoint.async_save": True, "parallel.timeout_s": 60}
-    spec = _spec(tmp_path, refs["corpus"], {"lagging": async_save})
-    spec["slow_async_save"] = {"rank": 1}
-    proc = torchrun(2, spec, tmp_path, timeout=300)
+    proc, tmp_path = two_process_job  # its "lagging" run: LAGGING, rank 1's saves lag
     assert proc.returncode == 0, job_output(proc)
     assert [s for s, _ in list_checkpoints(tmp_path / "lagging/checkpoints")] == [2, 4, 6]
     assert_same_run(tmp_path / "lagging", refs["llama"])

@@ -2,8 +2,9 @@
 another in one process group (starting a process group costs seconds on two cores).
 
 spec = {"runs": [{"overrides": {...}, "resume": false,
-                  "fault": "hang:rank=1:step=2"}, ...],  # optional: TESSEL_FAULT for that run
-        "slow_async_save": {"rank": 1},        # optional: that rank's async saves lag
+                  "fault": "hang:rank=1:step=2",   # optional: TESSEL_FAULT for that run
+                  "slow_async_save": {"rank": 1}}, # optional: that rank's async saves lag
+                 ...],                             # (that run's alone)
         "measure_memory": true}                # optional: memory-rank*.json per run (planner)
 Each run's metrics and checkpoints land in its run.dir; errors print one line and exit 2/3,
 like the CLI. Faults of the run (a rank that hangs, gets SIGTERM, is killed, a slow network)
@@ -13,11 +14,13 @@ background writer of `slow_async_save`, which no drill has, is patched in here.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,13 +32,22 @@ from tessel.parallel.dist import exit_process
 from tessel.train import Trainer
 
 
-def _install_slow_saves(spec: dict) -> None:
-    slow = spec.get("slow_async_save")
-    if slow and slow["rank"] == int(os.environ["RANK"]):
-        from tessel.checkpoint import PendingSave
+@contextlib.contextmanager
+def _slow_saves(run: dict) -> Iterator[None]:
+    """With run["slow_async_save"] naming this rank: its background writer never reports
+    done before it is waited for, during this run (the other runs of the job save as usual)."""
+    slow = run.get("slow_async_save")
+    if not (slow and slow["rank"] == int(os.environ["RANK"])):
+        yield
+        return
+    from tessel.checkpoint import PendingSave
 
-        # This rank's background writer never reports done before it is waited for.
-        PendingSave.done = lambda self: False  # type: ignore[method-assign]
+    done = PendingSave.done
+    PendingSave.done = lambda self: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PendingSave.done = done  # type: ignore[method-assign]
 
 
 def _install_meter(spec: dict) -> None:
@@ -100,7 +112,6 @@ def main() -> int:
     faulthandler.enable(all_threads=True)  # as `tessel` does: a native abort shows the stacks
     spec = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(1)
-    _install_slow_saves(spec)
     _install_meter(spec)
     try:
         for run in spec["runs"]:
@@ -112,7 +123,8 @@ def main() -> int:
             trainer = Trainer(cfg, resume=run.get("resume", False), console=False)
             if "fault" in run:
                 del os.environ["TESSEL_FAULT"]
-            trainer.train()
+            with _slow_saves(run):
+                trainer.train()
             if spec.get("measure_memory"):
                 _record_memory(trainer)
     except TesselError as exc:
