@@ -34,9 +34,9 @@ def check_dpo(cfg: Any, dims: Any) -> None:
     """Refuse, before anything is written, what a DPO run cannot do yet (one line)."""
     if cfg.train.objective != "dpo":
         return
-    unsupported = [(dims.tp > 1, "tensor parallelism (parallel.tp_size > 1)"),
-                   (dims.pp > 1, "pipeline parallelism (parallel.pp_size > 1)"),
-                   (dims.cp > 1, "context parallelism (parallel.cp_size > 1)"),
+    unsupported = [(dims.tp > 1, "tensor parallelism (parallel.tp > 1)"),
+                   (dims.pp > 1, "pipeline parallelism (parallel.pp > 1)"),
+                   (dims.cp > 1, "context parallelism (parallel.cp > 1)"),
                    (cfg.parallel.loss_chunks > 1, "parallel.loss_chunks > 1"),
                    (cfg.fault_tolerance.enable, "fault_tolerance.enable")]
     for bad, what in unsupported:
@@ -182,5 +182,8 @@ def _read_reference(path: Path, key: dict[str, Any]) -> np.ndarray:
 def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool, proc: Any,
                   say: Any) -> PreferenceObjective:
     """The DPO loss hook of a run, its pairs given their reference log-probabilities."""
+    # the loss reads whole logits: parallel.loss_chunks = 0 (auto) takes 1 (check_dpo
+    # refused an explicit > 1)
+    step.loss_chunks = step.model.inner[-1].loss_chunks = 1
     attach_reference(step, data, run_path, resumed, proc.is_main, say)
     return PreferenceObjective(cfg.dpo, proc.distributed, step.device)
