@@ -23,6 +23,7 @@ from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
 from tessel.models.loss import IGNORE_INDEX
 from tessel.parallel.dist import all_reduce_sum
+from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.dpo import PairStats, pair_losses, row_logps, split_pairs, step_loss
 
 REFERENCE_FILE = "reference_logps.npy"
@@ -34,15 +35,22 @@ def check_dpo(cfg: Any, dims: Any) -> None:
     """Refuse, before anything is written, what a DPO run cannot do yet (one line)."""
     if cfg.train.objective != "dpo":
         return
-    unsupported = [(dims.tp > 1, "tensor parallelism (parallel.tp > 1)"),
-                   (dims.pp > 1, "pipeline parallelism (parallel.pp > 1)"),
+    unsupported = [(dims.pp > 1, "pipeline parallelism (parallel.pp > 1)"),
                    (dims.cp > 1, "context parallelism (parallel.cp > 1)"),
                    (cfg.parallel.loss_chunks > 1, "parallel.loss_chunks > 1"),
                    (cfg.fault_tolerance.enable, "fault_tolerance.enable")]
     for bad, what in unsupported:
         if bad:
             raise ConfigError(f"train.objective = \"dpo\" does not run with {what} yet; use data "
-                              "parallelism (any parallel.zero stage, LoRA included)")
+                              "or tensor parallelism (any parallel.zero stage, LoRA included)")
+
+
+def logps_of(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tessel.train.dpo.row_logps as plain tensors: under tensor parallelism (loss_parallel,
+    the logits sharded over the vocabulary) the per-row sums come out replicated DTensors,
+    taken whole here (differentiably) so the loss mixes them with the reference's."""
+    logps, counts = row_logps(logits, targets)
+    return local_value(logps), local_value(counts)
 
 
 class PreferenceObjective:
@@ -71,7 +79,7 @@ class PreferenceObjective:
         """This micro-batch's share of the step's loss (tessel.train.dpo.step_loss)."""
         if ref is None:
             raise RuntimeError("a DPO micro-batch without reference log-probabilities")
-        logps, counts = row_logps(logits, targets)
+        logps, counts = logps_of(logits, targets)
         policy, counts = split_pairs(logps), split_pairs(counts)
         ref = ref.to(policy.device)
         self.stats.add(policy, ref, self.settings.beta)
@@ -97,8 +105,8 @@ class PreferenceObjective:
         for _ in range(iters):
             batch, counted = draw()
             x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
-            with step.precision.autocast():
-                logps, counts = row_logps(model(x, docs, positions), y)
+            with loss_context(step.dims.tp > 1), step.precision.autocast():
+                logps, counts = logps_of(model(x, docs, positions), y)
             if not counted:  # run (the ranks' collectives stay in step), count nothing
                 continue
             policy, counts = split_pairs(logps).double(), split_pairs(counts)
@@ -132,8 +140,8 @@ def reference_logps(step: Any, datasets: list[Any], mbs: int) -> np.ndarray:
         for lo in range(0, ds.n_samples, mbs):
             batch = pair_batch(ds, list(range(lo, min(lo + mbs, ds.n_samples))))
             x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
-            with step.precision.autocast():
-                logps, _ = row_logps(model(x, docs, positions), y)
+            with loss_context(step.dims.tp > 1), step.precision.autocast():
+                logps, _ = logps_of(model(x, docs, positions), y)
             out.append(split_pairs(logps).double().cpu().numpy())
     step.model.train(True)
     return np.concatenate(out)
