@@ -36,28 +36,42 @@ def check_dpo(cfg: Any, dims: Any) -> None:
     if cfg.train.objective != "dpo":
         return
     unsupported = [(dims.pp > 1, "pipeline parallelism (parallel.pp > 1)"),
-                   (dims.cp > 1, "context parallelism (parallel.cp > 1)"),
                    (cfg.parallel.loss_chunks > 1, "parallel.loss_chunks > 1"),
                    (cfg.fault_tolerance.enable, "fault_tolerance.enable")]
     for bad, what in unsupported:
         if bad:
             raise ConfigError(f"train.objective = \"dpo\" does not run with {what} yet; use data "
-                              "or tensor parallelism (any parallel.zero stage, LoRA included)")
+                              "tensor or context parallelism (any parallel.zero stage, LoRA "
+                              "included)")
 
 
-def logps_of(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tessel.train.dpo.row_logps as plain tensors: under tensor parallelism (loss_parallel,
-    the logits sharded over the vocabulary) the per-row sums come out replicated DTensors,
-    taken whole here (differentiably) so the loss mixes them with the reference's."""
+def logps_of(logits: torch.Tensor, targets: torch.Tensor, context: Any = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """tessel.train.dpo.row_logps of whole rows as plain tensors. Under tensor parallelism
+    (loss_parallel, the logits sharded over the vocabulary) the per-row sums come out
+    replicated DTensors, taken whole here (differentiably) so the loss mixes them with the
+    reference's. Under context parallelism (`context`) each rank holds a part of every row:
+    the parts are summed over its group, differentiably, so every rank computes the pairs'
+    loss from whole replies; each rank's gradient is then cp times its part's, and the mean
+    over the cp ranks TrainStep's gradient averaging takes is the whole gradient."""
     logps, counts = row_logps(logits, targets)
-    return local_value(logps), local_value(counts)
+    logps, counts = local_value(logps), local_value(counts)
+    if context is not None:
+        from torch.distributed.nn.functional import all_reduce
+
+        logps = all_reduce(logps, group=context.group)
+        counts = counts.clone()
+        torch.distributed.all_reduce(counts, group=context.group)
+    return logps, counts
 
 
 class PreferenceObjective:
     """The DPO loss of TrainStep's micro-batches, and the pair metrics of the logged steps."""
 
-    def __init__(self, settings: Any, distributed: bool, device: torch.device):
+    def __init__(self, settings: Any, distributed: bool, device: torch.device,
+                 context: Any = None):
         self.settings = settings  # the [dpo] section
+        self.context = context  # context parallelism's sharding (its group), or None
         self.distributed, self.device = distributed, device
         self.stats = PairStats()
         self.eval_metrics: dict[str, float] = {}
@@ -79,7 +93,7 @@ class PreferenceObjective:
         """This micro-batch's share of the step's loss (tessel.train.dpo.step_loss)."""
         if ref is None:
             raise RuntimeError("a DPO micro-batch without reference log-probabilities")
-        logps, counts = logps_of(logits, targets)
+        logps, counts = logps_of(logits, targets, self.context)
         policy, counts = split_pairs(logps), split_pairs(counts)
         ref = ref.to(policy.device)
         self.stats.add(policy, ref, self.settings.beta)
@@ -106,7 +120,7 @@ class PreferenceObjective:
             batch, counted = draw()
             x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
             with loss_context(step.dims.tp > 1), step.precision.autocast():
-                logps, counts = logps_of(model(x, docs, positions), y)
+                logps, counts = logps_of(model(x, docs, positions), y, step.context)
             if not counted:  # run (the ranks' collectives stay in step), count nothing
                 continue
             policy, counts = split_pairs(logps).double(), split_pairs(counts)
@@ -141,7 +155,7 @@ def reference_logps(step: Any, datasets: list[Any], mbs: int) -> np.ndarray:
             batch = pair_batch(ds, list(range(lo, min(lo + mbs, ds.n_samples))))
             x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
             with loss_context(step.dims.tp > 1), step.precision.autocast():
-                logps, _ = logps_of(model(x, docs, positions), y)
+                logps, _ = logps_of(model(x, docs, positions), y, step.context)
             out.append(split_pairs(logps).double().cpu().numpy())
     step.model.train(True)
     return np.concatenate(out)
@@ -194,4 +208,4 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
     # refused an explicit > 1)
     step.loss_chunks = step.model.inner[-1].loss_chunks = 1
     attach_reference(step, data, run_path, resumed, proc.is_main, say)
-    return PreferenceObjective(cfg.dpo, proc.distributed, step.device)
+    return PreferenceObjective(cfg.dpo, proc.distributed, step.device, step.context)

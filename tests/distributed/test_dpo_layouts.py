@@ -1,6 +1,6 @@
 """DPO (train.objective = "dpo") on two gloo processes against the single-process DPO run:
 ZeRO-3 over dp 2 (gradient accumulation 2 -> 1), tp 2 (the vocabulary-parallel log-probs),
-LoRA over dp 2 (plain DDP), and a resume of the ZeRO-3 run's checkpoint under DDP. Every
+cp 2 (each rank's part of a reply's log-probability summed over the cp group), LoRA over dp 2 (plain DDP), and a resume of the ZeRO-3 run's checkpoint under DDP. Every
 step's loss and the rewards/* metrics, the held-out loss and eval_rewards/*, and the final
 weights equal the reference's; the layouts DPO does not run yet (pipeline parallelism here)
 are one line with exit code 2."""
@@ -89,8 +89,9 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
                 "model.init_from": str(ref), "parallel.zero": 0})},
             {"overrides": dpo_base(resumed, pairs, **{"parallel.zero": 0}), "resume": True},
             {"overrides": dpo_base(tmp_path / "tp2", pairs, **{"parallel.tp": 2})},
+            {"overrides": dpo_base(tmp_path / "cp2", pairs, **{"parallel.cp": 2})},
             {"overrides": dpo_base(tmp_path / "pp2", pairs, **{"parallel.pp": 2})}]
-    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3)]}, tmp_path)
+    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4)]}, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     # the ZeRO-3 run as it was after step 2, with the reference log-probabilities it keeps
     (resumed / "checkpoints").mkdir(parents=True)
@@ -99,7 +100,7 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
         shutil.copy(tmp_path / "zero3" / name, resumed / name)
     shutil.copytree(tmp_path / "zero3" / "checkpoints" / "step_00000002",
                     resumed / "checkpoints" / "step_00000002")
-    proc = torchrun(2, {"runs": [runs[2], runs[4]]}, tmp_path)
+    proc = torchrun(2, {"runs": [runs[2], runs[5]]}, tmp_path)
     assert proc.returncode != 0, job_output(proc)  # the last run is refused (exit 2)
     assert "train.objective = \"dpo\" does not run with pipeline parallelism" in proc.stderr
     assert not (tmp_path / "pp2").exists()
@@ -107,3 +108,4 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
     assert_same_dpo_run(tmp_path / "lora_ddp", lora_ref)
     assert_same_dpo_run(resumed, ref, first_step=3)
     assert_same_dpo_run(tmp_path / "tp2", ref)
+    assert_same_dpo_run(tmp_path / "cp2", ref)
