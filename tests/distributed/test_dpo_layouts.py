@@ -1,9 +1,10 @@
 """DPO (train.objective = "dpo") on two gloo processes against the single-process DPO run:
 ZeRO-3 over dp 2 (gradient accumulation 2 -> 1), tp 2 (the vocabulary-parallel log-probs),
-cp 2 (each rank's part of a reply's log-probability summed over the cp group), LoRA over dp 2 (plain DDP), and a resume of the ZeRO-3 run's checkpoint under DDP. Every
-step's loss and the rewards/* metrics, the held-out loss and eval_rewards/*, and the final
-weights equal the reference's; the layouts DPO does not run yet (pipeline parallelism here)
-are one line with exit code 2."""
+cp 2 (each rank's part of a reply's log-probability summed over the cp group), LoRA over
+dp 2 (plain DDP), and a resume of the ZeRO-3 run's checkpoint under DDP. Every step's loss
+and the rewards/* metrics, the held-out loss and eval_rewards/*, and the final weights equal
+the reference's; the layouts DPO does not run yet (pipeline parallelism here) are one line
+with exit code 2."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def assert_same_dpo_run(run: Path, ref: Path, first_step: int = 1) -> None:
         assert diff < 1e-4, f"{run.name}: weight {name} differs by {diff:.2e}"
 
 
-@pytest.mark.budget(90)  # 2 single-process runs, 2 two-process jobs (43 s measured)
+@pytest.mark.budget(90)  # 2 single-process runs, 2 two-process jobs (22-45 s measured)
 def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
     pairs = write_pairs(tmp_path / "pairs.jsonl")
     ref = _single(dpo_base(tmp_path / "ref", pairs))
