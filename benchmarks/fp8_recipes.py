@@ -2,7 +2,9 @@
 train.fp8 recipe (emulated on a CPU: torchao's float8 casts and scales, the matmul of the
 dequantised operands in float32), on the same batches.
 
-    .venv/bin/python benchmarks/fp8_recipes.py [--steps 200] [--recipes tensorwise,rowwise,rowwise_with_gw_hp]
+    .venv/bin/python benchmarks/fp8_recipes.py [--steps 200] [--recipes tensorwise,rowwise]
+
+(rowwise_with_gw_hp is refused under bf16 on a CPU; on a GPU add it to --recipes.)
 
 Each run is its own process (`--one RECIPE`), so its peak resident memory is its own. Prints,
 per run: the mean training loss of the first and the last 10 steps, the final validation
@@ -47,7 +49,7 @@ def one(recipe: str, steps: int, root: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--recipes", default="tensorwise,rowwise,rowwise_with_gw_hp")
+    ap.add_argument("--recipes", default="tensorwise,rowwise")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -112,7 +112,8 @@ def build_parallel_model(
     recipe = fp8_recipe(cfg)
     for _, stage in stages:
         if recipe is not None:  # before tensor parallelism: its float8 styles need them
-            apply_fp8(stage, cfg, fp8_emulated(cfg, device), fp8_all_gather(cfg, kind), dims.tp)
+            apply_fp8(stage, cfg, fp8_emulated(cfg, device),
+                      fp8_all_gather(cfg, kind, dims.tp), dims.tp)
         if dims.tp > 1:
             assert mesh is not None
             apply_tensor_parallel(stage, mesh["tp"], p.sequence_parallel,

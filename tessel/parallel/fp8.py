@@ -49,11 +49,16 @@ def fp8_emulated(cfg: Config, device: torch.device | str) -> bool:
     return torch.device(device).type != "cuda" if chosen is None else chosen
 
 
-def fp8_all_gather(cfg: Config, dp_kind: str) -> bool:
+def fp8_all_gather(cfg: Config, dp_kind: str, tp: int = 1) -> bool:
     """FSDP all-gathers the float8 weights: tensorwise scaling with train.fp8_all_gather,
     under ZeRO (`dp_kind` "fsdp", `tessel.parallel.fsdp.data_parallel_kind`); the wrapper
-    this puts on the weights serves FSDP's all-gather and nothing else."""
-    return fp8_recipe(cfg) == "tensorwise" and cfg.train.fp8_all_gather and dp_kind == "fsdp"
+    this puts on the weights serves FSDP's all-gather and nothing else. Not beside tensor
+    parallelism: torchao's float8 all-gather reduces the weight's amax over the FSDP group
+    only, so each tensor-parallel shard would get a scale of its own (measured: losses 1e-4
+    apart from the first step); there the weights are all-gathered in high precision and
+    cast with the whole weight's scale."""
+    return (fp8_recipe(cfg) == "tensorwise" and cfg.train.fp8_all_gather
+            and dp_kind == "fsdp" and tp == 1)
 
 
 def check_fp8(cfg: Config, device: torch.device, tp: int, say: Callable[[str], Any]) -> None:
@@ -93,6 +98,12 @@ def _check_hardware(cfg: Config, recipe: str, device: torch.device, emulate: boo
                 f"Blackwell); {name} is {major}.{minor}: set train.fp8 = false (or "
                 f"train.fp8_emulate = true to debug)")
     precision = cfg.train.precision
+    if recipe == "rowwise_with_gw_hp" and precision == "bf16" and device.type != "cuda":
+        # measured: its high-precision weight-gradient matmul meets a bf16 and a float32
+        # operand under CPU autocast ("expected m1 and m2 to have the same dtype")
+        raise TesselError("train.fp8 = 'rowwise_with_gw_hp' does not run under bf16 on a CPU "
+                          "(torchao's high-precision weight gradient mixes bf16 and float32 "
+                          "there); set train.precision = 'fp32' or train.fp8 = 'rowwise'")
     allowed = ("bf16", "auto", "fp32") if emulate else ("bf16", "auto")
     if precision not in allowed:
         raise TesselError(f"train.fp8 runs under bf16{' or fp32 (emulated)' if emulate else ''}; "
@@ -140,9 +151,9 @@ def fp8_summary(cfg: Config, recipe: str, device: torch.device, tp: int) -> str:
                      "tensor-parallel activations cross in high precision (gloo has no "
                      "float8 collectives; the same numbers)")
     if cfg.parallel.zero != 0 and cfg.train.fp8_all_gather:
-        extra.append("FSDP all-gathers the weights in float8" if recipe == "tensorwise" else
-                     "FSDP all-gathers the weights in high precision (float8 all-gather "
-                     "needs tensorwise scaling)")
+        extra.append("FSDP all-gathers the weights in float8" if recipe == "tensorwise" and tp == 1
+                     else "FSDP all-gathers the weights in high precision (float8 all-gather "
+                     "needs tensorwise scaling and no tensor parallelism)")
     if cfg.parallel.cp > 1 and recipe == "tensorwise":
         extra.append("under context parallelism each rank scales its own tokens' activations "
                      "(close to one process's run, not equal; rowwise scales are the same)")

@@ -48,6 +48,8 @@ def test_recipes_and_emulation_follow_the_keys():
     ({"train.fp8_emulate": False}, "train.fp8 needs an NVIDIA GPU with FP8 tensor cores"),
     ({"train.fp8": "mxfp8"}, "train.fp8 = 'mxfp8' is not available"),
     ({"train.precision": "fp16"}, "train.fp8 runs under bf16 or fp32 (emulated)"),
+    ({"train.fp8": "rowwise_with_gw_hp", "train.precision": "bf16"},
+     "train.fp8 = 'rowwise_with_gw_hp' does not run under bf16 on a CPU"),
     # tiny's d_model 40: no linear of it has dimensions that are multiples of 16
     ({"model.preset": "tiny", "model.d_model": 40, "model.n_heads": 4},
      "train.fp8: no linear layer of this model has dimensions that are multiples of 16"),
@@ -168,7 +170,7 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.budget(120)  # seconds on the reference machine: estimated
+@pytest.mark.budget(180)  # seconds on the reference machine: 178 s measured on a loaded one
 def test_an_emulated_fp8_run_learns_as_the_bf16_run_does(tmp_path: Path, corpus: Path):
     """40 steps of tiny-llama under bf16 autocast, with and without tensorwise float8
     linears, on the same batches: the loss falls as far (benchmarks/fp8_recipes.py measures
