@@ -35,14 +35,12 @@ def check_dpo(cfg: Any, dims: Any) -> None:
     """Refuse, before anything is written, what a DPO run cannot do yet (one line)."""
     if cfg.train.objective != "dpo":
         return
-    unsupported = [(dims.pp > 1, "pipeline parallelism (parallel.pp > 1)"),
-                   (cfg.parallel.loss_chunks > 1, "parallel.loss_chunks > 1"),
+    unsupported = [(cfg.parallel.loss_chunks > 1, "parallel.loss_chunks > 1"),
                    (cfg.fault_tolerance.enable, "fault_tolerance.enable")]
     for bad, what in unsupported:
         if bad:
-            raise ConfigError(f"train.objective = \"dpo\" does not run with {what} yet; use data "
-                              "tensor or context parallelism (any parallel.zero stage, LoRA "
-                              "included)")
+            raise ConfigError(f"train.objective = \"dpo\" does not run with {what} yet; leave "
+                              "it out (every layout runs, LoRA included)")
 
 
 def logps_of(logits: torch.Tensor, targets: torch.Tensor, context: Any = None
@@ -75,6 +73,8 @@ class PreferenceObjective:
         self.distributed, self.device = distributed, device
         self.stats = PairStats()
         self.eval_metrics: dict[str, float] = {}
+        self.collect: list[Any] | None = None  # forward_logps's, through a pipeline
+        self.pending: list[tuple[Any, tuple[float, float]] | None] = []  # expect's
 
     def divisors(self, batches: list[Batch], dp: int) -> tuple[float, float]:
         """(pairs, chosen-reply tokens) of the step on all data-parallel ranks, each over
@@ -99,6 +99,53 @@ class PreferenceObjective:
         self.stats.add(policy, ref, self.settings.beta)
         return step_loss(policy, ref, counts, self.settings, *divisors)
 
+    def forward_logps(self, step: Any, batches: list[Batch]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """(reply log-probabilities, token counts) of each micro-batch's rows, without
+        gradients: one forward each, or through the pipeline schedule `step.accum` at a time
+        (then None except on the last stage)."""
+        if step.schedule is None:
+            model, out = step.model.parts[0], []
+            for batch in batches:
+                x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
+                with loss_context(step.dims.tp > 1), step.precision.autocast():
+                    out.append(logps_of(model(x, docs, positions), y, self.context))
+            return out
+        from tessel.train.step import concat, model_kwargs
+
+        found: list[Any] = []
+        for lo in range(0, len(batches), step.accum):
+            self.collect = []
+            x, y, docs, positions = step.shard(*step.on_device(
+                concat(batches[lo:lo + step.accum]))[:3])
+            step._pipeline_infers = True  # the next training step re-initialises the stages
+            with loss_context(step.dims.tp > 1), step.precision.autocast():
+                step.schedule.eval(*((x,) if step.model.has_first else ()),
+                                   target=y if step.model.has_last else None, losses=[],
+                                   **model_kwargs(docs, positions))
+            found += self.collect or [None] * step.accum
+        self.collect = None
+        return found
+
+    def pipeline_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The pipeline schedule's loss of one micro-batch on the last stage (they come in
+        order): in `forward_logps`, its log-probabilities kept; in training, the loss with
+        the reference and divisors `expect` queued."""
+        if self.collect is not None:
+            logps, counts = logps_of(out, targets, self.context)
+            self.collect.append((logps.detach(), counts))
+            return logps.sum() * 0
+        entry = self.pending.pop(0)
+        if entry is None:  # the schedule's backward metadata inference: no micro-batch
+            return logps_of(out, targets, self.context)[0].sum() * 0
+        return self.loss(out, targets, *entry)
+
+    def expect(self, batches: list[Batch], divisors: tuple[float, float], probe: bool) -> None:
+        """The references and divisors of a pipeline step's micro-batches, in order; `probe`:
+        the schedule first calls the loss once more to infer the backward's shapes (on the
+        first step, and the first after an evaluation)."""
+        self.pending = [None] * probe + [(b.ref, divisors) for b in batches]
+
     def metrics(self) -> dict[str, float]:
         """TRL's rewards/* and logps/* over the pairs since the last call, on all ranks
         (every rank calls it: one all-reduce)."""
@@ -114,16 +161,13 @@ class PreferenceObjective:
         """The held-out loss (the training loss's formula, means over the counted pairs and
         chosen tokens) over `iters` micro-batches `draw()` gives as (batch, counted); sets
         `eval_metrics` (eval_rewards/*, eval_logps/*)."""
-        s, model = self.settings, step.model.parts[0]
+        s, group = self.settings, step.accum if step.schedule is not None else 1
         stats, sums = PairStats(), torch.zeros(3, dtype=torch.float64, device=step.device)
-        for _ in range(iters):
-            batch, counted = draw()
-            x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
-            with loss_context(step.dims.tp > 1), step.precision.autocast():
-                logps, counts = logps_of(model(x, docs, positions), y, step.context)
-            if not counted:  # run (the ranks' collectives stay in step), count nothing
-                continue
-            policy, counts = split_pairs(logps).double(), split_pairs(counts)
+        drawn = [draw() for _ in range(math.ceil(iters / group) * group)]
+        for (batch, counted), found in zip(drawn, self.forward_logps(step, [b for b, _ in drawn])):
+            if not counted or found is None:  # run (collectives stay in step), count nothing
+                continue  # (None: not the last pipeline stage, which holds the log-probs)
+            policy, counts = split_pairs(found[0]).double(), split_pairs(found[1])
             ref = batch.ref.to(policy.device)
             stats.add(policy, ref, s.beta)
             losses = pair_losses(policy, ref, counts, s.loss, s.beta, s.label_smoothing)
@@ -148,17 +192,30 @@ def reference_logps(step: Any, datasets: list[Any], mbs: int) -> np.ndarray:
     runs every pair (the same forward passes on all ranks, as sharded layouts need)."""
     from tessel.data.preference_data import pair_batch
 
-    model, out = step.model.parts[0], []
+    # micro-batches of `mbs` pairs (the last one filled up with pair 0, then cut), as many as
+    # a pipeline step takes (filled up with copies of the first)
+    picks = [[i if i < ds.n_samples else 0 for i in range(lo, lo + mbs)]
+             for ds in datasets for lo in range(0, ds.n_samples, mbs)]
+    owners = [ds for ds in datasets for _ in range(0, ds.n_samples, mbs)]
+    batches = [pair_batch(ds, p) for ds, p in zip(owners, picks)]
+    group = step.accum if step.schedule is not None else 1
+    batches += [batches[0]] * (-len(batches) % group)
     step.model.train(False)
-    for ds in datasets:
-        for lo in range(0, ds.n_samples, mbs):
-            batch = pair_batch(ds, list(range(lo, min(lo + mbs, ds.n_samples))))
-            x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
-            with loss_context(step.dims.tp > 1), step.precision.autocast():
-                logps, _ = logps_of(model(x, docs, positions), y, step.context)
-            out.append(split_pairs(logps).double().cpu().numpy())
+    found = step.objective.forward_logps(step, batches)
     step.model.train(True)
-    return np.concatenate(out)
+    out = np.zeros((sum(ds.n_samples for ds in datasets), 2))
+    lo, row = 0, 0
+    for ds in datasets:
+        for start in range(0, ds.n_samples, mbs):
+            n = min(mbs, ds.n_samples - start)
+            if found[row] is not None:
+                out[lo + start:lo + start + n] = split_pairs(found[row][0]).double().cpu().numpy()[:n]
+            row += 1
+        lo += ds.n_samples
+    if step.schedule is not None:  # only the last stage's ranks hold them: theirs, everywhere
+        holders = torch.distributed.get_world_size() / step.dims.pp
+        out = (all_reduce_sum(torch.from_numpy(out).to(step.device)) / holders).cpu().numpy()
+    return out
 
 
 def attach_reference(step: Any, data: Any, run_path: Path, resumed: bool, is_main: bool,
@@ -207,5 +264,7 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
     # the loss reads whole logits: parallel.loss_chunks = 0 (auto) takes 1 (check_dpo
     # refused an explicit > 1)
     step.loss_chunks = step.model.inner[-1].loss_chunks = 1
+    objective = PreferenceObjective(cfg.dpo, proc.distributed, step.device, step.context)
+    step.objective = objective  # before the reference pass: a pipeline's loss asks for it
     attach_reference(step, data, run_path, resumed, proc.is_main, say)
-    return PreferenceObjective(cfg.dpo, proc.distributed, step.device, step.context)
+    return objective

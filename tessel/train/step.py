@@ -108,6 +108,8 @@ class TrainStep:
             self.moe.before_step(len(batches), scale)
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
+            if objective is not None:
+                objective.expect(batches, divisors, self._pipeline_infers)
             total = self._pipeline_step(batches, n_tokens)
             self.embedding_sync()  # tied embeddings: both copies take the summed gradient
         else:
@@ -177,6 +179,8 @@ class TrainStep:
         return out.sum() if self.loss_chunks > 1 else token_loss_sum(out, targets)
 
     def _pipeline_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.objective is not None:
+            return self.objective.pipeline_loss(out, targets)
         loss = self.loss_sum(out, targets) / self._loss_tokens
         return loss * self.loss_factor if self.loss_factor != 1.0 else loss
 

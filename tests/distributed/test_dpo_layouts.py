@@ -1,10 +1,11 @@
 """DPO (train.objective = "dpo") on two gloo processes against the single-process DPO run:
 ZeRO-3 over dp 2 (gradient accumulation 2 -> 1), tp 2 (the vocabulary-parallel log-probs),
-cp 2 (each rank's part of a reply's log-probability summed over the cp group), LoRA over
-dp 2 (plain DDP), and a resume of the ZeRO-3 run's checkpoint under DDP. Every step's loss
-and the rewards/* metrics, the held-out loss and eval_rewards/*, and the final weights equal
-the reference's; the layouts DPO does not run yet (pipeline parallelism here) are one line
-with exit code 2."""
+cp 2 (each rank's part of a reply's log-probability summed over the cp group), pp 2 (the
+schedule's loss per micro-batch, the reference pass and evaluation through the schedule),
+LoRA over dp 2 (plain DDP), and a resume of the ZeRO-3 run's checkpoint under DDP. Every
+step's loss and the rewards/* metrics, the held-out loss and eval_rewards/*, and the final
+weights equal the reference's; what DPO does not run yet (parallel.loss_chunks > 1 here) is
+one line with exit code 2."""
 
 from __future__ import annotations
 
@@ -91,8 +92,9 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
             {"overrides": dpo_base(resumed, pairs, **{"parallel.zero": 0}), "resume": True},
             {"overrides": dpo_base(tmp_path / "tp2", pairs, **{"parallel.tp": 2})},
             {"overrides": dpo_base(tmp_path / "cp2", pairs, **{"parallel.cp": 2})},
-            {"overrides": dpo_base(tmp_path / "pp2", pairs, **{"parallel.pp": 2})}]
-    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4)]}, tmp_path)
+            {"overrides": dpo_base(tmp_path / "pp2", pairs, **{"parallel.pp": 2})},
+            {"overrides": dpo_base(tmp_path / "chunked", pairs, **{"parallel.loss_chunks": 2})}]
+    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5)]}, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     # the ZeRO-3 run as it was after step 2, with the reference log-probabilities it keeps
     (resumed / "checkpoints").mkdir(parents=True)
@@ -101,12 +103,13 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
         shutil.copy(tmp_path / "zero3" / name, resumed / name)
     shutil.copytree(tmp_path / "zero3" / "checkpoints" / "step_00000002",
                     resumed / "checkpoints" / "step_00000002")
-    proc = torchrun(2, {"runs": [runs[2], runs[5]]}, tmp_path)
+    proc = torchrun(2, {"runs": [runs[2], runs[6]]}, tmp_path)
     assert proc.returncode != 0, job_output(proc)  # the last run is refused (exit 2)
-    assert "train.objective = \"dpo\" does not run with pipeline parallelism" in proc.stderr
-    assert not (tmp_path / "pp2").exists()
+    assert "train.objective = \"dpo\" does not run with parallel.loss_chunks > 1" in proc.stderr
+    assert not (tmp_path / "chunked").exists()
     assert_same_dpo_run(tmp_path / "zero3", ref)
     assert_same_dpo_run(tmp_path / "lora_ddp", lora_ref)
     assert_same_dpo_run(resumed, ref, first_step=3)
     assert_same_dpo_run(tmp_path / "tp2", ref)
     assert_same_dpo_run(tmp_path / "cp2", ref)
+    assert_same_dpo_run(tmp_path / "pp2", ref)
