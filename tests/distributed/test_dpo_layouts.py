@@ -92,7 +92,9 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
             {"overrides": dpo_base(resumed, pairs, **{"parallel.zero": 0}), "resume": True},
             {"overrides": dpo_base(tmp_path / "tp2", pairs, **{"parallel.tp": 2})},
             {"overrides": dpo_base(tmp_path / "cp2", pairs, **{"parallel.cp": 2})},
-            {"overrides": dpo_base(tmp_path / "pp2", pairs, **{"parallel.pp": 2})},
+            # an evaluation mid-run too: the schedule switches to eval and back to training
+            {"overrides": dpo_base(tmp_path / "pp2", pairs, **{"parallel.pp": 2,
+                                                               "train.eval_interval": 2})},
             {"overrides": dpo_base(tmp_path / "chunked", pairs, **{"parallel.loss_chunks": 2})}]
     proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5)]}, tmp_path)
     assert proc.returncode == 0, job_output(proc)
