@@ -31,9 +31,14 @@ class DpoConfig(Section):
     """Weight of the chosen replies' negative log-likelihood added to the loss (TRL's
     loss_type = [loss, "sft"] with loss_weights = [loss_weight, sft_weight]); 0: none."""
     reference: Literal["precomputed"] = "precomputed"
-    """The reference model: `precomputed` is the initial policy (model.init_from, or the
-    LoRA base), its log-probabilities of every pair computed in one pass before the first
-    step and kept in the run directory (reference_logps.npy), so a resume reuses them."""
+    """The reference model's log-probabilities of every pair are computed in one pass before
+    the first step and kept in the run directory (reference_logps.npy), so a resume reuses
+    them. The reference is the initial policy (model.init_from, or the LoRA base), or the
+    model of dpo.reference_model."""
+    reference_model: str = ""
+    """Weights of another model as the reference (TRL's ref_model): a Hugging Face directory
+    or a tessel run directory of the policy's shape, loaded in the run's layout for the
+    reference pass only, then freed. Empty: the initial policy."""
 
     @model_validator(mode="after")
     def _weights(self) -> DpoConfig:

@@ -31,7 +31,7 @@ from tessel.parallel.replica_group import data_share, replica_groups
 from tessel.planner.prelaunch import auto_layout, refuse_if_too_big
 from tessel.train.control import StopControl, stop_at_once
 from tessel.train.device import pick_device
-from tessel.train.dpo_run import check_dpo, dpo_objective
+from tessel.train.dpo_run import check_dpo, dpo_objective, reference_model_step
 from tessel.train.eval import Evaluator
 from tessel.train.faults import Faults
 from tessel.train.final_sample import FinalSample
@@ -146,8 +146,10 @@ def build_run(c: Checked, proc: Any, run: Any, display: Any, counters: Counters,
         grad_clip=t.grad_clip, parallel_cfg=cfg.parallel, distributed=proc.distributed,
         timer=timer, phase=watchdog.phase, masked=cfg.data.source == "sft")
     if cfg.train.objective == "dpo":  # the loss hook, and the reference log-probabilities
+        other = ((lambda: reference_model_step(cfg, train_step, mesh, say))
+                 if cfg.dpo.reference_model else None)  # dpo.reference_model's weights
         train_step.objective = dpo_objective(cfg, train_step, data, run.path,
-                                             resume_from is not None, proc, say)
+                                             resume_from is not None, proc, say, other)
     evaluator = Evaluator(train_step, data.val, t.eval_iters, beat=beat,
                           interval=t.eval_interval, last=t.steps)
     harness = (Harness(cfg, c.lm_eval_tasks, train_step, data.tokenizer, beat=beat)

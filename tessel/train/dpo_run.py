@@ -219,7 +219,7 @@ def reference_logps(step: Any, datasets: list[Any], mbs: int) -> np.ndarray:
 
 
 def attach_reference(step: Any, data: Any, run_path: Path, resumed: bool, is_main: bool,
-                     say: Any) -> None:
+                     say: Any, reference_step: Any = None) -> None:
     """Give the train and validation pairs their reference log-probabilities: those of the
     run directory on a resume (refused when missing or made for other pairs), else one pass
     of the initial policy, written there by the main rank."""
@@ -231,7 +231,8 @@ def attach_reference(step: Any, data: Any, run_path: Path, resumed: bool, is_mai
     else:
         say(f"tessel: reference log-probabilities of {sum(key['pairs']):,} pairs (one pass of "
             f"the initial model; kept in {path})")
-        ref = reference_logps(step, sets, data.train.mbs)
+        ref = reference_logps(reference_step() if reference_step else step, sets,
+                              data.train.mbs)
         if is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
@@ -259,12 +260,40 @@ def _read_reference(path: Path, key: dict[str, Any]) -> np.ndarray:
 
 
 def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool, proc: Any,
-                  say: Any) -> PreferenceObjective:
-    """The DPO loss hook of a run, its pairs given their reference log-probabilities."""
+                  say: Any, reference_step: Any = None) -> PreferenceObjective:
+    """The DPO loss hook of a run, its pairs given their reference log-probabilities;
+    `reference_step()`: a TrainStep of dpo.reference_model's weights for the reference pass
+    (None: the policy's own)."""
     # the loss reads whole logits: parallel.loss_chunks = 0 (auto) takes 1 (check_dpo
     # refused an explicit > 1)
     step.loss_chunks = step.model.inner[-1].loss_chunks = 1
     objective = PreferenceObjective(cfg.dpo, proc.distributed, step.device, step.context)
     step.objective = objective  # before the reference pass: a pipeline's loss asks for it
-    attach_reference(step, data, run_path, resumed, proc.is_main, say)
+    made = None
+    if reference_step is not None and not resumed:
+        def made() -> Any:  # the reference model's step, sharing the loss hook
+            other = reference_step()
+            other.objective = objective
+            other.loss_chunks = other.model.inner[-1].loss_chunks = 1
+            return other
+    attach_reference(step, data, run_path, resumed, proc.is_main, say, made)
     return objective
+
+
+def reference_model_step(cfg: Any, step: Any, mesh: Any, say: Any) -> Any:
+    """A TrainStep (no optimizer) of dpo.reference_model's weights in the run's layout, for
+    the reference pass; freed after it. A model of another shape is one line (exit 2)."""
+    from tessel.checkpoint.init_from import WeightSource, check_shape
+    from tessel.parallel.apply import build_parallel_model
+    from tessel.train.step import TrainStep
+
+    path = Path(cfg.dpo.reference_model)
+    ref_cfg = cfg.with_overrides({"lora.enabled": False, "model.init_from": str(path)})
+    check_shape(ref_cfg.model, path)
+    source = WeightSource(path, ref_cfg.model)
+    say(f"tessel: reference model {source.kind} {path}")
+    dtype = torch.bfloat16 if step.precision.name == "bf16" else None
+    model = build_parallel_model(ref_cfg, step.dims, mesh, step.device, dtype, source.get,
+                                 source.buffer)
+    return TrainStep(model, [], step.dims, mesh, step.device, step.precision, accum=step.accum,
+                     grad_clip=0.0, parallel_cfg=cfg.parallel, distributed=step.distributed)

@@ -2,7 +2,8 @@
 ZeRO-3 over dp 2 (gradient accumulation 2 -> 1), tp 2 (the vocabulary-parallel log-probs),
 cp 2 (each rank's part of a reply's log-probability summed over the cp group), pp 2 (the
 schedule's loss per micro-batch, the reference pass and evaluation through the schedule),
-LoRA over dp 2 (plain DDP), and a resume of the ZeRO-3 run's checkpoint under DDP. Every
+LoRA over dp 2 (plain DDP), another model as the reference (dpo.reference_model) under
+pp 2, and a resume of the ZeRO-3 run's checkpoint under DDP. Every
 step's loss and the rewards/* metrics, the held-out loss and eval_rewards/*, and the final
 weights equal the reference's; what DPO does not run yet (parallel.loss_chunks > 1 here) is
 one line with exit code 2."""
@@ -85,6 +86,9 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
     ref = _single(dpo_base(tmp_path / "ref", pairs))
     lora_ref = _single(dpo_base(tmp_path / "lora_ref", pairs, **LORA,
                                 **{"model.init_from": str(ref)}))
+    # another model as the reference (dpo.reference_model): the reference run's weights
+    other = {"dpo.reference_model": str(ref)}
+    other_ref = _single(dpo_base(tmp_path / "other_ref", pairs, **other))
     resumed = tmp_path / "zero3_then_ddp"
     runs = [{"overrides": dpo_base(tmp_path / "zero3", pairs, **{"parallel.zero": 3})},
             {"overrides": dpo_base(tmp_path / "lora_ddp", pairs, **LORA, **{
@@ -95,8 +99,9 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
             # an evaluation mid-run too: the schedule switches to eval and back to training
             {"overrides": dpo_base(tmp_path / "pp2", pairs, **{"parallel.pp": 2,
                                                                "train.eval_interval": 2})},
-            {"overrides": dpo_base(tmp_path / "chunked", pairs, **{"parallel.loss_chunks": 2})}]
-    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5)]}, tmp_path)
+            {"overrides": dpo_base(tmp_path / "chunked", pairs, **{"parallel.loss_chunks": 2})},
+            {"overrides": dpo_base(tmp_path / "other_pp2", pairs, **other, **{"parallel.pp": 2})}]
+    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 7)]}, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     # the ZeRO-3 run as it was after step 2, with the reference log-probabilities it keeps
     (resumed / "checkpoints").mkdir(parents=True)
@@ -115,3 +120,5 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
     assert_same_dpo_run(tmp_path / "tp2", ref)
     assert_same_dpo_run(tmp_path / "cp2", ref)
     assert_same_dpo_run(tmp_path / "pp2", ref)
+    assert_same_dpo_run(tmp_path / "other_pp2", other_ref)
+    assert train_metrics(other_ref)[0][1]["loss"] != train_metrics(ref)[0][1]["loss"]

@@ -168,6 +168,22 @@ def _trl_logps(trainer, batch: dict, model) -> torch.Tensor:
     return out.log_probs.sum(dim=1)
 
 
+def _perturbed(hf_dir: Path, out: Path) -> Path:
+    """The model of `hf_dir` with every weight moved a little: a reference that is not the
+    policy."""
+    from transformers import LlamaForCausalLM
+
+    ref = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ref.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((hf_dir / f).read_bytes())
+    return out
+
+
 VARIANTS = {"sigmoid": ({"loss_type": ["sigmoid"]}, {}),
             "ipo": ({"loss_type": ["ipo"], "beta": 0.5}, {"beta": 0.5}),
             "hinge": ({"loss_type": ["hinge"], "beta": 0.5}, {"beta": 0.5}),
@@ -190,15 +206,7 @@ def test_log_probs_and_every_loss_equal_trls(hf_dir: Path, tmp_path: Path):
     from transformers import LlamaForCausalLM
 
     records = _chat_pairs(4)
-    ref_dir = tmp_path / "ref"
-    ref = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    ref.save_pretrained(ref_dir)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (ref_dir / f).write_bytes((hf_dir / f).read_bytes())
+    ref_dir = _perturbed(hf_dir, tmp_path / "ref")
     x, y = _rows(_ours(hf_dir, records), pad=0)
     with torch.no_grad():
         ours = split_pairs(row_logps(_tessel(hf_dir)(x), y)[0])
@@ -320,3 +328,40 @@ def test_tessel_train_dpo_equals_trl(hf_dir: Path, tmp_path: Path):
     # mean square, as in the hand loop above)
     assert max(losses) <= 1e-6, losses
     assert worst < 1e-5, worst
+
+
+@pytest.mark.budget(45)  # TRL's two steps and tessel train's (fixture shared)
+def test_tessel_train_with_another_reference_model_equals_trl(hf_dir: Path, tmp_path: Path):
+    """dpo.reference_model (TRL's ref_model): a model that is not the initial policy as the
+    reference; two steps of `tessel train` equal TRL's, loss for loss."""
+    from transformers import LlamaForCausalLM
+
+    from tessel.train.trainer import Trainer
+
+    ref_dir = _perturbed(hf_dir, tmp_path / "ref")
+    records = _chat_pairs(8)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = load_config(None, {
+        "model.init_from": str(hf_dir), "train.objective": "dpo", "dpo.paths": [str(pairs)],
+        "dpo.reference_model": str(ref_dir), "data.chat_template": "auto",
+        "data.split": "100,0", "train.seq_len": LENGTH - 1, "train.steps": 2,
+        "train.micro_batch_size": 4, "train.global_batch_size": 4, "train.grad_clip": 1.0,
+        "train.precision": "fp32", "train.device": "cpu", "train.eval_interval": 0,
+        "optim.lr": 1e-3, "optim.schedule": "constant", "optim.warmup_steps": 0,
+        "optim.weight_decay": 0.0, "optim.beta2": 0.999, "metrics.log_interval": 1,
+        "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0})
+    trainer = Trainer(cfg, console=False)
+    schedule = copy.deepcopy(trainer.data.train.schedule)
+    order = [schedule.next()[1] for _ in range(8)]
+    trainer.train()
+    ours = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trl = _trainer(hf_dir, [records[i] for i in order], steps=2,
+                   ref_model=LlamaForCausalLM.from_pretrained(ref_dir, dtype=torch.float32))
+    trl.train()
+    theirs = [r for r in trl.state.log_history if "loss" in r]
+    losses = [abs(a["loss"] - b["loss"]) for a, b in zip([r for r in ours if "loss" in r], theirs)]
+    print(f"another reference: step losses {max(losses):.2g}")  # -s
+    assert len(losses) == 2 and max(losses) <= 1e-6, losses
+    # the reference's rewards are not 0 at the first step (it is not the policy)
+    assert abs(theirs[0]["rewards/chosen"]) > 1e-3
