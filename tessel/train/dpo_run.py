@@ -229,10 +229,12 @@ def attach_reference(step: Any, data: Any, run_path: Path, resumed: bool, is_mai
     if resumed:
         ref = _read_reference(path, key)
     else:
+        which = "dpo.reference_model" if reference_step else "the initial model"
+        runner = reference_step() if reference_step else step  # (refusals first)
         say(f"tessel: reference log-probabilities of {sum(key['pairs']):,} pairs (one pass of "
-            f"the initial model; kept in {path})")
-        ref = reference_logps(reference_step() if reference_step else step, sets,
-                              data.train.mbs)
+            f"{which}; kept in {path})")
+        ref = reference_logps(runner, sets, data.train.mbs)
+        del runner  # another model's copy is freed now
         if is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
@@ -283,13 +285,20 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
 def reference_model_step(cfg: Any, step: Any, mesh: Any, say: Any) -> Any:
     """A TrainStep (no optimizer) of dpo.reference_model's weights in the run's layout, for
     the reference pass; freed after it. A model of another shape is one line (exit 2)."""
-    from tessel.checkpoint.init_from import WeightSource, check_shape
+    from tessel.checkpoint.init_from import WeightSource, load_config
+    from tessel.config.model import SHAPE_FIELDS
     from tessel.parallel.apply import build_parallel_model
     from tessel.train.step import TrainStep
 
     path = Path(cfg.dpo.reference_model)
+    theirs = load_config(None, {"model.init_from": str(path),
+                                "train.seq_len": cfg.train.seq_len}).model
+    differ = [f"{k} {getattr(theirs, k)} (the policy's {getattr(cfg.model, k)})"
+              for k in SHAPE_FIELDS if getattr(theirs, k) != getattr(cfg.model, k)]
+    if differ:
+        raise ConfigError(f"dpo.reference_model={str(path)!r} is not of the policy's shape: "
+                          f"{', '.join(differ)}; use a model of the same shape")
     ref_cfg = cfg.with_overrides({"lora.enabled": False, "model.init_from": str(path)})
-    check_shape(ref_cfg.model, path)
     source = WeightSource(path, ref_cfg.model)
     say(f"tessel: reference model {source.kind} {path}")
     dtype = torch.bfloat16 if step.precision.name == "bf16" else None
