@@ -92,6 +92,10 @@ class _BothRoutings(nn.Module):
     """The model's blocks, each read from `source` when its turn comes and freed after:
     batch row 0 is routed with the balancing bias, row 1 without."""
 
+    # The Transformer asks each block whether it is a sliding-window layer; the blocks here
+    # take the global layers' mask (a model with a balancing bias has no windows).
+    local = False
+
     def __init__(self, blocks: nn.ModuleDict, source: Any):
         super().__init__()
         self.blocks = list(blocks.items())  # a plain list: not materialised with the model

@@ -257,10 +257,9 @@ class Trainer:
         if self.evaluator.val is None:  # no validation split
             return
         self.last_val_loss = self.evaluator.loss()
-        objective = self.train_step.objective
         log.eval(step=self.step, val_loss=self.last_val_loss, tokens_seen=self.tokens_seen,
-                 elapsed_s=self.elapsed_prev + time.perf_counter() - start,
-                 extra=objective.eval_metrics if objective is not None else None)
+                 elapsed_s=self.elapsed_prev + time.perf_counter() - start,  # DPO's eval_*:
+                 extra=getattr(self.train_step.objective, "eval_metrics", None))
 
     def _score(self, log: StepLogger, start: float) -> None:
         """Benchmark scores through lm_eval (every rank runs them; rank 0 writes). A failure
