@@ -58,7 +58,7 @@ def base(run_dir: Path, corpus: Path, **extra) -> dict:
         "train.micro_batch_size": 2,
         "train.global_batch_size": 8,
         "train.eval_interval": 0,
-        "train.eval_iters": 4,  # the same 4 validation micro-batches under every layout
+        "train.eval_iters": 4,  # the same 8 validation sequences under every layout
         "optim.lr": 3e-3,
         "optim.warmup_steps": 2,
         # Constant after the warm-up, so a layout's first SHORT steps are the reference's
@@ -335,9 +335,11 @@ def assert_same_run(run: Path, ref: Path, first_step: int = 1) -> None:
     assert last == (SHORT if first_step == 1 and last < STEPS else STEPS), (
         f"{run.name}: ran to step {last}")
     got_val, want_val = got_vals[last], want_vals[last]
-    if Config.load(run / "config.toml").train.micro_batch_size != 2:
+    t = Config.load(run / "config.toml").train
+    if t.micro_batch_size * t.eval_iters != 2 * 4:
         # parallel.auto chose another micro-batch: train.eval_iters micro-batches of it are
-        # other validation sequences (training steps still see the same 8 sequences).
+        # other validation sequences than the reference's 4 of 2 (training steps still see
+        # the same 8 sequences).
         want_val = got_val
     assert sorted(got) == list(range(first_step, last + 1)), f"{run.name}: steps {sorted(got)}"
     for step in got:
@@ -411,15 +413,38 @@ def hf_llama_like_tiny(path: Path) -> Path:
     return path
 
 
-def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict], short: bool = False) -> dict:
-    """A torchrun job training `layouts` one after another; `short`: parity layouts, SHORT
-    steps (checkpointed only at the end unless a later run resumes from them)."""
-    def steps(name: str) -> dict:
+WHOLE_BATCHES = {"train.micro_batch_size": 4, "train.eval_iters": 2}
+"""Micro-batches of 4 for a layout without data or pipeline parallelism: each rank then runs
+each step's 8 sequences in 2 micro-batches (still accumulated) instead of 4, and evaluates the
+reference's 8 validation sequences in 2. Tensor and context parallelism cost a gloo round
+trip per collective, dozens per micro-batch, so this halves what those layouts cost; the
+reference (micro-batches of 2) differs from them only in the order of float sums, as every
+layout does. Not under data parallelism (its ranks would get one micro-batch each: nothing
+accumulated), the pipeline (its schedules need micro-batches to overlap), nor for MoE (the
+balance loss is a mean over each micro-batch's routing: another micro-batch, another loss)."""
+
+
+def whole_batches(extra: dict, world: int) -> dict:
+    """WHOLE_BATCHES where the layout `extra` has tensor x context parallelism over all
+    `world` ranks (no data or pipeline parallelism) of a dense model; nothing otherwise."""
+    p = {k.removeprefix("parallel."): v for k, v in extra.items()}
+    only_tp_cp = p.get("tp", 1) * p.get("cp", 1) == world and p.get("pp", 1) == 1
+    moe = extra.get("model.preset") == MOE["model.preset"]
+    return WHOLE_BATCHES if only_tp_cp and not moe else {}
+
+
+def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict], short: bool = False,
+          world: int = 2) -> dict:
+    """A torchrun job training `layouts` one after another on `world` ranks; `short`: parity
+    layouts, SHORT steps (checkpointed only at the end unless a later run resumes from
+    them), those without data or pipeline parallelism in micro-batches of 4 (WHOLE_BATCHES)."""
+    def steps(name: str, extra: dict) -> dict:
         if not short:
             return {}
-        return {"train.steps": SHORT} if name in RESUMED_FROM else SHORT_RUN
+        kept = {"train.steps": SHORT} if name in RESUMED_FROM else SHORT_RUN
+        return {**kept, **whole_batches(extra, world)}
 
-    return {"runs": [{"overrides": base(tmp_path / name, corpus, **{**steps(name), **extra})}
+    return {"runs": [{"overrides": base(tmp_path / name, corpus, **{**steps(name, extra), **extra})}
                      for name, extra in layouts.items()]}
 
 
@@ -477,7 +502,7 @@ def two_process_job(refs, tmp_path_factory: pytest.TempPathFactory):  # noqa: AN
     for name, layout in {"tp2_from_hf": {"parallel.tp": 2}, "pp2_from_hf": {"parallel.pp": 2},
                          "zero3_from_hf": {"parallel.zero": 3}}.items():
         spec["runs"].append({"overrides": base(root / name, refs["corpus"], **SHORT_RUN,
-                                               **from_hf, **layout)})
+                                               **whole_batches(layout, 2), **from_hf, **layout)})
     spec["runs"] += lora_runs(refs, root)
     # last: a preemption notice to rank 1 alone once 2 steps are done; then rank 1's async
     # saves lag (each run's fault and lag are its own)
@@ -517,7 +542,8 @@ def test_two_process_layouts_match_the_single_process_run(refs, two_process_job)
 def lora_runs(refs, tmp_path: Path) -> list[dict]:  # noqa: ANN001
     """The LoRA layouts' runs for the 2-process job (they share its process group)."""
     from_hf = {"model.init_from": str(refs["hf"])}
-    return [{"overrides": base(tmp_path / name, refs["corpus"], **SHORT_RUN, **from_hf, **layout)}
+    return [{"overrides": base(tmp_path / name, refs["corpus"], **SHORT_RUN,
+                               **whole_batches(layout, 2), **from_hf, **layout)}
             for name, layout in LORA_2.items()]
 
 
@@ -582,7 +608,7 @@ def assert_tied_embeddings_reshard(refs, tmp_path: Path) -> None:
 @pytest.mark.budget(550)  # seconds on the reference machine: measured, +~40% (Muon: estimated)
 def test_four_process_layouts_and_resharding_match(refs, tmp_path: Path):
     corpus = refs["corpus"]
-    spec = _spec(tmp_path, corpus, LAYOUTS_4, short=True)
+    spec = _spec(tmp_path, corpus, LAYOUTS_4, short=True, world=4)
     # Resharding: resume tp2 x pp2's step-2 checkpoint as dp4 (ZeRO-3), in the same job.
     spec["runs"].append({"overrides": base(tmp_path / "reshard_dp4", corpus, **{"parallel.zero": 3}),
                          "copy_from": str(tmp_path / "tp2_pp2"), "copy_step": 2, "resume": True})
