@@ -59,6 +59,28 @@ def chunked_loss_sum(logits_of: Callable[[torch.Tensor], torch.Tensor], h: torch
     return total
 
 
+def chunked_row_losses(logits_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
+                       targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The summed next-token cross-entropy of each row, (B,), over `chunks` pieces of the
+    tokens as `chunked_loss_sum` runs them (one piece's logits at a time, remade in backward):
+    what preference tuning needs of a micro-batch (each reply's log-probability is minus its
+    row's sum, the targets -100 outside it). Each piece keeps its tokens' losses (N floats,
+    not N x vocabulary), which are summed per row once all pieces are done."""
+    rows, length = targets.shape
+    flat_h, flat_t = h.flatten(0, 1), targets.flatten()
+    pieces = [checkpoint(_piece_token_losses, logits_of, piece_h, piece_t, use_reentrant=False)
+              for piece_h, piece_t in zip(flat_h.tensor_split(chunks), flat_t.tensor_split(chunks))
+              if piece_t.numel()]
+    return torch.cat(pieces).view(rows, length).sum(1)
+
+
+def _piece_token_losses(logits_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
+                        targets: torch.Tensor) -> torch.Tensor:
+    """(N, C), (N,) -> the fp32 cross-entropy of each of N tokens (0 where -100)."""
+    return F.cross_entropy(logits_of(h).float(), targets, reduction="none",
+                           ignore_index=IGNORE_INDEX)
+
+
 def _piece_loss(logits_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
                 targets: torch.Tensor) -> torch.Tensor:
     """(N, C), (N,) -> the summed fp32 cross-entropy of N tokens."""

@@ -32,7 +32,7 @@ from tessel.models.attention import (  # noqa: F401 (document_* and apply_rope: 
     document_causal_mask,
     document_positions,
 )
-from tessel.models.loss import chunked_loss_sum
+from tessel.models.loss import chunked_loss_sum, chunked_row_losses
 from tessel.models.moe import MoE
 from tessel.models.variants import (
     attention_share,
@@ -164,6 +164,9 @@ class Transformer(nn.Module):
         self.loss_chunks = 1
         """Pieces the output projection and loss run in when forward is given the targets
         (parallel.loss_chunks): only one piece's logits exist at once."""
+        self.row_losses = False
+        """With the targets: each row's summed loss, (B,), instead of the micro-batch's (1,)
+        (preference tuning, tessel.train.dpo_run: each row is a reply)."""
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
@@ -276,8 +279,8 @@ class Transformer(nn.Module):
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, padded_vocab_size) in the compute dtype, -inf
         at the padding ids; with `targets` (B, T), the summed next-token loss instead, shape (1,)
-        (`loss.token_loss_sum`), over `loss_chunks` pieces whose logits are recomputed in
-        backward, so the whole logits never exist at once.
+        (`loss.token_loss_sum`; each row's, (B,), under `row_losses`), over `loss_chunks`
+        pieces whose logits are recomputed in backward, so the whole logits never exist at once.
 
         doc_ids: optional (B, T_sample) document index of each position of the whole sample;
         attention then stays inside each document of a packed sequence, and positions
@@ -334,6 +337,8 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
+        if targets is not None and self.row_losses:
+            return chunked_row_losses(self.logits, h, targets, self.loss_chunks)  # (B,)
         if targets is not None:
             # (1,): a pipeline stage's output needs a batch dimension to be merged.
             return chunked_loss_sum(self.logits, h, targets, self.loss_chunks).reshape(1)

@@ -21,7 +21,7 @@ from tessel.config import ConfigError
 from tessel.data import Batch
 from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
-from tessel.models.loss import IGNORE_INDEX
+from tessel.models.loss import IGNORE_INDEX, loss_pieces
 from tessel.parallel.dist import all_reduce_sum
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.dpo import PairStats, pair_losses, row_logps, split_pairs, step_loss
@@ -35,24 +35,26 @@ def check_dpo(cfg: Any, dims: Any) -> None:
     """Refuse, before anything is written, what a DPO run cannot do yet (one line)."""
     if cfg.train.objective != "dpo":
         return
-    unsupported = [(cfg.parallel.loss_chunks > 1, "parallel.loss_chunks > 1"),
-                   (cfg.fault_tolerance.enable, "fault_tolerance.enable")]
-    for bad, what in unsupported:
-        if bad:
-            raise ConfigError(f"train.objective = \"dpo\" does not run with {what} yet; leave "
-                              "it out (every layout runs, LoRA included)")
+    if cfg.fault_tolerance.enable:
+        raise ConfigError("train.objective = \"dpo\" does not run with fault_tolerance.enable "
+                          "yet; leave it out (every layout runs, LoRA included)")
 
 
 def logps_of(logits: torch.Tensor, targets: torch.Tensor, context: Any = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """tessel.train.dpo.row_logps of whole rows as plain tensors. Under tensor parallelism
+    """tessel.train.dpo.row_logps of whole rows as plain tensors; `logits` (R, T, V), or
+    (R,) the rows' summed losses the model computed itself over pieces of the logits
+    (parallel.loss_chunks > 1, `use_loss_pieces`). Under tensor parallelism
     (loss_parallel, the logits sharded over the vocabulary) the per-row sums come out
     replicated DTensors, taken whole here (differentiably) so the loss mixes them with the
     reference's. Under context parallelism (`context`) each rank holds a part of every row:
     the parts are summed over its group, differentiably, so every rank computes the pairs'
     loss from whole replies; each rank's gradient is then cp times its part's, and the mean
     over the cp ranks TrainStep's gradient averaging takes is the whole gradient."""
-    logps, counts = row_logps(logits, targets)
+    if logits.dim() == 1:  # the model's own per-row losses
+        logps, counts = -logits, (targets != IGNORE_INDEX).sum(1)
+    else:
+        logps, counts = row_logps(logits, targets)
     logps, counts = local_value(logps), local_value(counts)
     if context is not None:
         from torch.distributed.nn.functional import all_reduce
@@ -109,7 +111,8 @@ class PreferenceObjective:
             for batch in batches:
                 x, y, docs, positions = step.shard(*step.on_device(batch)[:3])
                 with loss_context(step.dims.tp > 1), step.precision.autocast():
-                    out.append(logps_of(model(x, docs, positions), y, self.context))
+                    out.append(logps_of(model(x, docs, positions, **step.loss_inputs(y)),
+                                        y, self.context))
             return out
         from tessel.train.step import concat, model_kwargs
 
@@ -122,7 +125,7 @@ class PreferenceObjective:
             with loss_context(step.dims.tp > 1), step.precision.autocast():
                 step.schedule.eval(*((x,) if step.model.has_first else ()),
                                    target=y if step.model.has_last else None, losses=[],
-                                   **model_kwargs(docs, positions))
+                                   **model_kwargs(docs, positions), **step.loss_inputs(y))
             found += self.collect or [None] * step.accum
         self.collect = None
         return found
@@ -266,9 +269,7 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
     """The DPO loss hook of a run, its pairs given their reference log-probabilities;
     `reference_step()`: a TrainStep of dpo.reference_model's weights for the reference pass
     (None: the policy's own)."""
-    # the loss reads whole logits: parallel.loss_chunks = 0 (auto) takes 1 (check_dpo
-    # refused an explicit > 1)
-    step.loss_chunks = step.model.inner[-1].loss_chunks = 1
+    use_loss_pieces(cfg, step)
     objective = PreferenceObjective(cfg.dpo, proc.distributed, step.device, step.context)
     step.objective = objective  # before the reference pass: a pipeline's loss asks for it
     made = None
@@ -276,10 +277,22 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
         def made() -> Any:  # the reference model's step, sharing the loss hook
             other = reference_step()
             other.objective = objective
-            other.loss_chunks = other.model.inner[-1].loss_chunks = 1
+            use_loss_pieces(cfg, other)
             return other
     attach_reference(step, data, run_path, resumed, proc.is_main, say, made)
     return objective
+
+
+def use_loss_pieces(cfg: Any, step: Any) -> None:
+    """Make `step`'s last stage compute each row's summed loss itself over pieces of the
+    logits where parallel.loss_chunks asks for pieces (`logps_of` then takes the rows' sums),
+    else return whole logits. A micro-batch holds 2 rows a pair: parallel.loss_chunks = 0
+    (automatic) counts them (tessel.models.loss.loss_pieces)."""
+    p, last = cfg.parallel, step.model.inner[-1]
+    chunks = loss_pieces(p.loss_chunks, 2 * cfg.train.micro_batch_size * cfg.train.seq_len
+                         / step.dims.cp, cfg.model.padded_vocab_size / step.dims.tp)
+    step.loss_chunks = last.loss_chunks = chunks
+    last.row_losses = chunks > 1
 
 
 def reference_model_step(cfg: Any, step: Any, mesh: Any, say: Any) -> Any:

@@ -3,10 +3,10 @@ ZeRO-3 over dp 2 (gradient accumulation 2 -> 1), tp 2 (the vocabulary-parallel l
 cp 2 (each rank's part of a reply's log-probability summed over the cp group), pp 2 (the
 schedule's loss per micro-batch, the reference pass and evaluation through the schedule),
 LoRA over dp 2 (plain DDP), another model as the reference (dpo.reference_model) under
-pp 2, and a resume of the ZeRO-3 run's checkpoint under DDP. Every
-step's loss and the rewards/* metrics, the held-out loss and eval_rewards/*, and the final
-weights equal the reference's; what DPO does not run yet (parallel.loss_chunks > 1 here) is
-one line with exit code 2."""
+pp 2, the loss over pieces of the logits (parallel.loss_chunks: each row's sum from
+vocabulary-parallel pieces under tp 2, through the schedule under pp 2), and a resume of the
+ZeRO-3 run's checkpoint under DDP. Every step's loss and the rewards/* metrics, the held-out
+loss and eval_rewards/*, and the final weights equal the reference's."""
 
 from __future__ import annotations
 
@@ -99,9 +99,12 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
             # an evaluation mid-run too: the schedule switches to eval and back to training
             {"overrides": dpo_base(tmp_path / "pp2", pairs, **{"parallel.pp": 2,
                                                                "train.eval_interval": 2})},
-            {"overrides": dpo_base(tmp_path / "chunked", pairs, **{"parallel.loss_chunks": 2})},
-            {"overrides": dpo_base(tmp_path / "other_pp2", pairs, **other, **{"parallel.pp": 2})}]
-    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 7)]}, tmp_path)
+            {"overrides": dpo_base(tmp_path / "other_pp2", pairs, **other, **{"parallel.pp": 2})},
+            {"overrides": dpo_base(tmp_path / "tp2_chunked", pairs, **{
+                "parallel.tp": 2, "parallel.loss_chunks": 3})},
+            {"overrides": dpo_base(tmp_path / "pp2_chunked", pairs, **{
+                "parallel.pp": 2, "parallel.loss_chunks": 2})}]
+    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 6, 7, 8)]}, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     # the ZeRO-3 run as it was after step 2, with the reference log-probabilities it keeps
     (resumed / "checkpoints").mkdir(parents=True)
@@ -110,10 +113,8 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
         shutil.copy(tmp_path / "zero3" / name, resumed / name)
     shutil.copytree(tmp_path / "zero3" / "checkpoints" / "step_00000002",
                     resumed / "checkpoints" / "step_00000002")
-    proc = torchrun(2, {"runs": [runs[2], runs[6]]}, tmp_path)
-    assert proc.returncode != 0, job_output(proc)  # the last run is refused (exit 2)
-    assert "train.objective = \"dpo\" does not run with parallel.loss_chunks > 1" in proc.stderr
-    assert not (tmp_path / "chunked").exists()
+    proc = torchrun(2, {"runs": [runs[2]]}, tmp_path)
+    assert proc.returncode == 0, job_output(proc)
     assert_same_dpo_run(tmp_path / "zero3", ref)
     assert_same_dpo_run(tmp_path / "lora_ddp", lora_ref)
     assert_same_dpo_run(resumed, ref, first_step=3)
@@ -121,4 +122,6 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
     assert_same_dpo_run(tmp_path / "cp2", ref)
     assert_same_dpo_run(tmp_path / "pp2", ref)
     assert_same_dpo_run(tmp_path / "other_pp2", other_ref)
+    assert_same_dpo_run(tmp_path / "tp2_chunked", ref)
+    assert_same_dpo_run(tmp_path / "pp2_chunked", ref)
     assert train_metrics(other_ref)[0][1]["loss"] != train_metrics(ref)[0][1]["loss"]

@@ -58,7 +58,8 @@ def test_dpo_tiny_raises_held_out_accuracy_and_margin(tmp_path: Path, capsys):
 
 
 def test_what_dpo_cannot_do_yet_is_one_line(tmp_path: Path, capsys):
-    assert _train(tmp_path, "--parallel.loss_chunks=2") == 2
+    assert _train(tmp_path, "--fault_tolerance.enable=true", "--fault_tolerance.group_size=2",
+                  "--fault_tolerance.lighthouse=http://127.0.0.1:9") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.objective = \"dpo\" does not run with" in err[0], err
     assert not (tmp_path / "run").exists()

@@ -61,6 +61,28 @@ def test_the_chunked_loss_equals_the_whole_loss_and_its_gradients(case, chunks):
     _same_gradients(got_grads, grads)
 
 
+@pytest.mark.parametrize("chunks", [2, 5, 200])
+def test_each_rows_loss_over_pieces_equals_the_whole_logits_rows(case, chunks):
+    """`row_losses` (preference tuning: each row's summed loss): the rows' sums of the whole
+    logits' token losses, in value and in the gradients of a weighted sum of them (the
+    DPO loss weighs each row differently)."""
+    from tessel.train.dpo import row_logps
+
+    model, x, y, _ = case
+    weights = torch.tensor([0.5, -2.0, 1.5])  # each row's own share of the loss
+    whole = copy.deepcopy(model)
+    want = -row_logps(whole(x), y)[0]
+    (want * weights).sum().backward()
+    pieces = copy.deepcopy(model)
+    pieces.loss_chunks, pieces.row_losses = chunks, True
+    got = pieces(x, targets=y)
+    assert got.shape == (3,)
+    (got * weights).sum().backward()
+    assert torch.allclose(got, want, rtol=1e-6)
+    _same_gradients({n: p.grad for n, p in pieces.named_parameters()},
+                    {n: p.grad for n, p in whole.named_parameters()})
+
+
 @pytest.mark.parametrize("ac, every, chunks", [("selective", 1, 1), ("matmuls", 1, 1),
                                                ("full", 1, 1), ("selective", 2, 3),
                                                ("full", 3, 1), ("matmuls", 2, 4)])
