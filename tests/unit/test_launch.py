@@ -288,6 +288,11 @@ def test_the_node_launcher_gives_each_worker_its_place_and_passes_their_exit_cod
     out = subprocess.run([sys.executable, "-m", "tessel.launch.node", "--nproc-per-node", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "must follow '--'" in out.stderr
+    # SLURM scripts written before the launcher moved call its former path: the same launcher
+    out = subprocess.run([sys.executable, "-m", "tessel.parallel.node", "--nproc-per-node", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "must follow '--'" in out.stderr
+    assert out.stderr.startswith("usage: python -m tessel.launch.node"), out.stderr
 
 
 @pytest.mark.parametrize("worker_ends", ["stopped", "finished"])
