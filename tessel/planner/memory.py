@@ -105,6 +105,8 @@ class Memory:
     """Of `activations`, the tensors saved for backward (the rest is transient)."""
     host: float = 0.0
     """Bytes this rank keeps in host memory (offload)."""
+    weights: float = 0.0
+    """Of `parameters`, the weights as stored, without the copies compute makes of them."""
 
     @property
     def allocated(self) -> float:
@@ -320,17 +322,16 @@ def rank_memory(
     them: `activation_profile(..., lora)`, the first block's as `acts.first`)."""
     n_stages = layout.pp * layout.pp_virtual_stages
     compute = 2 if precision in ("bf16", "fp16") else 4
-    parameters, gradients, optimizer, host, trains = _state(
+    parameters, weights, gradients, optimizer, host, trains = _state(
         m, layout, seq_len, compute, p, acts, micro_batches, lora, optimizer_spec)
     saved_bytes, activations = _activations(
         m, layout, seq_len, compute, trains, stages, rank, acts, micro_batches, document_mask,
         dense_mask, n_stages - 1 in stages)
     communication = _communication(m, layout, seq_len, compute, trains, optimizer_spec)
     allocated = parameters + gradients + optimizer + activations + communication
-    margin = CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world > 1 else 0.0)
-    margin += FRAGMENTATION * allocated
+    margin = CUDA_CONTEXT_BYTES + (NCCL_BYTES if layout.world > 1 else 0.0) + FRAGMENTATION * allocated
     return Memory(parameters, gradients, optimizer, activations, communication, margin,
-                  saved=saved_bytes, host=host)
+                  saved=saved_bytes, host=host, weights=weights)
 
 
 def _fsdp(layout: Layout) -> tuple[bool, bool]:
@@ -342,9 +343,9 @@ def _fsdp(layout: Layout) -> tuple[bool, bool]:
 
 def _state(m: ModelConfig, layout: Layout, seq_len: int, compute: int, p: StageParams,
            acts: ActivationProfile, micro_batches: int, lora: LoraConfig | None,
-           optimizer_spec: OptimizerSpec) -> tuple[float, float, float, float, StageParams]:
-    """(parameters with their compute copies, gradients, optimizer state, host bytes, the
-    parameters that train): exact counts as tessel shards them."""
+           optimizer_spec: OptimizerSpec) -> tuple[float, float, float, float, float, StageParams]:
+    """(parameters with their compute copies, the stored weights alone, gradients, optimizer
+    state, host bytes, the parameters that train): exact counts as tessel shards them."""
     fsdp, replicate = _fsdp(layout)
     shard = layout.dp_shard * layout.cp if fsdp_active(layout) else 1
     offload_params = layout.offload == "params" and fsdp
@@ -354,7 +355,6 @@ def _state(m: ModelConfig, layout: Layout, seq_len: int, compute: int, p: StageP
     expert_shard = layout.expert_dp_shard if fsdp_active(layout) else 1
     local = -(-(p.total - p.experts) // shard) + -(-p.experts // expert_shard)
     host = 0.0
-
     # Parameters: fp32 masters (sharded under FSDP) plus the copies compute uses.
     master = 0.0 if offload_params else MASTER_BYTES * local
     if fsdp and (layout.zero in (1, 2) or replicate):
@@ -406,7 +406,7 @@ def _state(m: ModelConfig, layout: Layout, seq_len: int, compute: int, p: StageP
         host = (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) * local
     elif offload_optimizer:
         host = ADAM_BYTES * local + (MASTER_BYTES + GRAD_BYTES) * local  # + pinned staging
-    return parameters, gradients, optimizer, host, p
+    return parameters, master, gradients, optimizer, host, p
 
 
 def _activations(m: ModelConfig, layout: Layout, seq_len: int, compute: int, p: StageParams,

@@ -88,8 +88,11 @@ def check_memory(cfg: Config, world: int, hw: GpuProfile) -> tuple[Plan, str | N
         + f" ({p.memory.total / GIB:.1f} GiB)"
         for p in nearest
     ) or "none on this many devices"
+    # DPO with dpo.reference_model: the peak may be the reference pass's (planner/dpo.py)
+    during = (" in the DPO reference pass (dpo.reference_model beside the policy)"
+              if plan.reference is not None and plan.reference.is_peak else "")
     return plan, (
-        f"layout {plan.layout.short()} is predicted to need {g['total']:.1f} GiB per device, "
+        f"layout {plan.layout.short()} is predicted to need {g['total']:.1f} GiB per device{during}, "
         f"{plan.shortfall_gib:.1f} GiB more than the {hw.memory_gib:.1f} GiB available (largest "
         f"part: {biggest} {g[biggest]:.1f} GiB); layouts predicted to fit: {alternatives}; or "
         "pass --force to try anyway"

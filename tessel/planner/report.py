@@ -7,6 +7,8 @@ from typing import Any
 from tessel.config import Config
 from tessel.planner.async_tp import FUSED_SHARE
 from tessel.planner.cpu import ASSUMPTIONS as CPU_ASSUMPTIONS
+from tessel.planner.dpo import ASSUMPTIONS as DPO_ASSUMPTIONS
+from tessel.planner.dpo import ROWS_PER_PAIR, is_dpo
 from tessel.planner.fp8 import described as fp8_described
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.memory import ASSUMPTIONS as MEMORY_ASSUMPTIONS
@@ -16,7 +18,8 @@ from tessel.planner.search import Plan, SearchResult, precision_for
 from tessel.planner.speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 from tessel.planner.stack import generation, tessel_stack
 
-ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS, *CPU_ASSUMPTIONS]
+ASSUMPTIONS = [*MEMORY_ASSUMPTIONS, *OPTIMIZER_ASSUMPTIONS, *SPEED_ASSUMPTIONS, *CPU_ASSUMPTIONS,
+               *DPO_ASSUMPTIONS]
 TOP_REJECTED = 3
 
 
@@ -51,11 +54,14 @@ def header(cfg: Config, gpus: int, hw: GpuProfile) -> str:
 
     m = cfg.model
     active = f", {active_param_count(m) / 1e9:.2f}B active" if m.moe_experts else ""
+    batch = f"{t.global_batch_size} ({t.global_batch_size * t.seq_len:,} tokens/step)"
+    if is_dpo(cfg):  # pairs, each two rows through the model
+        rows = ROWS_PER_PAIR * t.global_batch_size
+        batch = f"{t.global_batch_size} DPO pairs ({rows} rows, {rows * t.seq_len:,} tokens/step)"
     return (
         f"tessel plan: {m.preset or 'custom'} model ({param_count(m) / 1e9:.2f}B "
         f"parameters{active}), {gpus} x {hw.name} ({profile_text(hw, hw.device_type)}), "
-        f"seq {t.seq_len}, global batch "
-        f"{t.global_batch_size} ({t.global_batch_size * t.seq_len:,} tokens/step), "
+        f"seq {t.seq_len}, global batch {batch}, "
         f"{precision_for(cfg, hw.device_type)}, {t.steps:,} steps"
     )
 
@@ -99,9 +105,27 @@ def breakdown(p: Plan, hw: GpuProfile) -> str:
              ("bubble", s.bubble_s),
              ("optimizer", s.optimizer_s), ("offload", s.offload_s)]
     host = f"; host {g['host']:.2f} GiB" if "host" in g else ""
-    return (f"      memory {columns(hw.device_type)[0]} (pipeline rank {p.memory.stage}): {parts}; total "
-            f"{g['total']:.2f} of {hw.memory_gib:.1f} ({verdict}){host}\n"
-            "      step s: " + ", ".join(f"{k} {v:.3f}" for k, v in times if v or k == "compute"))
+    during = " during the DPO reference pass" if p.reference and p.reference.is_peak else ""
+    return (f"      memory {columns(hw.device_type)[0]}{during} (pipeline rank {p.memory.stage}): "
+            f"{parts}; total {g['total']:.2f} of {hw.memory_gib:.1f} ({verdict}){host}\n"
+            "      step s: " + ", ".join(f"{k} {v:.3f}" for k, v in times if v or k == "compute")
+            + reference_line(p))
+
+
+def reference_line(p: Plan) -> str:
+    """DPO: the reference pass's time and memory (planner/dpo.py), as a line of its own."""
+    ref = p.reference
+    if ref is None:
+        return ""
+    line = (f"\n      DPO reference pass before step 1: {ref.pairs:,} pairs (train.steps x global "
+            f"batch + the validation share), forward only, every pair on every rank, "
+            f"{duration(ref.seconds)} (in the time to budget); ")
+    if ref.memory is None:
+        return line + ("memory: the policy's own pass, below a training step's (no gradients "
+                       "or optimizer state yet, nothing saved for backward)")
+    which = "the peak" if ref.is_peak else "below"
+    return line + (f"memory with dpo.reference_model: {ref.memory.total / GIB:.2f} GiB "
+                   f"({which}; a training step: {ref.training.total / GIB:.2f} GiB)")
 
 
 def launch_line(cfg_path: str | None, p: Plan) -> str:

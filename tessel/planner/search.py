@@ -16,6 +16,7 @@ from tessel.config import Config, ModelConfig
 from tessel.errors import TesselError
 from tessel.models.transformer import flops_per_token
 from tessel.parallel.dims import ParallelDims
+from tessel.planner.dpo import ReferencePass, as_run, is_dpo, reference_pass
 from tessel.planner.fp8 import Fp8Terms, fp8_memory
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
@@ -42,6 +43,9 @@ class Plan:
     time_to_budget_s: float
     shortfall_gib: float = 0.0
     """How much more memory than the device has (0 when it fits)."""
+    reference: ReferencePass | None = None
+    """DPO: the reference log-probabilities' pass before the first step (planner/dpo.py),
+    whose time `time_to_budget_s` includes; `memory` is its memory where that is the peak."""
 
     def as_dict(self) -> dict[str, Any]:
         lay = self.layout
@@ -59,7 +63,14 @@ class Plan:
             "shortfall_gib": round(self.shortfall_gib, 3),
             "time_to_budget_s": self.time_to_budget_s,
             "overrides": lay.overrides(),
-        }
+        } | ({} if self.reference is None else {"reference_pass": self._reference()})
+
+    def _reference(self) -> dict[str, Any]:
+        ref = self.reference
+        assert ref is not None
+        return {"pairs": ref.pairs, "seconds": ref.seconds, "is_peak": ref.is_peak,
+                "memory_gib": ref.memory.gib() if ref.memory is not None else None,
+                "training_memory_gib": ref.training.gib()}
 
 
 @dataclass
@@ -89,27 +100,38 @@ def evaluate(cfg: Config, layout: Layout, hw: GpuProfile, device_type: str | Non
     t, m = cfg.train, cfg.model
     precision = precision_for(cfg, device_type)
     opt = OptimizerSpec.from_config(cfg.optim)
-    mem = estimate_memory(m, layout, t.seq_len, t.global_batch_size, precision,
-                          cfg.data.document_mask, cfg.lora if cfg.lora.enabled else None,
-                          flex_attention=device_type == "cuda", optimizer=opt)
+    # DPO: twice the rows of the configured pairs through the model (planner/dpo.py)
+    rows, batch, document_mask = as_run(cfg, layout)
+    flex = device_type == "cuda"
+    mem = estimate_memory(m, rows, t.seq_len, batch, precision, document_mask,
+                          cfg.lora if cfg.lora.enabled else None, flex_attention=flex,
+                          optimizer=opt)
     # train.fp8 (planner/fp8.py): its casts on the FSDP shard of a weight, where it is one
     fp8 = Fp8Terms.of(cfg, hw, layout.dp_shard * layout.cp if fsdp_active(layout) else 1)
-    mem = fp8_memory(mem, m, layout, t.seq_len, fp8)
+    mem = fp8_memory(mem, m, rows, t.seq_len, fp8)
     run_hw = on_stack(hw, stack or tessel_stack(t.compile))
-    step = estimate_step(m, layout, run_hw, t.seq_len, t.global_batch_size, precision,
+    step = estimate_step(m, rows, run_hw, t.seq_len, batch, precision,
                          dp_overlap, opt, fp8=fp8, async_tp=cfg.parallel.async_tp)
-    tokens = t.global_batch_size * t.seq_len
+    tokens = batch * t.seq_len
     tps = tokens / step.total
     # MoE: FLOPs of the active parameters (the top_k experts a token is sent to).
     mfu = _flops_per_token(m, t.seq_len) * tps / (layout.world * hw.bf16_flops)
+    ref = (reference_pass(cfg, rows, run_hw, precision, opt, fp8, flex, mem)
+           if is_dpo(cfg) else None)
+    host = mem.host  # the training step's: more than the reference pass puts there
+    if ref is not None and ref.is_peak and ref.memory is not None:
+        mem = ref.memory  # the peak is the reference pass's
     shortfall = mem.total / GIB - hw.memory_gib
     # Offloaded state shares the node's host memory (80% of it usable, the rest for the OS,
     # the data loader and pinned staging).
     per_node = min(hw.gpus_per_node, layout.world)
-    host_short = mem.host * per_node / GIB - HOST_USABLE * hw.host_memory_gib
+    host_short = host * per_node / GIB - HOST_USABLE * hw.host_memory_gib
     fits = shortfall <= 0 and host_short <= 0
-    return Plan(layout, mem, step, tps, mfu, fits, t.steps * tokens / tps,
-                max(shortfall, host_short / per_node, 0.0))
+    budget = t.steps * tokens / tps
+    if ref is not None:
+        budget += ref.seconds
+    return Plan(layout, mem, step, tps, mfu, fits, budget,
+                max(shortfall, host_short / per_node, 0.0), ref)
 
 
 _FLOPS: dict[int, tuple[ModelConfig, int, int]] = {}
