@@ -42,6 +42,7 @@ from tessel.parallel.fp8 import (
     fp8_all_gather,
     fp8_emulated,
     fp8_recipe,
+    scales_over_context,
     tp_styles,
 )
 from tessel.parallel.fsdp import (
@@ -126,6 +127,7 @@ def build_parallel_model(
             assert mesh is not None
             context = apply_context_parallel(stage, mesh["cp"], p.cp_mode, p.cp_load_balance)
             _split_moe_tokens(stage, mesh, dims)
+            scales_over_context(stage, mesh["cp"], recipe, dims.tp)  # train.fp8's
         if cfg.lora.enabled:
             apply_lora(cfg, stage, mesh["tp"] if dims.tp > 1 and mesh is not None else None,
                        p.sequence_parallel)

@@ -155,8 +155,10 @@ def fp8_summary(cfg: Config, recipe: str, device: torch.device, tp: int) -> str:
                      else "FSDP all-gathers the weights in high precision (float8 all-gather "
                      "needs tensorwise scaling and no tensor parallelism)")
     if cfg.parallel.cp > 1 and recipe == "tensorwise":
-        extra.append("under context parallelism each rank scales its own tokens' activations "
-                     "(close to one process's run, not equal; rowwise scales are the same)")
+        extra.append("under context parallelism the activations' and output gradients' scales "
+                     "come from the whole sequence (amax all-reduced over the cp ranks)"
+                     if tp == 1 else "under context parallelism with tensor parallelism each "
+                     "cp rank scales its own tokens (close to one process's run, not equal)")
     if cfg.train.fp8_recompute_weight:
         extra.append("the float8 weight is recomputed in backward (torchao 0.18 always does)")
     return (f"train.fp8: {recipe} scaling on {converted} block linears ({mode}); kept in "
@@ -205,6 +207,81 @@ def apply_fp8(stage: nn.Module, cfg: Config, emulate: bool, all_gather: bool, tp
     config = float8_config(cfg, emulate, all_gather)
     for block in stage.layers.values():  # type: ignore[union-attr]
         convert_to_float8_training(block, module_filter_fn=eligible, config=config)
+
+
+def scales_over_context(stage: nn.Module, cp_mesh: Any, recipe: str | None, tp: int) -> None:
+    """Tensorwise scaling (`recipe`) under context parallelism without tensor parallelism
+    (`tp` 1; nothing otherwise): each block's float8 linear scales its input and its output
+    gradient by the amax of the whole sequence, reduced over the cp ranks (one all-reduce of
+    a scalar per cast), so each cast is the one a single process makes of the whole
+    micro-batch. Each rank scaling its own
+    part (torchtitan's way) kept such a run only close to one process's (losses 4e-4 apart
+    after 4 steps). Rowwise scales are per token row already: the same on any split."""
+    if recipe != "tensorwise" or tp > 1:
+        return
+    from torchao.float8.float8_linear import Float8Linear
+
+    scaled = _context_scaled_class()
+    for block in stage.layers.values():  # type: ignore[union-attr]
+        for mod in block.modules():
+            if type(mod) is Float8Linear:
+                mod.__class__ = scaled
+                mod.scale_mesh = cp_mesh
+
+
+def _context_scaled_class() -> type:
+    """Float8Linear whose input and output-gradient casts take their amax over
+    `scale_mesh`'s group (scales_over_context); built on first use (torchao is optional)."""
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    global _CONTEXT_SCALED
+    if _CONTEXT_SCALED is not None:
+        return _CONTEXT_SCALED
+
+    class GradScaledOver(torch.autograd.Function):
+        """Forward: unchanged. Backward: the gradient cast to float8 with the group's amax
+        (torchao's NoopFwToFloat8BwDynamic, the amax reduced), which the matmul's backward
+        then takes as it is for both of its products."""
+
+        @staticmethod
+        def forward(ctx: Any, y: torch.Tensor, linear: Any) -> torch.Tensor:  # noqa: ANN401
+            ctx.linear = linear
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:  # noqa: ANN401
+            m = ctx.linear
+            c = m.config
+            return hp_tensor_to_float8_dynamic(
+                grad, c.cast_config_grad_output.target_dtype, m.linear_mm_config,
+                reduce_amax=True, gemm_input_role=GemmInputRole.GRAD_OUTPUT,
+                device_mesh=m.scale_mesh,
+                round_scales_to_power_of_2=c.round_scales_to_power_of_2), None
+
+    class ContextScaledFloat8Linear(Float8Linear):
+        scale_mesh: Any = None
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if torch.is_autocast_enabled():  # as Float8Linear.forward
+                input = input.to(torch.get_autocast_gpu_dtype())
+            c = self.config
+            x = hp_tensor_to_float8_dynamic(
+                input, c.cast_config_input.target_dtype, self.linear_mm_config,
+                reduce_amax=True, gemm_input_role=GemmInputRole.INPUT,
+                device_mesh=self.scale_mesh, round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+            out = matmul_with_hp_or_float8_args.apply(x, self.weight.t(), self.linear_mm_config, c)
+            out = GradScaledOver.apply(out, self)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out
+
+    _CONTEXT_SCALED = ContextScaledFloat8Linear
+    return _CONTEXT_SCALED
+
+
+_CONTEXT_SCALED: type | None = None
 
 
 class TPStyles:
