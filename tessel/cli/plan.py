@@ -131,7 +131,6 @@ def cmd_plan(argv: list[str]) -> int:
 def calibrated(hw: GpuProfile, path: Path) -> GpuProfile:
     """The profile with its matmul efficiency fitted to the measured run at `path`."""
     from tessel.planner import hardware, search, sweep_fit
-    from tessel.planner.dpo import logged_tokens_per_s
     from tessel.planner.layout import Layout
     from tessel.planner.measured import read_json_object, read_measured
 
@@ -151,9 +150,8 @@ def calibrated(hw: GpuProfile, path: Path) -> GpuProfile:
     except TesselError as exc:
         raise TesselError(f"--calibrate {run.source!r}: the run's config on its world_size "
                           f"{run.world_size}: {exc}") from None
-    # against tokens/s as the run logged it (a DPO run's counts one row of each pair)
-    predict = lambda profile: logged_tokens_per_s(  # noqa: E731
-        run.config, search.evaluate(run.config, layout, profile).step.total)
+    # against tokens/s as the run logged it (train.tokens_per_step: a DPO pair's two rows)
+    predict = lambda profile: search.evaluate(run.config, layout, profile).tokens_per_s  # noqa: E731
     predicted = predict(hw)
     floor, ceiling = hardware.CALIBRATION_LIMITS[hw.device_type]
     tuned = hardware.calibrate(hw, predict, run.tokens_per_s, floor, ceiling)

@@ -191,6 +191,12 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; `auto` picks CUDA when present."""
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens through the model a step: global_batch_size x seq_len, twice that under
+        objective = "dpo" (a pair is two rows, chosen and rejected)."""
+        return self.global_batch_size * self.seq_len * (2 if self.objective == "dpo" else 1)
+
 
 class ParallelConfig(Section):
     """Degrees multiply to the world size: dp_replicate * dp_shard * cp * tp * pp. Applied in a

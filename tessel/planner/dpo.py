@@ -4,12 +4,12 @@ the same config does not (tessel.train.dpo_run, tessel.data.preference_data).
 - train.micro_batch_size and train.global_batch_size count preference pairs, and a
   micro-batch of b pairs is 2b rows through the model at once (every chosen row, then every
   rejected one): activations, compute and tokens per step are those of twice the rows
-  (`as_run`). The loss reads whole logits (parallel.loss_chunks = 0 takes 1) and the rows
-  carry no document mask.
+  (`as_run`): parallel.loss_chunks = 0 (automatic) counts both rows, as the run does
+  (tessel.train.dpo_run.use_loss_pieces). The rows carry no document mask.
 - Before the first step one forward-only pass computes the reference log-probabilities of
-  every train and validation pair (`reference_logps`): every rank runs every pair, the
-  data-parallel ranks alike (the pairs are not dealt out), in micro-batches of
-  train.micro_batch_size pairs. Its time is added to the run's (`reference_seconds`).
+  every train and validation pair (`reference_logps`), in micro-batches of
+  train.micro_batch_size pairs dealt out over the data-parallel replicas. Its time is added
+  to the run's (`reference_seconds`).
 - With dpo.reference_model a second model of the policy's shape, without LoRA, is built in
   the run's layout for that pass, then freed: its weights sit beside the policy's stored
   weights, whose gradients and optimizer state (created at the first step) do not exist yet
@@ -42,12 +42,12 @@ ROWS_PER_PAIR = 2
 ASSUMPTIONS = (
     "DPO (train.objective = \"dpo\"): train.micro_batch_size and global_batch_size count pairs, "
     "each pair 2 rows (chosen, rejected) in one micro-batch, so memory, step time, tokens/s "
-    "and MFU are those of twice the rows (mbs in a layout still counts pairs), the loss over "
-    "whole logits (parallel.loss_chunks 1), no document mask; before the first step the "
+    "and MFU are those of twice the rows (mbs in a layout still counts pairs; the automatic "
+    "parallel.loss_chunks counts them too), no document mask; before the first step the "
     "reference pass, forward only (1/3 of a micro-batch's compute, half its tensor-, "
     "context- and expert-parallel traffic, no recomputation, no optimizer; FSDP's gathers "
-    "taken as hidden), over every train and validation pair on every data-parallel rank "
-    "alike (not split over dp); the planner does not read dpo.paths and takes one epoch's "
+    "taken as hidden), over every train and validation pair, the micro-batches dealt out "
+    "over the data-parallel replicas; the planner does not read dpo.paths and takes one epoch's "
     "worth: train.steps x global batch pairs plus data.split's validation share; its time "
     "is in the time to budget. With dpo.reference_model a second copy of the weights (fp32 "
     "masters sharded as the policy's, no LoRA, the copies its forward makes: FSDP's gathers, "
@@ -66,11 +66,11 @@ def is_dpo(cfg: Config) -> bool:
 def as_run(cfg: Config, layout: Layout) -> tuple[Layout, int, bool]:
     """(the layout as the model runs it, the global batch in rows, whether rows carry
     document masks): `layout` and the config's own for a language-model run; for DPO twice
-    the rows of the micro-batch and the global batch, the loss in one piece, no mask."""
+    the rows of the micro-batch and the global batch (the loss's pieces follow), no mask."""
     t = cfg.train
     if not is_dpo(cfg):
         return layout, t.global_batch_size, cfg.data.document_mask
-    rows = replace(layout, micro_batch=ROWS_PER_PAIR * layout.micro_batch, loss_chunks=1)
+    rows = replace(layout, micro_batch=ROWS_PER_PAIR * layout.micro_batch)
     return rows, ROWS_PER_PAIR * t.global_batch_size, False
 
 
@@ -90,7 +90,7 @@ class ReferencePass:
     pairs: int
     """Pairs it covers (`reference_pairs`)."""
     seconds: float
-    """Its time: every rank runs every pair."""
+    """Its time: each data-parallel replica runs 1/dp of the pairs' micro-batches."""
     memory: Memory | None
     """With dpo.reference_model: the busiest rank's memory during it; None: the policy's
     own pass, which holds less than a training step."""
@@ -116,11 +116,11 @@ def reference_pass(cfg: Config, rows: Layout, hw: GpuProfile, precision: str,
 
 def reference_seconds(cfg: Config, rows: Layout, hw: GpuProfile, precision: str,
                       optimizer: OptimizerSpec, fp8: Fp8Terms | None, pairs: int) -> float:
-    """Seconds of the forward-only pass over `pairs` pairs on every rank: micro-batches of
-    train.micro_batch_size pairs, each a third of a training micro-batch's compute without
-    recomputation and half its model-parallel traffic; through a pipeline, a step's
-    micro-batches at a time (the last group filled up with copies), each group paying the
-    schedule's fill and its forward sends."""
+    """Seconds of the forward-only pass over `pairs` pairs: micro-batches of
+    train.micro_batch_size pairs dealt out over the data-parallel replicas, each a third of a
+    training micro-batch's compute without recomputation and half its model-parallel
+    traffic; through a pipeline, a step's micro-batches at a time (the last group filled up
+    with copies), each group paying the schedule's fill and its forward sends."""
     t = cfg.train
     batch = ROWS_PER_PAIR * t.global_batch_size
     step = estimate_step(cfg.model, replace(rows, activation_checkpointing="none"), hw,
@@ -129,7 +129,8 @@ def reference_seconds(cfg: Config, rows: Layout, hw: GpuProfile, precision: str,
     accum = batch // (rows.micro_batch * rows.dp)
     per_micro_batch = (step.compute_s / 3
                        + (step.tp_comm_s + step.cp_comm_s + step.ep_comm_s) / 2) / accum
-    micro_batches = math.ceil(pairs / (rows.micro_batch // ROWS_PER_PAIR))
+    # dealt out over the data-parallel replicas, as many on each (reference_logps)
+    micro_batches = math.ceil(math.ceil(pairs / (rows.micro_batch // ROWS_PER_PAIR)) / rows.dp)
     if rows.pp == 1:
         return micro_batches * per_micro_batch
     groups = math.ceil(micro_batches / accum)
@@ -165,8 +166,3 @@ def reference_memory(cfg: Config, rows: Layout, precision: str, flex_attention: 
                              stage=mine.stage, weights=mine.weights + ref.weights))
     return max(during, key=lambda mem: mem.total)
 
-
-def logged_tokens_per_s(cfg: Config, step_seconds: float) -> float:
-    """Tokens/s as `tessel train` logs it for a step of `step_seconds`: train.global_batch_size
-    x train.seq_len over the step's time, which for DPO counts one row of each pair."""
-    return cfg.train.global_batch_size * cfg.train.seq_len / step_seconds

@@ -118,8 +118,8 @@ def reference_line(p: Plan) -> str:
     if ref is None:
         return ""
     line = (f"\n      DPO reference pass before step 1: {ref.pairs:,} pairs (train.steps x global "
-            f"batch + the validation share), forward only, every pair on every rank, "
-            f"{duration(ref.seconds)} (in the time to budget); ")
+            f"batch + the validation share), forward only, dealt out over the data-parallel "
+            f"replicas, {duration(ref.seconds)} (in the time to budget); ")
     if ref.memory is None:
         return line + ("memory: the policy's own pass, below a training step's (no gradients "
                        "or optimizer state yet, nothing saved for backward)")

@@ -9,6 +9,7 @@ counted targets), so N processes compute what one does with the same pairs.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -190,33 +191,42 @@ class PreferenceObjective:
 
 
 @torch.no_grad()
-def reference_logps(step: Any, datasets: list[Any], mbs: int) -> np.ndarray:
-    """The model's log-probabilities (N, 2) of every pair of `datasets`, in order. Every rank
-    runs every pair (the same forward passes on all ranks, as sharded layouts need)."""
+def reference_logps(step: Any, datasets: list[Any], mbs: int, dp_rank: int = 0,
+                    dp_size: int = 1) -> np.ndarray:
+    """(pairs, 2) log-probabilities of (chosen, rejected) of every pair of `datasets`, in
+    order, by one forward of `step`'s model without gradients, on every rank. The
+    micro-batches of `mbs` pairs are dealt out over the `dp_size` data-parallel replicas
+    (this one is `dp_rank`), each replica's ranks running the same ones, as many on each (the
+    last filled up with copies of the first), then summed everywhere: the pass costs 1/dp of
+    what every replica running every pair would."""
     from tessel.data.preference_data import pair_batch
 
-    # micro-batches of `mbs` pairs (the last one filled up with pair 0, then cut), as many as
-    # a pipeline step takes (filled up with copies of the first)
+    # micro-batches of `mbs` pairs (the last one filled up with pair 0, then cut)
     picks = [[i if i < ds.n_samples else 0 for i in range(lo, lo + mbs)]
              for ds in datasets for lo in range(0, ds.n_samples, mbs)]
     owners = [ds for ds in datasets for _ in range(0, ds.n_samples, mbs)]
     batches = [pair_batch(ds, p) for ds, p in zip(owners, picks)]
-    group = step.accum if step.schedule is not None else 1
-    batches += [batches[0]] * (-len(batches) % group)
+    mine = list(range(dp_rank, len(batches), dp_size))
+    # as many on every replica (FSDP's gathers run in step), whole pipeline steps of them
+    rounds = -(-len(batches) // dp_size)
+    rounds += -rounds % (step.accum if step.schedule is not None else 1)
     step.model.train(False)
-    found = step.objective.forward_logps(step, batches)
+    found = step.objective.forward_logps(
+        step, [batches[k] for k in mine] + [batches[0]] * (rounds - len(mine)))
     step.model.train(True)
+    ours = dict(zip(mine, found))  # the fillers' dropped
     out = np.zeros((sum(ds.n_samples for ds in datasets), 2))
     lo, row = 0, 0
     for ds in datasets:
         for start in range(0, ds.n_samples, mbs):
             n = min(mbs, ds.n_samples - start)
-            if found[row] is not None:
-                out[lo + start:lo + start + n] = split_pairs(found[row][0]).double().cpu().numpy()[:n]
+            if ours.get(row) is not None:  # None: not the last pipeline stage
+                out[lo + start:lo + start + n] = split_pairs(ours[row][0]).double().cpu().numpy()[:n]
             row += 1
         lo += ds.n_samples
-    if step.schedule is not None:  # only the last stage's ranks hold them: theirs, everywhere
-        holders = torch.distributed.get_world_size() / step.dims.pp
+    if dp_size > 1 or step.schedule is not None:
+        # each pair's on its replica's last-stage ranks (all of them without a pipeline)
+        holders = torch.distributed.get_world_size() / (dp_size * step.dims.pp)
         out = (all_reduce_sum(torch.from_numpy(out).to(step.device)) / holders).cpu().numpy()
     return out
 
@@ -236,8 +246,10 @@ def attach_reference(step: Any, data: Any, run_path: Path, resumed: bool, is_mai
         runner = reference_step() if reference_step else step  # (refusals first)
         say(f"tessel: reference log-probabilities of {sum(key['pairs']):,} pairs (one pass of "
             f"{which}; kept in {path})")
-        ref = reference_logps(runner, sets, data.train.mbs)
-        del runner  # another model's copy is freed now
+        ref = reference_logps(runner, sets, data.train.mbs, data.train.dp_rank,
+                              data.train.dp_size)
+        del runner  # another model's copy is freed now: FSDP's module-state cycles need
+        gc.collect()  # the collector (seen: a ZeRO-3 copy alive through training without it)
         if is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")

@@ -62,7 +62,7 @@ class Lifecycle:
         """The run's first line (`dp`: the model's data parallelism, which says which stage
         parallel.zero = auto took)."""
         cfg, t = self.cfg, self.cfg.train
-        planned = t.steps * t.global_batch_size * t.seq_len
+        planned = t.steps * t.tokens_per_step
         verb = f"resuming at step {self.step}" if self.step else "training"
         m = cfg.model
         moe = (f"; MoE: {m.moe_experts} experts, top-{m.moe_top_k}, "

@@ -55,7 +55,7 @@ class StepLogger:
         `extra`: more figures of the last step (the MoE layers'; a list is a per-expert
         vector, which the scalar sinks (TensorBoard, W&B, Prometheus) leave out)."""
         t = self.cfg.train
-        tokens_per_step = t.global_batch_size * t.seq_len
+        tokens_per_step = t.tokens_per_step
         tps = window_steps * tokens_per_step / window_s
         rec: dict[str, Any] = {
             "step": step,

@@ -175,7 +175,7 @@ class Trainer:
                 continue
             self.checkpoints.publish_finished(all_written=self.control.save_written)
             self.step += 1
-            self.tokens_seen += t.global_batch_size * t.seq_len
+            self.tokens_seen += t.tokens_per_step
             window_steps += 1
             self.display.step(self.step)
             if self.alerts is not None:

@@ -17,7 +17,7 @@ from saved_memory import SavedTensorMeter
 from tessel.config import Config
 from tessel.models import param_count
 from tessel.planner import hardware
-from tessel.planner.dpo import ASSUMPTIONS, as_run, logged_tokens_per_s, reference_pairs
+from tessel.planner.dpo import ASSUMPTIONS, as_run, reference_pairs
 from tessel.planner.layout import Layout
 from tessel.planner.memory import GIB, MASTER_BYTES, memory_by_rank, parameter_elements
 from tessel.planner.report import ASSUMPTIONS as PRINTED
@@ -65,11 +65,11 @@ def configs(extra: dict) -> tuple[Config, Config]:
 @pytest.mark.parametrize("pairs, extra", CASES)
 def test_a_dpo_step_is_the_language_model_step_of_twice_the_rows(pairs, extra):
     """Memory (activations included), step time, tokens/s and MFU equal, exactly, those of
-    the same model with twice the micro-batch and global batch and the loss in one piece
-    (the DPO loss reads whole logits); the plan still names the micro-batch in pairs; its
+    the same model with twice the micro-batch and global batch (parallel.loss_chunks as
+    set: the automatic count counts both rows); the plan still names the micro-batch in pairs; its
     time to budget is the steps' plus the reference pass's."""
     dpo_cfg, lm_cfg = configs(extra)
-    rows = replace(pairs, micro_batch=2 * pairs.micro_batch, loss_chunks=1)
+    rows = replace(pairs, micro_batch=2 * pairs.micro_batch)
     dpo, lm = evaluate(dpo_cfg, pairs, H100), evaluate(lm_cfg, rows, H100)
     assert dpo.step == lm.step and dpo.memory == lm.memory
     assert dpo.memory.saved == lm.memory.saved > 0
@@ -77,15 +77,16 @@ def test_a_dpo_step_is_the_language_model_step_of_twice_the_rows(pairs, extra):
     assert dpo.layout == pairs and dpo.layout.overrides()["train.micro_batch_size"] == pairs.micro_batch
     assert dpo.reference is not None and lm.reference is None
     assert dpo.time_to_budget_s == lm.time_to_budget_s + dpo.reference.seconds
-    # what tessel train logs as tokens/s counts one row of each pair
-    assert logged_tokens_per_s(dpo_cfg, dpo.step.total) == pytest.approx(dpo.tokens_per_s / 2)
-    assert logged_tokens_per_s(lm_cfg, lm.step.total) == lm.tokens_per_s
+    # tessel train counts the tokens of a step alike (both rows of each pair)
+    assert dpo_cfg.train.tokens_per_step == lm_cfg.train.tokens_per_step
+    assert dpo.tokens_per_s == pytest.approx(dpo_cfg.train.tokens_per_step / dpo.step.total)
 
 
-def test_the_reference_pass_is_a_third_of_the_compute_per_pair_on_every_rank():
-    """Every rank runs every pair forward only: a third of a training micro-batch's compute
-    without recomputation, whatever the data-parallel degree, over one epoch's pairs
-    (train.steps x global batch, plus data.split's validation share)."""
+def test_the_reference_pass_is_a_third_of_the_compute_per_pair_dealt_out_over_dp():
+    """The pairs' micro-batches go forward only, dealt out over the data-parallel replicas:
+    a third of a training micro-batch's compute without recomputation each, 1/dp of them on
+    each replica, over one epoch's pairs (train.steps x global batch, plus data.split's
+    validation share)."""
     cfg, _ = configs({})
     t = cfg.train
     assert reference_pairs(cfg) == 2000  # 100 x 16 training pairs, 80:20
@@ -93,7 +94,7 @@ def test_the_reference_pass_is_a_third_of_the_compute_per_pair_on_every_rank():
     one = evaluate(cfg, layout(micro_batch=2), H100)
     eight = evaluate(cfg, layout(dp_shard=8, micro_batch=2), H100)
     assert one.reference and eight.reference
-    assert one.reference.seconds == pytest.approx(eight.reference.seconds, rel=1e-12)
+    assert eight.reference.seconds == pytest.approx(one.reference.seconds / 8, rel=1e-12)
     assert eight.step.compute_s == pytest.approx(one.step.compute_s / 8, rel=1e-12)
     # one rank: the step's compute is its micro-batches'; the pass a third of it per pair
     per_pair = one.step.compute_s / t.global_batch_size
@@ -108,7 +109,7 @@ def test_the_reference_pass_is_a_third_of_the_compute_per_pair_on_every_rank():
 
     def forward(pairs: Layout) -> tuple[float, float]:
         """(one micro-batch's forward seconds, the pipeline's sends of a step)."""
-        rows = replace(pairs, micro_batch=2 * pairs.micro_batch, loss_chunks=1)
+        rows = replace(pairs, micro_batch=2 * pairs.micro_batch)
         step = estimate_step(cfg.model, rows, run_hw, t.seq_len, 2 * t.global_batch_size, "bf16")
         return (step.compute_s / 3 + step.tp_comm_s / 2) / 8, step.pp_comm_s
 
