@@ -1,7 +1,7 @@
 """Preference tuning as a user runs it: `tessel train configs/dpo-tiny.toml` (the bundled
 pairs) raises the preference accuracy and margin on the held-out pairs, a resume reuses the
-reference log-probabilities kept in the run directory, and what DPO cannot do yet, or a
-resume without its reference, is one line with exit code 2."""
+reference log-probabilities kept in the run directory, compiled blocks train as eager ones,
+and what DPO cannot do yet, or a resume without its reference, is one line with exit code 2."""
 
 from __future__ import annotations
 
@@ -69,3 +69,23 @@ def test_what_dpo_cannot_do_yet_is_one_line(tmp_path: Path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a preference record" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.budget(60)  # two 2-step runs, one compiling the blocks (~20 s on 2 cores)
+def test_compiled_blocks_train_dpo_as_eager_ones(tmp_path: Path):
+    """train.compile under DPO (the blocks compiled one by one, the preference loss outside
+    them): the same losses, rewards and held-out figures as the eager run."""
+    runs = {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile_{compiled}"
+        assert _train(tmp_path, "--train.steps=2", "--train.eval_interval=2",
+                      "--metrics.log_interval=1", f"--train.compile={str(compiled).lower()}",
+                      f"--run.dir={run}", "--quiet") == 0
+        runs[compiled] = read_metrics(run / "metrics.jsonl")
+    eager, compiled = runs[False], runs[True]
+    assert [r["step"] for r in eager] == [r["step"] for r in compiled] == [1, 2, 2]
+    for want, got in zip(eager, compiled):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "val_loss",
+                    "eval_rewards/margins"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got, want)
