@@ -12,7 +12,8 @@ from tessel.config.base import Section
 
 class DpoConfig(Section):
     paths: list[str] = Field(default_factory=list)
-    """JSONL files (or directories of them) of preference records, read when
+    """JSONL (.gz/.zst too), Parquet or Arrow files, directories of them, or Hugging Face
+    save_to_disk directories of preference records, read when
     train.objective = "dpo": `{"prompt", "chosen", "rejected"}` as text or as lists of
     messages, or `{"chosen", "rejected"}` with the prompt their shared beginning (TRL's
     forms). data.split splits the pairs into train and validation; data.tokenizer and

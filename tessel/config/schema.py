@@ -45,13 +45,14 @@ class DataConfig(Section):
     own standard-library sources), `files` tokenizes the text/JSONL files or directories in
     `data.paths` (cached), `indexed` reads datasets made by `tessel preprocess`, `synthetic`
     is a random-token stream (for benchmarks and smoke tests), `sft` is supervised
-    fine-tuning on the chat or prompt/completion JSONL files in `data.paths` (rendered with
+    fine-tuning on the chat or prompt/completion records in `data.paths` (rendered with
     `data.chat_template`, loss on the assistant turns only, packed and cached; the document
     mask is always on)."""
     paths: list[str] = []
     """`files`: inputs to tokenize. `indexed`: dataset prefixes, optionally weighted Megatron
     style (["0.7 data/web", "0.3 data/books"]); without weights they mix in proportion to
-    their sizes. `sft`: JSONL files or directories of fine-tuning records (.gz/.zst too)."""
+    their sizes. `sft`: JSONL files (.gz/.zst too), Parquet or Arrow files, directories of
+    them, or Hugging Face save_to_disk directories of fine-tuning records."""
     json_key: str = "text"
     """Field holding the text in JSONL/Parquet/Arrow inputs (`files` source)."""
     tokenizer: str = "auto"
@@ -402,7 +403,7 @@ class Config(BaseModel):
                              f"optim.name = \"adamw\" (not {self.optim.name!r})")
         if t.objective == "dpo" and not self.dpo.paths:
             raise ValueError("train.objective = \"dpo\" needs preference records; set "
-                             "dpo.paths to JSONL files of prompt/chosen/rejected records")
+                             "dpo.paths to files of prompt/chosen/rejected records")
         per_step = t.micro_batch_size * self.parallel.dp_size
         if t.global_batch_size % per_step:
             raise ValueError(

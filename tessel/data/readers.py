@@ -27,7 +27,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,8 +265,9 @@ def _require_pyarrow(path: Path) -> None:
         raise DataError(f"{path}: reading Parquet or Arrow needs pyarrow; pip install pyarrow") from None
 
 
-def _columnar_documents(path: Path, kind: str, json_key: str, stats: ReadStats) -> Iterator[str]:
-    """The `json_key` column of a Parquet or Arrow (IPC file or stream) file, batch by batch."""
+def _open_columnar(path: Path, kind: str) -> tuple[Any, Callable[[list[str] | None], Iterator[Any]]]:
+    """(schema, batches(columns)) of a Parquet or Arrow (IPC file or stream) file: its record
+    batches, of `columns` only where the format reads columns alone (Parquet; None: all)."""
     _require_pyarrow(path)
     import pyarrow as pa
     import pyarrow.ipc as ipc
@@ -275,35 +276,39 @@ def _columnar_documents(path: Path, kind: str, json_key: str, stats: ReadStats) 
     try:
         if kind == "parquet":
             pf = pq.ParquetFile(path)
-            schema = pf.schema_arrow
-        else:
-            source = pa.memory_map(str(path))  # Arrow's own zero-copy reading
-            try:
-                reader: Any = ipc.open_file(source)
-            except pa.ArrowInvalid:
-                source.seek(0)
-                reader = ipc.open_stream(source)
-            schema = reader.schema
+            return pf.schema_arrow, lambda columns: pf.iter_batches(
+                batch_size=_PARQUET_BATCH_ROWS, columns=columns)
+        source = pa.memory_map(str(path))  # Arrow's own zero-copy reading
+        try:
+            reader: Any = ipc.open_file(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            reader = ipc.open_stream(source)
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{path}: not a readable {kind.capitalize()} file ({exc})") from None
+    if isinstance(reader, ipc.RecordBatchFileReader):
+        return reader.schema, lambda _: (reader.get_batch(i)
+                                         for i in range(reader.num_record_batches))
+    return reader.schema, lambda _: iter(reader)
+
+
+def _columnar_documents(path: Path, kind: str, json_key: str, stats: ReadStats) -> Iterator[str]:
+    """The `json_key` column of a Parquet or Arrow (IPC file or stream) file, batch by batch."""
+    import pyarrow as pa
+
+    schema, batches = _open_columnar(path, kind)
     if json_key not in schema.names:
         raise DataError(f"{path}: no column {json_key!r} (columns: {', '.join(schema.names)}); "
                         "set the JSON key to the column that holds the text")
-    column = schema.get_field_index(json_key)
+    # Parquet reads the one column (index 0 of its batches); Arrow's batches hold them all
+    column = 0 if kind == "parquet" else schema.get_field_index(json_key)
     value_type = schema.field(json_key).type
     binary = pa.types.is_binary(value_type) or pa.types.is_large_binary(value_type)
     if not (binary or pa.types.is_string(value_type) or pa.types.is_large_string(value_type)):
         raise DataError(f"{path}: column {json_key!r} is {value_type}, not a string column")
-    if kind == "parquet":
-        batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[json_key])
-        column = 0
-    elif isinstance(reader, ipc.RecordBatchFileReader):
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    else:
-        batches = iter(reader)
     row = 0
     try:
-        for batch in batches:
+        for batch in batches([json_key]):
             for value in batch.column(column).to_pylist():
                 if value is None:
                     raise DataError(f"{path}: row {row}: {json_key!r} is null; drop or fill such rows")
@@ -318,13 +323,35 @@ def _columnar_documents(path: Path, kind: str, json_key: str, stats: ReadStats) 
         raise DataError(f"{path}: damaged after row {row} ({exc})") from None
 
 
+def _columnar_records(path: Path, kind: str, stats: ReadStats) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("file: row N", the row as a dict) for every row of a Parquet or Arrow file (a Hugging
+    Face `save_to_disk` directory's files too): fine-tuning records in columns, nested ones
+    (conversations: lists of {role, content}) as the lists and dicts JSON would give.
+    Arrow strings are valid UTF-8 by construction; what a record holds is checked by its
+    reader (a null or a wrong type is that record's one-line error)."""
+    import pyarrow as pa
+
+    _, batches = _open_columnar(path, kind)
+    row = 0
+    try:
+        for batch in batches(None):
+            stats.bytes_read += batch.nbytes
+            for obj in batch.to_pylist():
+                stats.documents += 1
+                yield f"{path}: row {row}", obj
+                row += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: damaged after row {row} ({exc})") from None
+
+
 def iter_json_records(inputs: InputPath | Sequence[InputPath],
                       stats: ReadStats | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """("file:line", object) for every JSON object line of the JSONL `inputs` (compressed
     ones too, decided by their magic bytes as for `iter_documents`); blank lines are
-    skipped. A line that is not a JSON object, or an input that is not JSONL, is a
-    `DataError` naming it. The inputs are resolved and their formats checked before the
-    first record is read.
+    skipped. Parquet and Arrow inputs (Hugging Face `save_to_disk` directories too) give
+    ("file: row N", the row as a dict) instead (`_columnar_records`). A line that is not a
+    JSON object, or an input in another format, is a `DataError` naming it. The inputs are
+    resolved and their formats checked before the first record is read.
 
     Text that is not UTF-8 is handled as `iter_documents` handles it, string by string:
     bytes that are not UTF-8 (and lone surrogates such as a JSON "\\ud800", which no
@@ -334,9 +361,12 @@ def iter_json_records(inputs: InputPath | Sequence[InputPath],
     files = resolve_inputs(inputs)
     formats = {path: detect(path) for path in files}
     for path, fmt in formats.items():
-        if fmt.kind != "jsonl":
-            raise DataError(f"{path}: not JSON lines ({fmt.kind}); fine-tuning data is JSONL "
-                            "(.jsonl, optionally .gz/.zst), one record per line")
+        if fmt.kind not in ("jsonl", "parquet", "arrow"):
+            raise DataError(f"{path}: not JSON lines, Parquet or Arrow ({fmt.kind}); fine-tuning "
+                            "records are JSONL (.jsonl, optionally .gz/.zst, one record per "
+                            "line), Parquet, Arrow or a Hugging Face save_to_disk directory")
+        if fmt.kind in ("parquet", "arrow"):
+            _require_pyarrow(path)
     return _json_records(files, formats, stats if stats is not None else ReadStats())
 
 
@@ -344,6 +374,9 @@ def _json_records(files: list[Path], formats: dict[Path, Any],
                   stats: ReadStats) -> Iterator[tuple[str, dict[str, Any]]]:
     for path in files:
         stats.files += 1
+        if formats[path].kind in ("parquet", "arrow"):
+            yield from _columnar_records(path, formats[path].kind, stats)
+            continue
         compression = formats[path].compression
         try:
             with open_decompressed(path, compression) as f:

@@ -113,3 +113,38 @@ def test_row_log_probs_count_the_learned_targets_only():
     want = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     torch.testing.assert_close(logps, (want * (targets != -100)).sum(1))
     assert counts.tolist() == [4] * 4 and split_pairs(logps).shape == (2, 2)
+
+
+def test_parquet_files_and_hf_datasets_give_the_pairs_jsonl_gives(hf, tmp_path: Path):
+    """Preference records in columns (Parquet; a Hugging Face `save_to_disk` directory, Arrow
+    files, as TRL's datasets are shared) read as their JSONL: the same pairs, the same counts;
+    a null reply or a damaged file is one line naming it."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def turn(role: str, text: str) -> list[dict[str, str]]:
+        return [{"role": role, "content": text}]
+
+    chats = [{"prompt": turn("user", f"Which letter comes after {c}?"),
+              "chosen": turn("assistant", f"After {c} comes {chr(ord(c) + 1)}."),
+              "rejected": turn("assistant", "Maybe s." if i % 3 else f"After {c} comes {c}.")}
+             for i, c in enumerate("abcdefgh")]
+    chats.append({**chats[0], "rejected": chats[0]["chosen"]})  # identical: counted, left out
+    texts = [{"prompt": f"Spell {w}:", "chosen": f" {w.upper()}", "rejected": f" {w}"}
+             for w in ("sun", "sea", "q")]
+    for records in (chats, texts):
+        want = read_pairs([_write(tmp_path / "p.jsonl", records)], TEMPLATE, hf, EOS, 48)
+        pq.write_table(pa.Table.from_pylist(records), tmp_path / "p.parquet")
+        datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+        for source in (tmp_path / "p.parquet", tmp_path / "ds"):
+            pairs, counts = read_pairs([source], TEMPLATE, hf, EOS, 48)
+            assert vars(counts) == vars(want[1]), source
+            assert (pairs.tokens == want[0].tokens).all() and (pairs.learned == want[0].learned).all()
+    pq.write_table(pa.Table.from_pylist([texts[0], {**texts[1], "chosen": None}]),
+                   tmp_path / "null.parquet")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"\0" * 64)
+    for name, words in (("null.parquet", "null.parquet: row 1"), ("bad.parquet", "Parquet")):
+        with pytest.raises(DataError) as err:
+            read_pairs([tmp_path / name], TEMPLATE, hf, EOS, 48)
+        assert words in str(err.value) and "\n" not in str(err.value), err.value

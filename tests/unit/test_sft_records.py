@@ -72,3 +72,33 @@ def test_pretraining_lines_nested_too_deep_are_one_line_too(tmp_path: Path):
     path.write_bytes(b'{"text": "fine"}\n{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
     with pytest.raises(DataError, match=r"docs.jsonl:2: JSON nested too deeply to read"):
         list(iter_documents(path))
+
+
+def test_parquet_and_hf_datasets_train_as_their_jsonl(tmp_path: Path):
+    """Fine-tuning records in columns (Parquet; a Hugging Face save_to_disk directory) give
+    the JSONL's examples: the same start-up line, the same packed tokens."""
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"messages": [{"role": "user", "content": f"hi {i} there"},
+                             {"role": "assistant", "content": "hello to you" + "!" * (i % 5)}]}
+               for i in range(24)]
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "chats_ds"))
+    seen = {}
+    for name in ("chats.jsonl", "chats.parquet", "chats_ds"):
+        lines: list[str] = []
+        data = build_data(_config(tmp_path / name.replace(".", "_"), tmp_path / name),
+                          console=lines.append)
+        batch = data.train.next_batch()
+        seen[name] = (next(line for line in lines if line.startswith("sft: ")),
+                      np.asarray(batch.inputs), np.asarray(batch.targets))
+    want = seen["chats.jsonl"]
+    assert want[0].startswith("sft: 24 examples,")
+    for name in ("chats.parquet", "chats_ds"):
+        assert seen[name][0] == want[0]
+        assert (seen[name][1] == want[1]).all() and (seen[name][2] == want[2]).all()
