@@ -487,3 +487,39 @@ def test_moe_run_has_an_expert_load_section_in_headless_chromium(moe_run: Path, 
     painted = [c for c in colours if (np.abs(px - np.array([int(c[i:i + 2], 16) for i in (1, 3, 5)],
                                                             np.int16)).sum(axis=2) < 6).sum() > 200]
     assert len(painted) >= len(colours) // 2, (painted, colours)
+
+
+def test_a_dpo_run_has_preference_plots_in_headless_chromium(tmp_path: Path):
+    """A real DPO run (4 steps of configs/dpo-tiny.toml, evaluated at 2 and 4): rewards,
+    accuracy and log-probabilities over steps, the held-out figures beside the training
+    ones, each value as metrics.jsonl has it; a pretraining run has no such plots."""
+    from tessel.config import Config
+    from tessel.observe.report.preference import PLOT_IDS as DPO_PLOT_IDS
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = Config.load(root / "configs/dpo-tiny.toml", {
+        "dpo.paths": [str(root / "configs/data/dpo-tiny.jsonl")], "train.steps": 4,
+        "train.eval_interval": 2, "train.eval_iters": 2, "metrics.log_interval": 1,
+        "metrics.tensorboard": False, "checkpoint.interval": 0,
+        "run.dir": str(tmp_path / "dpo"), "data.cache_dir": str(tmp_path / "cache")})
+    Trainer(cfg, console=False).train()
+    page = write_report(tmp_path / "dpo")
+    proc = _browser(_chromium(), tmp_path, "--dump-dom", page.resolve().as_uri())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "dpo/metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_rewards/margins" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for dom in (_Dom(page.read_text()), _Dom(proc.stdout)):  # as written, and as Chromium built it
+        for plot_id in DPO_PLOT_IDS:
+            assert dom.by_id(plot_id)["data-empty"] == "false", plot_id
+            assert dom.inside(plot_id, "polyline"), plot_id
+        rewards = dom.by_id("plot-dpo_rewards")["data-series"].split()
+        assert rewards == ["rewards/chosen", "eval_rewards/chosen", "rewards/rejected",
+                           "eval_rewards/rejected", "rewards/margins", "eval_rewards/margins"]
+        accuracy = dom.by_id("plot-dpo_accuracy")
+        assert accuracy["data-points"] == "6"  # 4 training steps, 2 evaluations
+        want = [100 * r[k] for r in records for k in ("rewards/accuracies", "eval_rewards/accuracies")
+                if k in r]
+        assert float(accuracy["data-ymax"]) >= max(want) - 1e-9
+    plain = _Dom(write_report(make_run(tmp_path / "lm")).read_text())
+    assert not {a.get("id") for _, a, _ in plain.elements} & set(DPO_PLOT_IDS)

@@ -13,6 +13,7 @@ from tessel.errors import TesselError
 from tessel.fileio import write_text_atomic
 from tessel.observe.report.experts import expert_heatmaps, expert_plots, is_moe
 from tessel.observe.report.plots import build_plots, esc, page_head, render_heatmap, render_plot
+from tessel.observe.report.preference import preference_plots
 from tessel.observe.report.run import Run, event_message, num, read_run
 from tessel.observe.report.summary import fmt, summary
 from tessel.observe.secrets import Redactor
@@ -177,7 +178,7 @@ def render(run: Run) -> str:
     parts.append("</div>")
 
     parts.append('<h2>Plots</h2><div class="plots" id="plots">')
-    parts.extend(render_plot(p, redact) for p in build_plots(run))
+    parts.extend(render_plot(p, redact) for p in build_plots(run) + preference_plots(run))
     parts.append("</div>")
 
     if is_moe(run):  # a dense run has no such section
