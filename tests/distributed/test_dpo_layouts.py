@@ -2,7 +2,7 @@
 ZeRO-3 over dp 2 (gradient accumulation 2 -> 1), tp 2 (the vocabulary-parallel log-probs),
 cp 2 (each rank's part of a reply's log-probability summed over the cp group), pp 2 (the
 schedule's loss per micro-batch, the reference pass and evaluation through the schedule),
-LoRA over dp 2 (plain DDP), another model as the reference (dpo.reference_model) under
+LoRA over dp 2 (plain DDP), tp 2 and pp 2, another model as the reference (dpo.reference_model) under
 pp 2, the loss over pieces of the logits (parallel.loss_chunks: each row's sum from
 vocabulary-parallel pieces under tp 2, through the schedule under pp 2), and a resume of the
 ZeRO-3 run's checkpoint under DDP. Every step's loss and the rewards/* metrics, the held-out
@@ -103,8 +103,12 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
             {"overrides": dpo_base(tmp_path / "tp2_chunked", pairs, **{
                 "parallel.tp": 2, "parallel.loss_chunks": 3})},
             {"overrides": dpo_base(tmp_path / "pp2_chunked", pairs, **{
-                "parallel.pp": 2, "parallel.loss_chunks": 2})}]
-    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 6, 7, 8)]}, tmp_path)
+                "parallel.pp": 2, "parallel.loss_chunks": 2})},
+            {"overrides": dpo_base(tmp_path / "lora_tp2", pairs, **LORA, **{
+                "model.init_from": str(ref), "parallel.tp": 2})},
+            {"overrides": dpo_base(tmp_path / "lora_pp2", pairs, **LORA, **{
+                "model.init_from": str(ref), "parallel.pp": 2})}]
+    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 6, 7, 8, 9, 10)]}, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     # the ZeRO-3 run as it was after step 2, with the reference log-probabilities it keeps
     (resumed / "checkpoints").mkdir(parents=True)
@@ -124,4 +128,6 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
     assert_same_dpo_run(tmp_path / "other_pp2", other_ref)
     assert_same_dpo_run(tmp_path / "tp2_chunked", ref)
     assert_same_dpo_run(tmp_path / "pp2_chunked", ref)
+    assert_same_dpo_run(tmp_path / "lora_tp2", lora_ref)
+    assert_same_dpo_run(tmp_path / "lora_pp2", lora_ref)
     assert train_metrics(other_ref)[0][1]["loss"] != train_metrics(ref)[0][1]["loss"]
