@@ -23,7 +23,7 @@ FUSED_SHARE = 2 / 3  # of a linear's forward + backward: the forward and input-g
 
 
 def hidden_seconds(m: ModelConfig, layout: Layout, hw: GpuProfile, tokens: float,
-                   act_bytes: int, layers: int, moe_layers: int, bandwidth: float,
+                   act_bytes: float, layers: int, moe_layers: int, bandwidth: float,
                    fp8: Fp8Terms | None, peak: float) -> float:
     """Seconds of one micro-batch's tensor-parallel collectives (forward and backward, on a
     pipeline rank of `layers` blocks, `moe_layers` of them MoE blocks, whose MLP is not

@@ -68,6 +68,9 @@ class Fp8Terms:
     """FSDP all-gathers the converted weights in float8 (tensorwise, train.fp8_all_gather)."""
     shard: int = 1
     """Ranks a weight is sharded over (FSDP); its float8 cast then runs on the shard."""
+    tp_float8: bool = False
+    """Tensor-parallel all-gathers move float8 (tensorwise on CUDA: torchao's float8 TP
+    styles, tessel.parallel.fp8.float8_collectives), where sequence parallelism has them."""
 
     @classmethod
     def of(cls, cfg: Config, hw: GpuProfile, shard: int = 1) -> Fp8Terms | None:
@@ -78,7 +81,8 @@ class Fp8Terms:
         if recipe is None or peak is None:
             return None
         gather = recipe == "tensorwise" and getattr(cfg.train, "fp8_all_gather", True)
-        return cls(recipe, peak, hw.hbm_gbps * 1e9, gather and shard > 1, shard)
+        return cls(recipe, peak, hw.hbm_gbps * 1e9, gather and shard > 1, shard,
+                   recipe == "tensorwise" and hw.device_type == "cuda")
 
     def cast_bytes(self, rows: float, k: float, n: float) -> float:
         """Memory traffic of one converted (K, N) linear's float8 casts over `rows` rows, one
@@ -148,6 +152,16 @@ def gathered_bytes(fp8: Fp8Terms | None, dense_bytes: float, act_bytes: int, m: 
     return dense_bytes - (act_bytes - 1) * converted_elements(m, tp, layers, moe_layers)
 
 
+def tp_activation_bytes(fp8: Fp8Terms | None, act_bytes: int, layout: Layout) -> float:
+    """Bytes per activation element a tensor-parallel collective of a block moves: with
+    float8 TP styles (`Fp8Terms.tp_float8`) and sequence parallelism each all-gather half
+    of a collective (the sequence's activations forward, the output gradients backward)
+    moves float8, 1 byte, and the reduce-scatter half `act_bytes`; otherwise `act_bytes`."""
+    if fp8 is None or not fp8.tp_float8 or not layout.sequence_parallel:
+        return act_bytes
+    return (act_bytes + 1) / 2
+
+
 def described(cfg: Config, hw: GpuProfile) -> str:
     """`tessel plan`'s line: which matmuls it counts at the FP8 rate, and how."""
     recipe = recipe_of(cfg)
@@ -160,6 +174,9 @@ def described(cfg: Config, hw: GpuProfile) -> str:
               if FP8_PASSES[recipe] == 2 else "forward, input- and weight-gradient matmuls")
     gather = (", FSDP all-gathers them in float8 (1 byte a weight)"
               if recipe == "tensorwise" and getattr(cfg.train, "fp8_all_gather", True) else "")
+    if recipe == "tensorwise" and cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
+        gather += (", tensor parallelism's all-gathers move float8 activations and output "
+                   "gradients (1 byte an element; the reduce-scatters stay BF16)")
     return (f"; train.fp8 ({recipe}): at the FP8 peak x {FP8_GEMM_EFFICIENCY} the {passes} of "
             f"the blocks' linears with both dimensions multiples of {MATMUL_MULTIPLE} "
             "(attention's, the dense MLPs', shared experts'), plus their casts at "

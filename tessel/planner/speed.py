@@ -29,7 +29,7 @@ from tessel.planner.compute import (
     recompute_seconds,
 )
 from tessel.planner.cpu import CpuTerms, Waits, cpu_terms
-from tessel.planner.fp8 import Fp8Terms, gathered_bytes
+from tessel.planner.fp8 import Fp8Terms, gathered_bytes, tp_activation_bytes
 from tessel.planner.hardware import GpuProfile
 from tessel.planner.layout import Layout
 from tessel.planner.memory import (
@@ -222,8 +222,8 @@ def estimate_step(
     tp_comm, tp_syncs = _tensor_parallel(s)
     if async_tp:
         tp_comm -= s.micro_batches * (1 + s.recompute) * hidden_seconds(
-            m, layout, hw, s.tokens, s.act_bytes, s.stage.layers, s.stage.moe_layers,
-            s.within(layout.tp), fp8, hw.bf16_flops)
+            m, layout, hw, s.tokens, tp_activation_bytes(fp8, s.act_bytes, layout),
+            s.stage.layers, s.stage.moe_layers, s.within(layout.tp), fp8, hw.bf16_flops)
     cp_comm, cp_syncs = _context_parallel(s)
     ep_comm, ep_syncs = _expert_parallel(s)
     # What each synchronising collective waits for the slowest rank (CPU processes' drift;
@@ -285,7 +285,9 @@ def _tensor_parallel(s: _Step) -> tuple[float, float]:
     layers = stage.layers
     collectives = 4 * (layers - stage.moe_layers) + 2 * stage.moe_layers
     calls = tp_calls(layout, layers, stage.moe_layers, 0 in s.ids, last)
-    traffic = TpTraffic(layout, s.tokens * s.m.d_model * s.act_bytes, collectives, calls,
+    # train.fp8 tensorwise: the all-gather half of each collective in float8
+    per_element = tp_activation_bytes(s.fp8, s.act_bytes, layout)
+    traffic = TpTraffic(layout, s.tokens * s.m.d_model * per_element, collectives, calls,
                         0 in s.ids, last, s.within(layout.tp), s.hw.collective_latency_s)
     per_mb = s.cpu.tp_seconds(traffic, traffic.seconds())
     tp_syncs = calls * (1 + s.recompute) if layout.tp > 1 else 0

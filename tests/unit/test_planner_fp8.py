@@ -130,3 +130,28 @@ def test_tessel_plan_says_which_matmuls_it_counts_at_the_fp8_rate():
                                                get_profile("a100-80gb"))
     assert "fp8" not in stack_line(_cfg(), H100) and "async_tp" not in stack_line(_cfg(), H100)
     assert "parallel.async_tp" in stack_line(_cfg(**{"parallel.async_tp": True}), H100)
+
+
+def test_tensorwise_tensor_parallel_all_gathers_move_float8():
+    """Under tensorwise scaling with sequence parallelism (torchao's float8 TP styles, on
+    CUDA) each collective's all-gather half moves 1 byte an element, its reduce-scatter half
+    bf16's 2: the bytes part of the tensor-parallel time is 3/4 of rowwise's (which crosses in
+    bf16); without sequence parallelism (all-reduces in bf16) nothing changes."""
+    def tp_seconds(recipe: str, sp: bool = True) -> float:
+        cfg = _cfg(**{"parallel.tp": 8, "parallel.sequence_parallel": sp, "train.fp8": recipe,
+                      "train.micro_batch_size": 1, "train.global_batch_size": 8})
+        return evaluate(cfg, Layout.from_config(cfg, 8), H100).step.tp_comm_s
+
+    def latency(recipe: str) -> float:  # what the calls cost whatever their bytes
+        cfg = _cfg(**{"parallel.tp": 8, "train.fp8": recipe, "train.micro_batch_size": 1,
+                      "train.global_batch_size": 8})
+        no_bytes = dataclasses.replace(H100, intra_node_gbps=1e30)
+        return evaluate(cfg, Layout.from_config(cfg, 8), no_bytes).step.tp_comm_s
+
+    tensorwise, rowwise = tp_seconds("tensorwise"), tp_seconds("rowwise")
+    assert latency("tensorwise") == pytest.approx(latency("rowwise"), rel=1e-12)
+    bytes_part = rowwise - latency("rowwise")
+    assert bytes_part > 0
+    assert tensorwise - latency("tensorwise") == pytest.approx(0.75 * bytes_part, rel=1e-9)
+    assert tp_seconds("tensorwise", sp=False) == pytest.approx(tp_seconds("rowwise", sp=False),
+                                                              rel=1e-12)
