@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -282,21 +283,48 @@ def ref_for(name: str) -> str:
 
 def job_output(proc: subprocess.CompletedProcess) -> str:
     """What to show when a torchrun job failed: a native crash's Python stacks (from
-    faulthandler) if there are any, then the end of the output."""
+    faulthandler) with the lines printed just before them (a C++ exception's `terminate
+    called ... what(): ...` comes there), then the end of the output."""
     err = proc.stderr
     crash = err.find("Fatal Python error")
-    return (err[crash:crash + 4000] + "\n[...]\n" if crash >= 0 else "") + err[-3000:]
+    return (err[max(0, crash - 1500):crash + 4000] + "\n[...]\n" if crash >= 0 else "") + err[-3000:]
+
+
+def native_crash(proc: subprocess.CompletedProcess) -> bool:
+    """Whether a rank of the job died of a native crash (SIGABRT, SIGSEGV: C++ code aborted)
+    rather than exiting with an error of its own."""
+    return proc.returncode != 0 and ("Fatal Python error" in proc.stderr
+                                     or "(SIGABRT)" in proc.stderr or "(SIGSEGV)" in proc.stderr)
 
 
 def torchrun(nproc: int, spec: dict, tmp_path: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run worker.py's job of `spec` under torchrun on `nproc` processes.
+
+    A job one of whose ranks died of a native crash runs once more, from scratch, when its
+    run directories are all its own (none existed before it started): gloo's TCP transport
+    on a loaded 2-core machine aborted a rank once in a dozen full suites (SIGABRT in a C++
+    thread in the middle of a tensor-parallel backward, CI of cd7dec5) and never when rerun
+    (20 runs of that layout under a CPU load). The crash is reported as a warning with its
+    output, so it stays visible; a crash that happens again fails the test as before."""
     spec_path = tmp_path / f"spec-{nproc}-{len(list(tmp_path.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(WORKER), str(spec_path)],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )
+    run_dirs = [Path(r["overrides"]["run.dir"]) for r in spec.get("runs", [])
+                if "run.dir" in r.get("overrides", {})]
+    fresh = bool(run_dirs) and not any(d.exists() for d in run_dirs)
+    for attempt in (1, 2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", str(WORKER), str(spec_path)],
+            capture_output=True, text=True, timeout=timeout, env=env,
+        )
+        if attempt == 2 or not (fresh and native_crash(proc)):
+            return proc
+        warnings.warn(f"torchrun job {spec_path.name}: a rank crashed natively; running the "
+                      f"job once more from scratch:\n{job_output(proc)}", stacklevel=2)
+        for d in run_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    return proc
 
 
 def train_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
