@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 STALE_SECONDS = 24 * 3600.0
 """A temporary build directory untouched for this long is one a killed process left (a build
@@ -22,6 +23,11 @@ def default_cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tessel"
+
+
+def data_cache_dir(data: Any) -> Path:
+    """The cache of a run's `data` config section: data.cache_dir, else the default."""
+    return Path(data.cache_dir) if data.cache_dir else default_cache_dir()
 
 
 def build_once(target: Path | None, build: Callable[[Path], Path | None],

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tessel.config import Config, DataConfig
-from tessel.data.cache import build_once, default_cache_dir
+from tessel.data.cache import build_once, data_cache_dir
 from tessel.data.chat_template import ChatTemplate
 from tessel.data.dataset import TokenDataset, split_ranges
 from tessel.data.loader import Loader
@@ -141,7 +141,7 @@ def _val_loader(cfg: Config, val_sets: list[TokenDataset], weights: list[float],
 def build_data(cfg: Config, dp_rank: int = 0, dp_size: int = 1, console=print) -> Data:
     """Train and validation loaders for this data-parallel rank, and the tokenizer."""
     d, t = cfg.data, cfg.train
-    cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    cache = data_cache_dir(d)
     if cfg.train.objective == "dpo":  # preference pairs of dpo.paths (data.source unread)
         from tessel.data.preference_data import build_preference_data
 

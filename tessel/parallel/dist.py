@@ -127,3 +127,10 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t)
     return t
+
+
+def broadcast_from_main(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `t` on every rank, in place (no-op in a single process)."""
+    if dist.is_initialized():
+        dist.broadcast(t, src=0)
+    return t

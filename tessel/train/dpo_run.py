@@ -9,6 +9,7 @@ counted targets), so N processes compute what one does with the same pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -20,16 +21,19 @@ import torch
 
 from tessel.config import ConfigError
 from tessel.data import Batch
+from tessel.data.cache import data_cache_dir
 from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
 from tessel.models.loss import IGNORE_INDEX, loss_pieces
-from tessel.parallel.dist import all_reduce_sum
+from tessel.parallel.dist import all_reduce_sum, broadcast_from_main
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.dpo import PairStats, pair_losses, row_logps, split_pairs, step_loss
+from tessel.train.reference_cache import entry_dir, read_cached, reference_key, write_cached
 
 REFERENCE_FILE = "reference_logps.npy"
 """In the run directory: the reference log-probabilities of the train then validation pairs
-(N, 2) float64; beside it REFERENCE_FILE + ".json" names the pairs they were made for."""
+(N, 2) float64; beside it REFERENCE_FILE + ".json" names the pairs they were made for and
+where they came from (a pass or the data cache)."""
 
 
 def check_dpo(cfg: Any, dims: Any) -> None:
@@ -231,35 +235,73 @@ def reference_logps(step: Any, datasets: list[Any], mbs: int, dp_rank: int = 0,
     return out
 
 
-def attach_reference(step: Any, data: Any, run_path: Path, resumed: bool, is_main: bool,
+def attach_reference(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool, is_main: bool,
                      say: Any, reference_step: Any = None) -> None:
     """Give the train and validation pairs their reference log-probabilities: those of the
-    run directory on a resume (refused when missing or made for other pairs), else one pass
-    of the initial policy, written there by the main rank."""
+    run directory on a resume (refused when missing or made for other pairs); else those the
+    data cache holds for exactly this pass (tessel.train.reference_cache: rank 0 reads them
+    and sends them to the others), else one pass of the initial policy (or of
+    `reference_step()`'s model), kept in the cache and the run directory by the main rank."""
     sets = [data.train.dataset] + ([data.val.dataset] if data.val is not None else [])
     key = {"pairs": [ds.n_samples for ds in sets], "fingerprints": [ds.fingerprint for ds in sets]}
     path = run_path / REFERENCE_FILE
     if resumed:
         ref = _read_reference(path, key)
     else:
-        which = "dpo.reference_model" if reference_step else "the initial model"
-        runner = reference_step() if reference_step else step  # (refusals first)
-        say(f"tessel: reference log-probabilities of {sum(key['pairs']):,} pairs (one pass of "
-            f"{which}; kept in {path})")
-        ref = reference_logps(runner, sets, data.train.mbs, data.train.dp_rank,
-                              data.train.dp_size)
-        del runner  # another model's copy is freed now: FSDP's module-state cycles need
-        gc.collect()  # the collector (seen: a ZeRO-3 copy alive through training without it)
+        rows = sum(key["pairs"])
+        cache = data_cache_dir(cfg.data)
+        world = {"precision": step.precision.name, "device": step.device.type,
+                 "dims": dataclasses.asdict(step.dims)}
+        cache_key = reference_key(cfg, list(zip(key["pairs"], key["fingerprints"])), world)
+        found = read_cached(cache, cache_key, rows, say) if is_main else None
+        ref = _from_main(found, rows, step.device, step.distributed)
+        if ref is not None:
+            origin = f"the data cache {entry_dir(cache, cache_key)}"
+            say(f"tessel: reference log-probabilities of {rows:,} pairs from {origin} (the "
+                f"same pairs, weights, settings and layout); kept in {path}")
+        else:
+            which = "dpo.reference_model" if reference_step else "the initial model"
+            origin = f"one pass of {which}"
+            runner = reference_step() if reference_step else step  # (refusals first)
+            say(f"tessel: reference log-probabilities of {rows:,} pairs (one pass of {which}; "
+                f"kept in {path} and the data cache)")
+            ref = reference_logps(runner, sets, data.train.mbs, data.train.dp_rank,
+                                  data.train.dp_size)
+            del runner  # another model's copy is freed now: FSDP's module-state cycles need
+            gc.collect()  # the collector (seen: a ZeRO-3 copy alive through training without it)
+            if is_main:
+                try:
+                    write_cached(cache, cache_key, ref)
+                except OSError as exc:  # a full or read-only cache costs the next run a pass
+                    say(f"tessel: warning: the reference log-probabilities could not be kept "
+                        f"in the data cache {cache} ({exc.strerror or exc}); the run goes on")
         if is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
             with tmp.open("wb") as f:
                 np.save(f, ref, allow_pickle=False)
             tmp.replace(path)
-            write_text_atomic(path.with_name(path.name + ".json"), json.dumps(key))
+            # where they came from beside what they are for (a resume checks the latter)
+            write_text_atomic(path.with_name(path.name + ".json"),
+                              json.dumps({**key, "origin": origin}))
     lo = 0
     for ds in sets:
         ds.ref, lo = ref[lo:lo + ds.n_samples], lo + ds.n_samples
+
+
+def _from_main(found: np.ndarray | None, rows: int, device: torch.device,
+               distributed: bool) -> np.ndarray | None:
+    """Rank 0's cached log-probabilities on every rank (None everywhere when rank 0 has none):
+    every rank must agree on whether the pass runs, since it is collective."""
+    if not distributed:
+        return found
+    hit = torch.tensor([0.0 if found is None else 1.0], device=device)
+    broadcast_from_main(hit)
+    if hit.item() == 0:
+        return None
+    values = (torch.from_numpy(found) if found is not None
+              else torch.empty(rows, 2, dtype=torch.float64)).to(device)
+    return broadcast_from_main(values).cpu().numpy()
 
 
 def _read_reference(path: Path, key: dict[str, Any]) -> np.ndarray:
@@ -269,7 +311,7 @@ def _read_reference(path: Path, key: dict[str, Any]) -> np.ndarray:
     except (OSError, ValueError):
         raise DataError(f"the run's reference log-probabilities ({path}) are missing or damaged; "
                         "a DPO run resumes only with them: start a new run") from None
-    if saved != key or ref.shape != (sum(key["pairs"]), 2):
+    if {k: saved.get(k) for k in key} != key or ref.shape != (sum(key["pairs"]), 2):
         raise DataError(f"the reference log-probabilities in {path} were made for other "
                         "preference pairs; resume with the dpo.paths, data.split and "
                         "train.seq_len the run started with")
@@ -291,7 +333,7 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
             other.objective = objective
             use_loss_pieces(cfg, other)
             return other
-    attach_reference(step, data, run_path, resumed, proc.is_main, say, made)
+    attach_reference(cfg, step, data, run_path, resumed, proc.is_main, say, made)
     return objective
 
 

@@ -5,8 +5,10 @@ schedule's loss per micro-batch, the reference pass and evaluation through the s
 LoRA over dp 2 (plain DDP), tp 2 and pp 2, another model as the reference (dpo.reference_model) under
 pp 2, the loss over pieces of the logits (parallel.loss_chunks: each row's sum from
 vocabulary-parallel pieces under tp 2, through the schedule under pp 2), and a resume of the
-ZeRO-3 run's checkpoint under DDP. Every step's loss and the rewards/* metrics, the held-out
-loss and eval_rewards/*, and the final weights equal the reference's."""
+ZeRO-3 run's checkpoint under DDP, and a ZeRO-3 run whose reference log-probabilities come
+from the data cache (rank 0 reads them, rank 1 receives them). Every step's loss and the
+rewards/* metrics, the held-out loss and eval_rewards/*, and the final weights equal the
+reference's."""
 
 from __future__ import annotations
 
@@ -107,9 +109,18 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
             {"overrides": dpo_base(tmp_path / "lora_tp2", pairs, **LORA, **{
                 "model.init_from": str(ref), "parallel.tp": 2})},
             {"overrides": dpo_base(tmp_path / "lora_pp2", pairs, **LORA, **{
-                "model.init_from": str(ref), "parallel.pp": 2})}]
-    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 6, 7, 8, 9, 10)]}, tmp_path)
+                "model.init_from": str(ref), "parallel.pp": 2})},
+            # the ZeRO-3 run again, but for a setting the reference pass does not read: its
+            # log-probabilities come from the data cache, read by rank 0 and sent to rank 1
+            {"overrides": dpo_base(tmp_path / "zero3_cached", pairs, **{
+                "parallel.zero": 3, "checkpoint.keep_last": 7})}]
+    proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11)]},
+                    tmp_path)
     assert proc.returncode == 0, job_output(proc)
+    origin = lambda run: json.loads((tmp_path / run / "reference_logps.npy.json").read_text())["origin"]  # noqa: E731
+    assert origin("zero3_cached").startswith("the data cache ")
+    assert [run for run in ("zero3", "tp2", "cp2", "pp2", "tp2_chunked", "pp2_chunked")
+            if origin(run) != "one pass of the initial model"] == []  # each layout's own pass
     # the ZeRO-3 run as it was after step 2, with the reference log-probabilities it keeps
     (resumed / "checkpoints").mkdir(parents=True)
     for name in ("config.toml", "tokenizer.json", "reference_logps.npy",
@@ -120,6 +131,7 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
     proc = torchrun(2, {"runs": [runs[2]]}, tmp_path)
     assert proc.returncode == 0, job_output(proc)
     assert_same_dpo_run(tmp_path / "zero3", ref)
+    assert_same_dpo_run(tmp_path / "zero3_cached", ref)
     assert_same_dpo_run(tmp_path / "lora_ddp", lora_ref)
     assert_same_dpo_run(resumed, ref, first_step=3)
     assert_same_dpo_run(tmp_path / "tp2", ref)

@@ -57,6 +57,53 @@ def test_dpo_tiny_raises_held_out_accuracy_and_margin(tmp_path: Path, capsys):
     assert code == 2 and len(err) == 1 and "reference log-probabilities" in err[0], err
 
 
+@pytest.mark.budget(40)  # five 2-step runs of the recipe, three reference passes (~12 s)
+def test_the_reference_pass_is_cached_across_runs(tmp_path: Path, capsys):
+    """A run that differs from an earlier one only in what the reference pass does not read
+    (dpo.beta, the loss, the learning rate, the steps) takes the reference log-probabilities
+    from the data cache: the very numbers, so it trains exactly as the same run computing
+    them itself does. Another seed (other initial weights) computes its own; a damaged cache
+    entry is said in one line and computed again, never used."""
+    import numpy as np
+
+    from tessel.cli import main
+
+    cache = tmp_path / "cache"
+    short = ["--train.steps=2", "--train.eval_interval=2", "--checkpoint.interval=0",
+             f"--data.cache_dir={cache}"]
+
+    def run(name: str, *extra: str) -> tuple[str, np.ndarray, list]:
+        assert main(["train", RECIPE, f"--run.dir={tmp_path / name}", *short, *extra]) == 0
+        out = capsys.readouterr().out
+        recs = read_metrics(tmp_path / name / "metrics.jsonl")
+        return out, np.load(tmp_path / name / "reference_logps.npy"), recs
+
+    first, ref, _ = run("a")
+    assert "one pass of the initial model" in first and "from the data cache" not in first
+    sweep = ["--dpo.beta=0.3", "--dpo.loss=ipo", "--optim.lr=1e-3", "--train.steps=3"]
+    out, hit, recs = run("b", *sweep)
+    assert "reference log-probabilities of 300 pairs from the data cache" in out, out
+    assert np.array_equal(hit, ref)
+    # The same run with an empty cache computes the same numbers and trains the same.
+    out, own, own_recs = run("b_alone", *sweep, f"--data.cache_dir={tmp_path / 'other'}")
+    assert "one pass of the initial model" in out and np.array_equal(own, ref)
+    pick = lambda rs: [(r["step"], r.get("loss"), r.get("val_loss")) for r in rs]  # noqa: E731
+    assert pick(recs) == pick(own_recs)
+
+    out, seeded, _ = run("c", "--train.seed=7")  # other initial weights: a pass of its own
+    assert "one pass of the initial model" in out and not np.array_equal(seeded, ref)
+
+    [entry] = [p for p in (cache / "dpo-reference").iterdir()
+               if np.array_equal(np.load(p / "reference_logps.npy"), ref)]
+    blob = bytearray((entry / "reference_logps.npy").read_bytes())
+    blob[-3] ^= 0x40  # one value changed: the checksum no longer matches
+    (entry / "reference_logps.npy").write_bytes(bytes(blob))
+    out, again, _ = run("d")
+    assert "are damaged (its checksum does not match); computing them again" in out, out
+    assert "one pass of the initial model" in out and np.array_equal(again, ref)
+    assert np.array_equal(np.load(entry / "reference_logps.npy"), ref)  # written anew
+
+
 def test_what_dpo_cannot_do_yet_is_one_line(tmp_path: Path, capsys):
     assert _train(tmp_path, "--fault_tolerance.enable=true", "--fault_tolerance.group_size=2",
                   "--fault_tolerance.lighthouse=http://127.0.0.1:9") == 2
