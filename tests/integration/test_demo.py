@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from tessel.config import Config
+from tessel.data.cache import default_cache_dir
 from tessel.data.indexed import IndexedDataset
-from tessel.data.sources import default_cache_dir, ensure_corpus, stdlib_files
+from tessel.data.sources import ensure_corpus, stdlib_files
 from tessel.observe.metrics import read_metrics
 
 
