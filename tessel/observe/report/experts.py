@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tessel.observe.report.plots import Heatmap, Line, Plot
-from tessel.observe.report.run import Run, num, series
+from tessel.observe.report.run import Run, num
 
 MAX_LAYER_LINES = 6
 """Up to this many MoE layers, one line each (the palette's six colours); beyond, the worst,
@@ -57,19 +57,15 @@ def expert_plots(run: Run) -> list[Plot]:
              "balance loss", _per_layer(train, layers, "moe_aux_loss"),
              "metrics.jsonl has no moe_aux_loss_l* values"),
         Plot("plot-moe_z_loss", "Router z-loss (mean over MoE layers; unweighted)", "z-loss",
-             [_line(train, "moe_z_loss", "z-loss")], "metrics.jsonl has no moe_z_loss values"),
+             [Line.of(train, "moe_z_loss", "z-loss")], "metrics.jsonl has no moe_z_loss values"),
         Plot("plot-moe_dropped_frac", "Dropped token slots (capacity factor)", "% of slots",
-             [_line(train, "moe_dropped_frac", "dropped", 100.0)], dropped_reason),
+             [Line.of(train, "moe_dropped_frac", "dropped", 100.0)], dropped_reason),
     ]
-
-
-def _line(train: Sequence[dict[str, Any]], key: str, label: str, scale: float = 1.0) -> Line:
-    return Line(key, label, [(s, v * scale) for s, v in series(train, key) if v is not None])
 
 
 def _per_layer(train: Sequence[dict[str, Any]], layers: list[int], prefix: str) -> list[Line]:
     if len(layers) <= MAX_LAYER_LINES:
-        return [_line(train, f"{prefix}_l{i}", f"layer {i}") for i in layers] or \
+        return [Line.of(train, f"{prefix}_l{i}", f"layer {i}") for i in layers] or \
             [Line(prefix, prefix, [])]
     worst, median, best = [], [], []
     for r in train:

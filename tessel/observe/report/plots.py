@@ -39,6 +39,14 @@ class Line:
     points: list[tuple[int, float]]  # (step, value); nan/inf values are drawn as gaps
     dots: bool = False  # sparse series (validation) also get a dot per point
 
+    @classmethod
+    def of(cls, records: Sequence[dict[str, Any]], key: str, label: str, scale: float = 1.0,
+           dots: bool = False) -> Line:
+        """The line of metric `key` over `records` (values scaled by `scale`), steps without
+        the metric left out."""
+        return cls(key, label, [(s, v * scale) for s, v in series(records, key) if v is not None],
+                   dots)
+
     @property
     def finite(self) -> list[tuple[int, float]]:
         return [(x, y) for x, y in self.points if math.isfinite(y)]
@@ -87,8 +95,7 @@ def build_plots(run: Run) -> list[Plot]:
 
     def line(key: str, label: str, records: Sequence[dict[str, Any]] = train, scale: float = 1.0,
              dots: bool = False) -> Line:
-        return Line(key, label, [(s, v * scale) for s, v in series(records, key) if v is not None],
-                    dots)
+        return Line.of(records, key, label, scale, dots)
 
     device = (run.run_info or {}).get("device_name") or (run.run_info or {}).get("device")
     mfu_known = any(num(r.get("mfu")) is not None for r in train)

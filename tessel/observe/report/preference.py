@@ -12,11 +12,8 @@ A run without these keys (pretraining, SFT) has no such plots.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 from tessel.observe.report.plots import Line, Plot
-from tessel.observe.report.run import Run, series
+from tessel.observe.report.run import Run
 
 PLOT_IDS = ("plot-dpo_rewards", "plot-dpo_accuracy", "plot-dpo_logps")
 
@@ -33,8 +30,8 @@ def preference_plots(run: Run) -> list[Plot]:
         return []
 
     def both(key: str, label: str, scale: float = 1.0) -> list[Line]:
-        return [_line(run.train, key, label, scale),
-                _line(run.val, f"eval_{key}", f"{label} (held out)", scale, dots=True)]
+        return [Line.of(run.train, key, label, scale),
+                Line.of(run.val, f"eval_{key}", f"{label} (held out)", scale, dots=True)]
 
     return [
         Plot(PLOT_IDS[0], "Preference rewards (beta x log-ratio to the reference)", "reward",
@@ -48,8 +45,3 @@ def preference_plots(run: Run) -> list[Plot]:
              "metrics.jsonl has no logps/* values"),
     ]
 
-
-def _line(records: Sequence[dict[str, Any]], key: str, label: str, scale: float = 1.0,
-          dots: bool = False) -> Line:
-    return Line(key, label, [(s, v * scale) for s, v in series(records, key) if v is not None],
-                dots)
