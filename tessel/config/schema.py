@@ -193,6 +193,12 @@ class TrainConfig(Section):
     """Device to train on; `auto` picks CUDA when present."""
 
     @property
+    def rows_per_micro_batch(self) -> int:
+        """Sequences through the model a micro-batch: micro_batch_size, twice that under
+        objective = "dpo" (a pair is two rows, chosen and rejected)."""
+        return self.micro_batch_size * (2 if self.objective == "dpo" else 1)
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens through the model a step: global_batch_size x seq_len, twice that under
         objective = "dpo" (a pair is two rows, chosen and rejected)."""

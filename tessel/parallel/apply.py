@@ -133,9 +133,10 @@ def build_parallel_model(
                        p.sequence_parallel)
         apply_activation_checkpointing(stage, p.activation_checkpointing,
                                        p.activation_checkpointing_every)
-        # this rank's logits per micro-batch: its tokens (1/cp) x its vocabulary (1/tp)
+        # this rank's logits per micro-batch: its tokens (1/cp; both rows of a DPO pair) x
+        # its vocabulary (1/tp)
         stage.loss_chunks = loss_pieces(
-            p.loss_chunks, cfg.train.micro_batch_size * cfg.train.seq_len / dims.cp,
+            p.loss_chunks, cfg.train.rows_per_micro_batch * cfg.train.seq_len / dims.cp,
             cfg.model.padded_vocab_size / dims.tp)
         if cfg.train.compile:
             # Regional compilation: one graph per block keeps start-up short and the

@@ -5,7 +5,7 @@ the same config does not (tessel.train.dpo_run, tessel.data.preference_data).
   micro-batch of b pairs is 2b rows through the model at once (every chosen row, then every
   rejected one): activations, compute and tokens per step are those of twice the rows
   (`as_run`): parallel.loss_chunks = 0 (automatic) counts both rows, as the run does
-  (tessel.train.dpo_run.use_loss_pieces). The rows carry no document mask.
+  (TrainConfig.rows_per_micro_batch in tessel.parallel.apply). The rows carry no document mask.
 - Before the first step one forward-only pass computes the reference log-probabilities of
   every train and validation pair (`reference_logps`), in micro-batches of
   train.micro_batch_size pairs dealt out over the data-parallel replicas. Its time is added

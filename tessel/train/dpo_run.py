@@ -24,7 +24,7 @@ from tessel.data import Batch
 from tessel.data.cache import data_cache_dir
 from tessel.errors import DataError
 from tessel.fileio import write_text_atomic
-from tessel.models.loss import IGNORE_INDEX, loss_pieces
+from tessel.models.loss import IGNORE_INDEX
 from tessel.parallel.dist import all_reduce_sum, broadcast_from_main
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.dpo import PairStats, pair_losses, row_logps, split_pairs, step_loss
@@ -323,7 +323,7 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
     """The DPO loss hook of a run, its pairs given their reference log-probabilities;
     `reference_step()`: a TrainStep of dpo.reference_model's weights for the reference pass
     (None: the policy's own)."""
-    use_loss_pieces(cfg, step)
+    use_loss_pieces(step)
     objective = PreferenceObjective(cfg.dpo, proc.distributed, step.device, step.context)
     step.objective = objective  # before the reference pass: a pipeline's loss asks for it
     made = None
@@ -331,22 +331,19 @@ def dpo_objective(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bool,
         def made() -> Any:  # the reference model's step, sharing the loss hook
             other = reference_step()
             other.objective = objective
-            use_loss_pieces(cfg, other)
+            use_loss_pieces(other)
             return other
     attach_reference(cfg, step, data, run_path, resumed, proc.is_main, say, made)
     return objective
 
 
-def use_loss_pieces(cfg: Any, step: Any) -> None:
-    """Make `step`'s last stage compute each row's summed loss itself over pieces of the
-    logits where parallel.loss_chunks asks for pieces (`logps_of` then takes the rows' sums),
-    else return whole logits. A micro-batch holds 2 rows a pair: parallel.loss_chunks = 0
-    (automatic) counts them (tessel.models.loss.loss_pieces)."""
-    p, last = cfg.parallel, step.model.inner[-1]
-    chunks = loss_pieces(p.loss_chunks, 2 * cfg.train.micro_batch_size * cfg.train.seq_len
-                         / step.dims.cp, cfg.model.padded_vocab_size / step.dims.tp)
-    step.loss_chunks = last.loss_chunks = chunks
-    last.row_losses = chunks > 1
+def use_loss_pieces(step: Any) -> None:
+    """Make `step`'s last stage compute each row's summed loss itself where it runs the loss
+    in pieces of the logits (parallel.loss_chunks, the pieces counted for both rows of a
+    pair: TrainConfig.rows_per_micro_batch; `logps_of` then takes the rows' sums), else
+    return whole logits."""
+    last = step.model.inner[-1]
+    last.row_losses = last.loss_chunks > 1
 
 
 def reference_model_step(cfg: Any, step: Any, mesh: Any, say: Any) -> Any:
