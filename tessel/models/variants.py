@@ -65,6 +65,8 @@ def window_flops_share(window: int | None, seq_len: int) -> float:
 def attention_share(cfg: ModelConfig, seq_len: int) -> float:
     """The mean over the model's layers of `window_flops_share`: the share of causal
     attention work its layers do at `seq_len` (1 with no local layer)."""
+    if cfg.sliding_window is None:  # no local layer (asked per candidate by the planner)
+        return 1.0
     local = sum(cfg.is_local_layer(i) for i in range(cfg.n_layers))
     if not local:
         return 1.0

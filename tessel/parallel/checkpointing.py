@@ -85,10 +85,10 @@ def _contexts(policy: str):  # noqa: ANN202
     return create_selective_checkpoint_contexts(functools.partial(_policy, KeepRule(policy)))
 
 
-def checkpointed_blocks(n_layers: int, every: int) -> list[int]:
+def checkpointed_blocks(n_layers: int, every: int) -> range:
     """The block indices checkpointing applies to: every `every`-th (1: all; 2: 1, 3, 5, ...,
     as torchtitan counts its layers from one)."""
-    return [i for i in range(n_layers) if (i + 1) % every == 0]
+    return range(every - 1, n_layers, every)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1) -> None:

@@ -14,7 +14,7 @@ import torch
 from saved_memory import SavedTensorMeter, metered_contexts
 
 import tessel.parallel.checkpointing as apply
-from tessel.config import LoraConfig, ModelConfig
+from tessel.config import Config, LoraConfig, ModelConfig
 from tessel.models.lora import add_lora, cast_base
 from tessel.models.loss import token_loss_sum
 from tessel.models.transformer import build_model
@@ -153,3 +153,20 @@ def _check_saved(monkeypatch, shape, precision, ac, mask, dropout, lora, every=1
     assert meter.peak == pytest.approx(predicted, rel=0.01), (meter.peak, predicted)
     loss.backward()  # and all of it is released again
     assert meter.current == 0
+
+
+def test_moe_layers_of_a_stage_are_counted_as_the_model_marks_them():
+    """The planner counts a stage's MoE layers in closed form (asked for every stage of every
+    candidate layout); the count equals ModelConfig.is_moe_layer's, layer by layer."""
+    from tessel.planner.kept import moe_layer_count
+
+    for first in range(4):
+        for every in range(1, 4):
+            m = Config.load(None, {"model.preset": "tiny-moe", "model.n_layers": 12,
+                                   "model.moe_first_dense_layers": first,
+                                   "model.moe_every": every}).model
+            for a in range(13):
+                for b in range(a, 14):
+                    want = sum(m.is_moe_layer(i) for i in range(a, b))
+                    assert moe_layer_count(m, range(a, b)) == want, (first, every, a, b)
+                    assert moe_layer_count(m, list(range(a, b))) == want
