@@ -81,7 +81,10 @@ def check_fp8(cfg: Config, device: torch.device, tp: int, say: Callable[[str], A
 def _check_hardware(cfg: Config, recipe: str, device: torch.device, emulate: bool) -> None:
     if recipe == "mxfp8":
         # torchao 0.18 offers MXFP8 training only in its MoE prototype
-        # (torchao.prototype.moe_training), not through Float8Linear: not wired here yet.
+        # (torchao.prototype.moe_training.MXFP8TrainingOpConfig through quantize_), not
+        # through Float8Linear. Tried (emulated, one CPU process): it trains, but the
+        # checkpoint pickles its weight wrapper (a resume is refused by weights_only
+        # loading) and every matmul's token count must be a multiple of the block size 32.
         raise TesselError("train.fp8 = 'mxfp8' is not available with this torchao (MXFP8 "
                           "training is a prototype there); use 'tensorwise' or 'rowwise'")
     if not emulate and device.type != "cuda":
