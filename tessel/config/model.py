@@ -300,9 +300,19 @@ class ModelConfig(Section):
         return (self.moe_experts > 0 and index >= first
                 and (index - first) % self.moe_every == 0)
 
+    def moe_layers_between(self, start: int, stop: int) -> int:
+        """How many of blocks start..stop-1 are MoE layers (`is_moe_layer`), counted, not
+        tested one by one (the planner asks this for every stage of every candidate)."""
+        if self.moe_experts <= 0:
+            return 0
+        first, every = self.moe_first_dense_layers, self.moe_every
+        k = max(start, first)
+        k += -(k - first) % every  # the first MoE layer at or after `start`
+        return 0 if k >= stop else (stop - 1 - k) // every + 1
+
     @property
     def n_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        return self.moe_layers_between(0, self.n_layers)
 
     @property
     def q_dim(self) -> int:

@@ -12,16 +12,9 @@ from tessel.planner.saved import ActivationProfile, SavedBytes
 
 def moe_layer_count(m: ModelConfig, layers: range | list[int]) -> int:
     """How many of `layers` (indices) are MoE layers."""
-    if not m.moe_experts:
-        return 0
     if isinstance(layers, range) and layers.step == 1:
-        # counted, not tested one by one (the planner asks this for every stage of every
-        # candidate): ModelConfig.is_moe_layer's i >= first, (i - first) % every == 0
-        first, every = m.moe_first_dense_layers, m.moe_every
-        k = max(layers.start, first)
-        k += -(k - first) % every  # the first MoE layer at or after the range's start
-        return 0 if k >= layers.stop else (layers.stop - 1 - k) // every + 1
-    return sum(m.is_moe_layer(i) for i in layers)
+        return m.moe_layers_between(layers.start, layers.stop)
+    return sum(m.is_moe_layer(i) for i in layers) if m.moe_experts else 0
 
 
 def stage_counts(m: ModelConfig, layout: Layout, layers: range) -> tuple[int, int, int, int]:

@@ -28,7 +28,13 @@ from tessel.models.loss import IGNORE_INDEX
 from tessel.parallel.dist import all_reduce_sum, broadcast_from_main
 from tessel.parallel.tensor import local_value, loss_context
 from tessel.train.dpo import PairStats, pair_losses, row_logps, split_pairs, step_loss
-from tessel.train.reference_cache import entry_dir, read_cached, reference_key, write_cached
+from tessel.train.reference_cache import (
+    entry_dir,
+    npy_bytes,
+    read_cached,
+    reference_key,
+    write_cached,
+)
 
 REFERENCE_FILE = "reference_logps.npy"
 """In the run directory: the reference log-probabilities of the train then validation pairs
@@ -248,38 +254,12 @@ def attach_reference(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bo
     if resumed:
         ref = _read_reference(path, key)
     else:
-        rows = sum(key["pairs"])
-        cache = data_cache_dir(cfg.data)
-        world = {"precision": step.precision.name, "device": step.device.type,
-                 "dims": dataclasses.asdict(step.dims)}
-        cache_key = reference_key(cfg, list(zip(key["pairs"], key["fingerprints"])), world)
-        found = read_cached(cache, cache_key, rows, say) if is_main else None
-        ref = _from_main(found, rows, step.device, step.distributed)
-        if ref is not None:
-            origin = f"the data cache {entry_dir(cache, cache_key)}"
-            say(f"tessel: reference log-probabilities of {rows:,} pairs from {origin} (the "
-                f"same pairs, weights, settings and layout); kept in {path}")
-        else:
-            which = "dpo.reference_model" if reference_step else "the initial model"
-            origin = f"one pass of {which}"
-            runner = reference_step() if reference_step else step  # (refusals first)
-            say(f"tessel: reference log-probabilities of {rows:,} pairs (one pass of {which}; "
-                f"kept in {path} and the data cache)")
-            ref = reference_logps(runner, sets, data.train.mbs, data.train.dp_rank,
-                                  data.train.dp_size)
-            del runner  # another model's copy is freed now: FSDP's module-state cycles need
-            gc.collect()  # the collector (seen: a ZeRO-3 copy alive through training without it)
-            if is_main:
-                try:
-                    write_cached(cache, cache_key, ref)
-                except OSError as exc:  # a full or read-only cache costs the next run a pass
-                    say(f"tessel: warning: the reference log-probabilities could not be kept "
-                        f"in the data cache {cache} ({exc.strerror or exc}); the run goes on")
+        ref, origin = _cached_or_computed(cfg, step, data, sets, key, is_main, say,
+                                          reference_step, path)
         if is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
-            with tmp.open("wb") as f:
-                np.save(f, ref, allow_pickle=False)
+            tmp.write_bytes(npy_bytes(ref))
             tmp.replace(path)
             # where they came from beside what they are for (a resume checks the latter)
             write_text_atomic(path.with_name(path.name + ".json"),
@@ -287,6 +267,39 @@ def attach_reference(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bo
     lo = 0
     for ds in sets:
         ds.ref, lo = ref[lo:lo + ds.n_samples], lo + ds.n_samples
+
+
+def _cached_or_computed(cfg: Any, step: Any, data: Any, sets: list[Any], key: dict[str, Any],
+                        is_main: bool, say: Any, reference_step: Any, path: Path
+                        ) -> tuple[np.ndarray, str]:
+    """(a fresh run's reference log-probabilities, where they came from): the data cache's
+    entry for exactly this pass, else one pass (then kept in the cache by the main rank)."""
+    rows = sum(key["pairs"])
+    cache = data_cache_dir(cfg.data)
+    world = {"precision": step.precision.name, "device": step.device.type,
+             "dims": dataclasses.asdict(step.dims)}
+    cache_key = reference_key(cfg, list(zip(key["pairs"], key["fingerprints"])), world)
+    found = read_cached(cache, cache_key, rows, say) if is_main else None
+    ref = _from_main(found, rows, step.device, step.distributed)
+    if ref is not None:
+        origin = f"the data cache {entry_dir(cache, cache_key)}"
+        say(f"tessel: reference log-probabilities of {rows:,} pairs from {origin} (the "
+            f"same pairs, weights, settings and layout); kept in {path}")
+        return ref, origin
+    which = "dpo.reference_model" if reference_step else "the initial model"
+    runner = reference_step() if reference_step else step  # (refusals first)
+    say(f"tessel: reference log-probabilities of {rows:,} pairs (one pass of {which}; "
+        f"kept in {path} and the data cache)")
+    ref = reference_logps(runner, sets, data.train.mbs, data.train.dp_rank, data.train.dp_size)
+    del runner  # another model's copy is freed now: FSDP's module-state cycles need
+    gc.collect()  # the collector (seen: a ZeRO-3 copy alive through training without it)
+    if is_main:
+        try:
+            write_cached(cache, cache_key, ref)
+        except OSError as exc:  # a full or read-only cache costs the next run a pass
+            say(f"tessel: warning: the reference log-probabilities could not be kept in the "
+                f"data cache {cache} ({exc.strerror or exc}); the run goes on")
+    return ref, f"one pass of {which}"
 
 
 def _from_main(found: np.ndarray | None, rows: int, device: torch.device,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import shutil
@@ -102,7 +103,7 @@ def read_cached(cache: Path, key: dict[str, Any], rows: int, say: Any) -> np.nda
             raise ValueError("made for another key")
         if hashlib.sha256(blob).hexdigest() != manifest.get("sha256"):
             raise ValueError("its checksum does not match")
-        ref = np.load(where / _FILE, allow_pickle=False)
+        ref = np.load(io.BytesIO(blob), allow_pickle=False)
         if ref.shape != (rows, 2) or ref.dtype != np.float64 or not np.isfinite(ref).all():
             raise ValueError(f"it holds {ref.shape} {ref.dtype} values, not ({rows}, 2) finite")
     except (OSError, ValueError, TypeError) as exc:
@@ -115,13 +116,21 @@ def read_cached(cache: Path, key: dict[str, Any], rows: int, say: Any) -> np.nda
 
 def write_cached(cache: Path, key: dict[str, Any], ref: np.ndarray) -> Path:
     """Keep `ref` under `key` (a finished entry appears whole or not at all)."""
+    blob = npy_bytes(ref)
+
     def build(tmp: Path) -> None:
         with (tmp / _FILE).open("wb") as f:
-            np.save(f, ref, allow_pickle=False)
+            f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-        blob = (tmp / _FILE).read_bytes()
         manifest = {"key": key, "sha256": hashlib.sha256(blob).hexdigest()}
         (tmp / _MANIFEST).write_text(json.dumps(manifest, default=str))
 
     return build_once(entry_dir(cache, key), build, marker=_MANIFEST)
+
+
+def npy_bytes(values: np.ndarray) -> bytes:
+    """`values` as a .npy file's bytes (no pickled objects)."""
+    out = io.BytesIO()
+    np.save(out, values, allow_pickle=False)
+    return out.getvalue()

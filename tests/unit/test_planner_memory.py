@@ -165,6 +165,7 @@ def test_moe_layers_of_a_stage_are_counted_as_the_model_marks_them():
             m = Config.load(None, {"model.preset": "tiny-moe", "model.n_layers": 12,
                                    "model.moe_first_dense_layers": first,
                                    "model.moe_every": every}).model
+            assert m.n_moe_layers == sum(m.is_moe_layer(i) for i in range(12))
             for a in range(13):
                 for b in range(a, 14):
                     want = sum(m.is_moe_layer(i) for i in range(a, b))
