@@ -34,7 +34,8 @@ LAYOUTS = {
     "family_pp2": {"parallel.pp": 2},
     "family_cp2": {"parallel.cp": 2},
 }
-# SHORT steps, a checkpoint (and the validation loss) at the last: what assert_same_run reads.
+# SHORT steps, a checkpoint (and the validation loss) at the last: what assert_same_run reads
+# (of the layouts, their final weights kept in memory: worker.py's `weights_in_memory`).
 RUN = {"train.steps": SHORT, "checkpoint.interval": SHORT, "train.eval_interval": SHORT}
 
 
@@ -42,8 +43,8 @@ def test_qwen2_and_olmo2_features_train_alike_in_every_layout(refs, tmp_path: Pa
     corpus = refs["corpus"]
     reference = tmp_path / "family_reference"
     Trainer(load_config(None, base(reference, corpus, **FAMILY, **RUN)), console=False).train()
-    spec = {"runs": [{"overrides": base(tmp_path / name, corpus, **FAMILY, **RUN, **layout)}
-                     for name, layout in LAYOUTS.items()],
+    spec = {"runs": [{"overrides": base(tmp_path / name, corpus, **FAMILY, **RUN, **layout),
+                      "weights_in_memory": True} for name, layout in LAYOUTS.items()],
             "measure_memory": True}
     proc = torchrun(2, spec, tmp_path)
     assert proc.returncode == 0, job_output(proc)

@@ -343,13 +343,35 @@ def checkpoint_at(run_dir: Path, step: int | None = None) -> Path:
 
 
 def final_weights(run_dir: Path, step: int | None = None) -> dict[str, torch.Tensor]:
-    """The model's weights at checkpoint `step` (None: the latest)."""
+    """The model's weights at checkpoint `step` (None: the latest; for a run whose final
+    weights were kept in memory, worker.py's `weights_in_memory`, those)."""
     cfg = Config.load(run_dir / "config.toml")
+    kept = sorted(run_dir.glob("final-weights-rank*.pt"))
+    if kept and step is None:
+        return weights_kept_in_memory(cfg, kept)
     ckpt = checkpoint_at(run_dir, step)
     if cfg.lora.enabled:  # the adapters are all the checkpoint holds (and all that trains)
         return read_full(ckpt, "model")
     model = build_model(cfg.model, seed=123)  # different init: everything must come from disk
     load_model(ckpt, model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def weights_kept_in_memory(cfg: Config, files: list[Path]) -> dict[str, torch.Tensor]:
+    """The whole model from each rank's final-weights file (a pipeline stage's parts, or all
+    of them): the copies ranks hold of one tensor must be equal, every tensor must be there,
+    and the model's state dict is what is compared, as for a checkpoint."""
+    merged: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in torch.load(f, weights_only=True)["weights"].items():
+            if name in merged:
+                assert torch.equal(merged[name], t), f"{f}: {name} differs from another rank's"
+            merged[name] = t
+    model = build_model(cfg.model, seed=123)  # different init: everything must come from the files
+    missing, unexpected = model.load_state_dict(merged, strict=False)
+    tied = cfg.model.tie_embeddings and "tok_embeddings.weight" in merged
+    assert not unexpected and set(missing) <= ({"output.weight"} if tied else set()), (
+        files[0].parent.name, missing, unexpected)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -464,16 +486,22 @@ def whole_batches(extra: dict, world: int) -> dict:
 def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict], short: bool = False,
           world: int = 2) -> dict:
     """A torchrun job training `layouts` one after another on `world` ranks; `short`: parity
-    layouts, SHORT steps (checkpointed only at the end unless a later run resumes from
-    them), those without data or pipeline parallelism in micro-batches of 4 (WHOLE_BATCHES)."""
+    layouts, SHORT steps (unless a later run resumes from them, their final weights kept
+    in memory rather than checkpointed: worker.py's `weights_in_memory`), those without data
+    or pipeline parallelism in micro-batches of 4 (WHOLE_BATCHES)."""
     def steps(name: str, extra: dict) -> dict:
         if not short:
             return {}
         kept = {"train.steps": SHORT} if name in RESUMED_FROM else SHORT_RUN
         return {**kept, **whole_batches(extra, world)}
 
-    return {"runs": [{"overrides": base(tmp_path / name, corpus, **{**steps(name, extra), **extra})}
-                     for name, extra in layouts.items()]}
+    def run(name: str, extra: dict) -> dict:
+        overrides = base(tmp_path / name, corpus, **{**steps(name, extra), **extra})
+        # a parity layout nothing resumes from: its final weights, not a checkpoint
+        in_memory = short and name not in RESUMED_FROM
+        return {"overrides": overrides, **({"weights_in_memory": True} if in_memory else {})}
+
+    return {"runs": [run(name, extra) for name, extra in layouts.items()]}
 
 
 def assert_planner_memory_matches(run: Path, world: int) -> None:
@@ -530,7 +558,8 @@ def two_process_job(refs, tmp_path_factory: pytest.TempPathFactory):  # noqa: AN
     for name, layout in {"tp2_from_hf": {"parallel.tp": 2}, "pp2_from_hf": {"parallel.pp": 2},
                          "zero3_from_hf": {"parallel.zero": 3}}.items():
         spec["runs"].append({"overrides": base(root / name, refs["corpus"], **SHORT_RUN,
-                                               **whole_batches(layout, 2), **from_hf, **layout)})
+                                               **whole_batches(layout, 2), **from_hf, **layout),
+                             "weights_in_memory": True})
     spec["runs"] += lora_runs(refs, root)
     # last: a preemption notice to rank 1 alone once 2 steps are done; then rank 1's async
     # saves lag (each run's fault and lag are its own)

@@ -82,7 +82,7 @@ def test_window_layouts_match_the_single_process_run(refs, tmp_path: Path):
         Trainer(load_config(None, base(reference[family], corpus, **extra, **{
             "train.steps": SHORT, "train.eval_interval": SHORT})), console=False).train()
     runs = [{"overrides": base(tmp_path / f"{family}_{name}", corpus, **extra, **layout,
-                               **SHORT_RUN)}
+                               **SHORT_RUN), "weights_in_memory": True}
             for family, extra in FAMILIES.items() for name, layout in LAYOUTS.items()]
     proc = torchrun(2, {"runs": runs}, tmp_path)
     assert proc.returncode == 0, job_output(proc)

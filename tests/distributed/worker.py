@@ -3,8 +3,10 @@ another in one process group (starting a process group costs seconds on two core
 
 spec = {"runs": [{"overrides": {...}, "resume": false,
                   "fault": "hang:rank=1:step=2",   # optional: TESSEL_FAULT for that run
-                  "slow_async_save": {"rank": 1}}, # optional: that rank's async saves lag
-                 ...],                             # (that run's alone)
+                  "slow_async_save": {"rank": 1}, # optional: that rank's async saves lag
+                                                   # (that run's alone)
+                  "weights_in_memory": true},      # optional: its one save (at the end) is
+                 ...],                             # the full weights, not a DCP checkpoint
         "measure_memory": true}                # optional: memory-rank*.json per run (planner)
 Each run's metrics and checkpoints land in its run.dir; errors print one line and exit 2/3,
 like the CLI. Faults of the run (a rank that hangs, gets SIGTERM, is killed, a slow network)
@@ -48,6 +50,43 @@ def _slow_saves(run: dict) -> Iterator[None]:
         yield
     finally:
         PendingSave.done = done  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _weights_in_memory(run: dict) -> Iterator[None]:
+    """With run["weights_in_memory"] (a run nothing resumes from, checkpoint.interval = 0, so
+    its one save is at its end): that save writes each rank's model weights, whole (shards
+    gathered), to final-weights-rankR.pt in the run directory instead of a DCP checkpoint
+    of weights and optimizer state. The layout's final weights are still compared with the
+    reference's (test_layouts.final_weights reads these files); what it no longer does is
+    the checkpoint round trip, which the resumed and resharded runs keep (the issue's "keep
+    full weights in memory for runs nothing resumes from"). Saves were ~20% of a short
+    layout's time on two cores."""
+    if not run.get("weights_in_memory"):
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    from tessel.checkpoint.manager import CheckpointManager
+    from tessel.checkpoint.store import _model_state  # the tensors a checkpoint would hold
+
+    def in_memory(self, step: int, state: dict, device: torch.device) -> None:  # noqa: ANN001
+        models = self.models if isinstance(self.models, (list, tuple)) else [self.models]
+        weights = {}
+        for m in models:  # (in the same order on every rank of a mesh: full_tensor gathers)
+            for name, t in _model_state(m).items():
+                t = t.full_tensor() if isinstance(t, DTensor) else t
+                weights[name] = t.detach().cpu().clone()
+        out = Path(self.root).parent / f"final-weights-rank{os.environ['RANK']}.pt"
+        torch.save({"step": step, "weights": weights}, out)
+        self.last_saved_step = step
+
+    save = CheckpointManager.save
+    CheckpointManager.save = in_memory  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CheckpointManager.save = save  # type: ignore[method-assign]
 
 
 def _install_meter(spec: dict) -> None:
@@ -123,7 +162,7 @@ def main() -> int:
             trainer = Trainer(cfg, resume=run.get("resume", False), console=False)
             if "fault" in run:
                 del os.environ["TESSEL_FAULT"]
-            with _slow_saves(run):
+            with _slow_saves(run), _weights_in_memory(run):
                 trainer.train()
             if spec.get("measure_memory"):
                 _record_memory(trainer)
