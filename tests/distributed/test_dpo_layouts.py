@@ -28,6 +28,11 @@ LORA = {"lora.enabled": True, "lora.rank": 4, "lora.alpha": 8.0,
 METRICS = ("rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/rejected")
 
 
+IN_MEMORY = {"tp2", "cp2", "pp2", "other_pp2", "tp2_chunked", "pp2_chunked", "zero3_cached"}
+"""Runs whose saves keep the full weights in memory instead of checkpoints (worker.py's
+`weights_in_memory`): not ZeRO-3 (resumed), nor the LoRA runs (adapter checkpoints)."""
+
+
 def write_pairs(path: Path, n: int = 40) -> Path:
     """Text pairs (the byte tokenizer reads them as bytes): a right and a wrong sum."""
     rows = []
@@ -114,6 +119,8 @@ def test_dpo_layouts_match_the_single_process_run(tmp_path: Path):
             # log-probabilities come from the data cache, read by rank 0 and sent to rank 1
             {"overrides": dpo_base(tmp_path / "zero3_cached", pairs, **{
                 "parallel.zero": 3, "checkpoint.keep_last": 7})}]
+    for run in runs:  # nothing resumes from these: their weights kept in memory (worker.py)
+        run["weights_in_memory"] = Path(run["overrides"]["run.dir"]).name in IN_MEMORY
     proc = torchrun(2, {"runs": [runs[i] for i in (0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11)]},
                     tmp_path)
     assert proc.returncode == 0, job_output(proc)
