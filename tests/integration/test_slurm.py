@@ -55,6 +55,10 @@ STEPS = 300
 # preemption, or the time limit's warning (sent 5-35 s into a one-minute job by this SLURM,
 # whose start takes ~10 s) lands mid-run.
 SLOW = {"TESSEL_FAULT": "slow:seconds=0.05"}
+SLOWER = {"TESSEL_FAULT": "slow:seconds=0.12"}
+"""The time-limit job's pace: its first attempt must outlast the warning, which comes up to
+35 s after the start; at SLOW it trained 300 steps in ~30 s on an idle machine, and finished
+before any warning (once, when the suite's other worker ran less beside it)."""
 CONFIG = f"""
 [model]
 preset = "tiny"
@@ -300,7 +304,7 @@ def test_two_nodes_at_the_time_limit_save_and_requeue_until_done(cluster, refere
     d = _workdir(tmp_path_factory, "timelimit")
     # a one-minute limit with the warning 55 s before it: SIGTERM 5-35 s into every
     # attempt (SLURM checks time limits periodically), each attempt trains a little
-    job = _submit(cluster, d, "--time", "00:01:00", "--signal-grace", "55", env=SLOW, nodes=2)
+    job = _submit(cluster, d, "--time", "00:01:00", "--signal-grace", "55", env=SLOWER, nodes=2)
     info = _finished(cluster, job, d)
     assert int(info["Restarts"]) >= 1
     assert _losses(d / "run") == reference
