@@ -54,14 +54,14 @@ def _slow_saves(run: dict) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _weights_in_memory(run: dict) -> Iterator[None]:
-    """With run["weights_in_memory"] (a run nothing resumes from, checkpoint.interval = 0, so
-    its one save is at its end): that save writes each rank's model weights, whole (shards
-    gathered), to final-weights-rankR.pt in the run directory instead of a DCP checkpoint
-    of weights and optimizer state. The layout's final weights are still compared with the
-    reference's (test_layouts.final_weights reads these files); what it no longer does is
-    the checkpoint round trip, which the resumed and resharded runs keep (the issue's "keep
-    full weights in memory for runs nothing resumes from"). Saves were ~20% of a short
-    layout's time on two cores."""
+    """With run["weights_in_memory"] (a run nothing resumes from): each save of the run (with
+    checkpoint.interval = 0 the one at its end; otherwise the last one wins) writes each
+    rank's model weights, whole (shards gathered), to final-weights-rankR.pt in the run
+    directory instead of a DCP checkpoint of weights and optimizer state. The layout's final
+    weights are still compared with the reference's (test_layouts.final_weights reads these
+    files); what it no longer does is the checkpoint round trip, which the resumed and
+    resharded runs keep (the issue's "keep full weights in memory for runs nothing resumes
+    from"). Saves were ~20% of a short layout's time on two cores."""
     if not run.get("weights_in_memory"):
         yield
         return
