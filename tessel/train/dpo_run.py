@@ -254,12 +254,12 @@ def attach_reference(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bo
     if resumed:
         ref = _read_reference(path, key)
     else:
-        ref, origin = _cached_or_computed(cfg, step, data, sets, key, is_main, say,
-                                          reference_step, path)
+        ref, origin, blob = _cached_or_computed(cfg, step, data, sets, key, is_main, say,
+                                                reference_step, path)
         if is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(npy_bytes(ref))
+            tmp.write_bytes(blob)
             tmp.replace(path)
             # where they came from beside what they are for (a resume checks the latter)
             write_text_atomic(path.with_name(path.name + ".json"),
@@ -271,8 +271,9 @@ def attach_reference(cfg: Any, step: Any, data: Any, run_path: Path, resumed: bo
 
 def _cached_or_computed(cfg: Any, step: Any, data: Any, sets: list[Any], key: dict[str, Any],
                         is_main: bool, say: Any, reference_step: Any, path: Path
-                        ) -> tuple[np.ndarray, str]:
-    """(a fresh run's reference log-probabilities, where they came from): the data cache's
+                        ) -> tuple[np.ndarray, str, bytes]:
+    """(a fresh run's reference log-probabilities, where they came from, their .npy bytes on
+    the main rank, serialised once for the cache and the run directory): the data cache's
     entry for exactly this pass, else one pass (then kept in the cache by the main rank)."""
     rows = sum(key["pairs"])
     cache = data_cache_dir(cfg.data)
@@ -285,7 +286,7 @@ def _cached_or_computed(cfg: Any, step: Any, data: Any, sets: list[Any], key: di
         origin = f"the data cache {entry_dir(cache, cache_key)}"
         say(f"tessel: reference log-probabilities of {rows:,} pairs from {origin} (the "
             f"same pairs, weights, settings and layout); kept in {path}")
-        return ref, origin
+        return ref, origin, npy_bytes(ref) if is_main else b""
     which = "dpo.reference_model" if reference_step else "the initial model"
     runner = reference_step() if reference_step else step  # (refusals first)
     say(f"tessel: reference log-probabilities of {rows:,} pairs (one pass of {which}; "
@@ -293,13 +294,14 @@ def _cached_or_computed(cfg: Any, step: Any, data: Any, sets: list[Any], key: di
     ref = reference_logps(runner, sets, data.train.mbs, data.train.dp_rank, data.train.dp_size)
     del runner  # another model's copy is freed now: FSDP's module-state cycles need
     gc.collect()  # the collector (seen: a ZeRO-3 copy alive through training without it)
+    blob = npy_bytes(ref) if is_main else b""
     if is_main:
         try:
-            write_cached(cache, cache_key, ref)
+            write_cached(cache, cache_key, blob)
         except OSError as exc:  # a full or read-only cache costs the next run a pass
             say(f"tessel: warning: the reference log-probabilities could not be kept in the "
                 f"data cache {cache} ({exc.strerror or exc}); the run goes on")
-    return ref, f"one pass of {which}"
+    return ref, f"one pass of {which}", blob
 
 
 def _from_main(found: np.ndarray | None, rows: int, device: torch.device,

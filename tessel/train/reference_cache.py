@@ -114,10 +114,9 @@ def read_cached(cache: Path, key: dict[str, Any], rows: int, say: Any) -> np.nda
     return ref
 
 
-def write_cached(cache: Path, key: dict[str, Any], ref: np.ndarray) -> Path:
-    """Keep `ref` under `key` (a finished entry appears whole or not at all)."""
-    blob = npy_bytes(ref)
-
+def write_cached(cache: Path, key: dict[str, Any], blob: bytes) -> Path:
+    """Keep the log-probabilities whose .npy bytes are `blob` (`npy_bytes`) under `key` (a
+    finished entry appears whole or not at all)."""
     def build(tmp: Path) -> None:
         with (tmp / _FILE).open("wb") as f:
             f.write(blob)

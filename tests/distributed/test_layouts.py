@@ -489,17 +489,13 @@ def _spec(tmp_path: Path, corpus: Path, layouts: dict[str, dict], short: bool = 
     layouts, SHORT steps (unless a later run resumes from them, their final weights kept
     in memory rather than checkpointed: worker.py's `weights_in_memory`), those without data
     or pipeline parallelism in micro-batches of 4 (WHOLE_BATCHES)."""
-    def steps(name: str, extra: dict) -> dict:
-        if not short:
-            return {}
-        kept = {"train.steps": SHORT} if name in RESUMED_FROM else SHORT_RUN
-        return {**kept, **whole_batches(extra, world)}
-
     def run(name: str, extra: dict) -> dict:
-        overrides = base(tmp_path / name, corpus, **{**steps(name, extra), **extra})
-        # a parity layout nothing resumes from: its final weights, not a checkpoint
-        in_memory = short and name not in RESUMED_FROM
-        return {"overrides": overrides, **({"weights_in_memory": True} if in_memory else {})}
+        if not short:
+            return {"overrides": base(tmp_path / name, corpus, **extra)}
+        in_memory = name not in RESUMED_FROM  # nothing resumes from it: no checkpoint needed
+        kept = SHORT_RUN if in_memory else {"train.steps": SHORT}
+        overrides = base(tmp_path / name, corpus, **{**kept, **whole_batches(extra, world), **extra})
+        return {"overrides": overrides, "weights_in_memory": in_memory}
 
     return {"runs": [run(name, extra) for name, extra in layouts.items()]}
 
