@@ -51,8 +51,16 @@ def install() -> None:
             unavailable(f"{' '.join(cmd)} failed: {out.stderr.strip()[-300:]}")
 
 
+def _munge_answers() -> bool:
+    """Whether a munged answers on its socket (not `pgrep munged`: in a container whose first
+    process reaps no orphans, a munged that died stays a zombie that pgrep still finds, and
+    SLURM's daemons then time out on every message)."""
+    return subprocess.run(["munge", "-n"], stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=30).returncode == 0
+
+
 def _start_munge() -> None:
-    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+    if _munge_answers():
         return
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
@@ -62,6 +70,11 @@ def _start_munge() -> None:
                          capture_output=True, text=True)
     if out.returncode != 0:
         unavailable(f"munged did not start: {out.stderr.strip()[-300:]}")
+    deadline = time.monotonic() + 10
+    while not _munge_answers():
+        if time.monotonic() > deadline:
+            unavailable("munged started but does not answer on /run/munge/munge.socket.2")
+        time.sleep(0.2)
 
 
 class Cluster:
