@@ -12,7 +12,8 @@
                                               took part in that step's quorum, so its peers
                                               are in theirs
     TESSEL_FAULT="slow:seconds=0.1"           every step starts 0.1 s late (a slow machine;
-                                              the losses are unchanged; step=N: from step N on)
+                                              the losses are unchanged; step=N: from step N on;
+                                              attempts=N: in the job's first N attempts only)
     TESSEL_FAULT="netdelay:seconds=0.05"      every collective of the process (from the first
                                               step on) starts 0.05 s late: a slow network; the
                                               losses are unchanged (rank=R: that rank only)
@@ -24,8 +25,9 @@ non-finite number is refused in one line before the run starts (`check_faults`).
 
 Several faults are separated by ";". A fault keyed by batch follows the data, not the step:
 once a rollback skips that batch it never fires again, as a corrupted sample would behave.
-`kill` fires only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so
-the restarted job can finish. Unset, nothing here does anything.
+`kill` and `term` fire only in a job's first attempt, so the restarted or requeued job can
+finish. A job's attempts are counted by torchrun's restarts (TORCHELASTIC_RESTART_COUNT) and
+SLURM's requeues (SLURM_RESTART_COUNT) together. Unset, nothing here does anything.
 
 `netdelay` puts its wait inside the collective itself: a kernel of its own runs before the
 backend's for every `c10d::` operator, the one door through which DDP, FSDP2, DTensor's
@@ -60,6 +62,7 @@ class Fault:
     batch: int | None = None
     scale: float = 1.0
     seconds: float = 0.0
+    attempts: int | None = None
 
 
 GRAMMAR: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -70,7 +73,7 @@ GRAMMAR: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hang": (("step",), ("rank",)),
     "killsync": (("step",), ("rank",)),
     "term": (("step",), ("rank",)),
-    "slow": (("seconds",), ("rank", "step")),
+    "slow": (("seconds",), ("rank", "step", "attempts")),
     "netdelay": (("seconds",), ("rank",)),
 }
 MAX_SECONDS = 86400.0
@@ -79,7 +82,7 @@ MAX_SECONDS = 86400.0
 
 def parse_faults(spec: str, world_size: int | None = None, steps: int | None = None) -> list[Fault]:
     """The faults of a TESSEL_FAULT value, each checked against its kind's grammar (GRAMMAR):
-    every key it needs and none it would ignore, whole numbers >= 0 for rank, step and batch,
+    every key it needs and none it would ignore, whole numbers >= 0 for rank, step, batch and attempts,
     finite numbers for scale and seconds (a wait above 0); `world_size`: ranks below it;
     `steps` (train.steps): steps the run reaches. A fault that could never fire is refused
     in one line (TesselError), as is one that would fail inside the run."""
@@ -112,8 +115,8 @@ def _keys(needs: tuple[str, ...], may: tuple[str, ...]) -> str:
 
 
 def _number(key: str, value: str, item: str) -> float | int:
-    """One field's value: a whole number >= 0 (rank, step, batch), a finite number >= 0
-    (scale), or a wait in seconds above 0 and at most MAX_SECONDS."""
+    """One field's value: a whole number >= 0 (rank, step, batch, attempts), a finite number
+    >= 0 (scale), or a wait in seconds above 0 and at most MAX_SECONDS."""
     try:
         number: float | int = float(value) if key in ("scale", "seconds") else int(value)
     except ValueError:
@@ -137,10 +140,23 @@ def _check_reach(fault: Fault, item: str, world_size: int | None, steps: int | N
         raise TesselError(f"TESSEL_FAULT: {item!r} names rank {fault.rank}, but the run has "
                           f"{world_size} process{'es' if world_size > 1 else ''} (ranks 0 to "
                           f"{world_size - 1}); name one of them")
+    if fault.attempts == 0:
+        raise TesselError(f"TESSEL_FAULT: {item!r} never fires: attempts=N slows the job's "
+                          "first N attempts; use attempts=1 or more")
     if steps is not None and fault.step is not None and fault.step >= steps:
         raise TesselError(f"TESSEL_FAULT: {item!r} never fires: step=N fires once N steps are "
                           f"done, and the run ends at train.steps={steps}; use a step below "
                           f"{steps}")
+
+
+def attempt() -> int:
+    """How many attempts of this job came before this one: torchrun's restarts of its workers
+    plus SLURM's requeues of the job (each requeue starts torchrun afresh at restart 0)."""
+    count = 0
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = os.environ.get(name, "0")
+        count += int(value) if value.isdigit() else 0
+    return count
 
 
 def check_faults(world_size: int, steps: int) -> None:
@@ -156,7 +172,8 @@ class Faults:
         checks it; ranks against `world_size` in the first attempt only (a restarted elastic
         job may have fewer processes, and `kill` fires in the first attempt alone)."""
         self.rank = rank
-        self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.attempt = attempt()
+        self.first_attempt = self.attempt == 0
         self.faults = parse_faults(spec if spec is not None else os.environ.get("TESSEL_FAULT", ""),
                                    world_size if self.first_attempt else None, steps)
         self._delay: Any = None  # the netdelay kernels' registration while it is on
@@ -168,7 +185,8 @@ class Faults:
             self._delay = delay_collectives(seconds) if seconds > 0 else False
         for f in self.faults:
             if f.kind == "slow":
-                if f.rank in (None, self.rank) and (f.step is None or step >= f.step):
+                if (f.rank in (None, self.rank) and (f.step is None or step >= f.step)
+                        and (f.attempts is None or self.attempt < f.attempts)):
                     time.sleep(f.seconds)
                 continue
             if f.step != step or (f.rank is not None and f.rank != self.rank):

@@ -84,3 +84,43 @@ def test_term_sends_this_process_sigterm_at_its_step_only(monkeypatch):
         assert got == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_slow_for_the_first_attempts_counts_torchrun_restarts_and_slurm_requeues(monkeypatch):
+    """`attempts=N` slows the job's first N attempts only; a requeued SLURM job (which starts
+    torchrun afresh, at restart 0) is a later attempt, as a torchrun restart is."""
+    slept: list[float] = []
+    monkeypatch.setattr("tessel.train.faults.time.sleep", slept.append)
+    for env, expect in (({}, [0.5]), ({"SLURM_RESTART_COUNT": "1"}, []),
+                        ({"TORCHELASTIC_RESTART_COUNT": "1"}, []),
+                        ({"SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "0"}, [0.5])):
+        for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        slept.clear()
+        Faults(0, "slow:seconds=0.5:attempts=1").at_step(3)
+        assert slept == expect, env
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    slept.clear()
+    Faults(0, "slow:seconds=0.5:attempts=2").at_step(3)  # the second attempt: still slowed
+    Faults(0, "slow:seconds=0.25").at_step(3)  # no attempts=: every attempt
+    assert slept == [0.5, 0.25]
+    with pytest.raises(TesselError, match="never fires: attempts=N slows the job's first N"):
+        parse_faults("slow:seconds=0.1:attempts=0")
+    with pytest.raises(TesselError, match="bad field 'attempts=1'"):
+        parse_faults("netdelay:seconds=0.1:attempts=1")
+
+
+def test_a_requeued_slurm_job_does_not_kill_or_signal_itself_again(monkeypatch):
+    import signal
+
+    got: list[int] = []
+    monkeypatch.setattr("tessel.train.faults.os.kill", lambda pid, sig: got.append(sig))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    Faults(0, "kill:step=2;term:step=2").at_step(2)
+    assert got == []
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    Faults(0, "kill:step=2;term:step=2").at_step(2)
+    assert got == [signal.SIGKILL, signal.SIGTERM]
