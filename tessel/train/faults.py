@@ -173,10 +173,13 @@ class Faults:
         job may have fewer processes, and `kill` fires in the first attempt alone)."""
         self.rank = rank
         self.attempt = attempt()
-        self.first_attempt = self.attempt == 0
         self.faults = parse_faults(spec if spec is not None else os.environ.get("TESSEL_FAULT", ""),
                                    world_size if self.first_attempt else None, steps)
         self._delay: Any = None  # the netdelay kernels' registration while it is on
+
+    @property
+    def first_attempt(self) -> bool:
+        return self.attempt == 0
 
     def at_step(self, step: int) -> None:
         if self._delay is None:
