@@ -258,13 +258,34 @@ class Harness:
         from lm_eval import simple_evaluate
 
         e = self.cfg
-        with random_state_kept():
+        with random_state_kept(), environment_report_skipped():
             results = simple_evaluate(
                 model=self.lm, tasks=list(e.tasks), num_fewshot=e.num_fewshot,
                 limit=e.limit or None, task_manager=self.manager, log_samples=False,
                 bootstrap_iters=0, random_seed=self.seed, numpy_random_seed=self.seed,
                 torch_random_seed=self.seed, fewshot_random_seed=self.seed)
         return score_keys(results["results"]) if results is not None else {}
+
+
+@contextlib.contextmanager
+def environment_report_skipped() -> Iterator[None]:
+    """simple_evaluate ends by describing the environment in its results: torch's
+    `collect_env` (which runs pip, gcc, nvidia-smi and more) and the git hashes of the working
+    directory and its parent. That took 2.4 s of every call on a 2-core CPU machine, on every
+    rank at every scoring; tessel keeps only `results["results"]`, so both are skipped while
+    it scores (lm_eval's own runs, outside this, keep them)."""
+    import lm_eval.evaluator as evaluator
+
+    stubs: dict[str, Callable[..., None]] = {"add_env_info": lambda storage: None,
+                                             "get_git_commit_hash": lambda: None}
+    kept = {name: getattr(evaluator, name) for name in stubs if hasattr(evaluator, name)}
+    for name in kept:
+        setattr(evaluator, name, stubs[name])
+    try:
+        yield
+    finally:
+        for name, function in kept.items():
+            setattr(evaluator, name, function)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The parts of benchmark scoring that need no model: the [lm_eval] section's checks, lm_eval's
-results as metrics fields, score records beside training and validation records, and the
-random state scoring leaves alone. (Scores themselves: tests/integration/test_lm_eval.py.)"""
+results as metrics fields, score records beside training and validation records, the random
+state scoring leaves alone and the environment report it skips. (Scores themselves:
+tests/integration/test_lm_eval.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from tessel.config import Config, ConfigError
 from tessel.observe.metrics import latest_per_step, record_kind
-from tessel.train.harness import random_state_kept, score_keys
+from tessel.train.harness import environment_report_skipped, random_state_kept, score_keys
 
 
 def test_lm_eval_section_defaults_off_and_checks_its_fields():
@@ -61,3 +62,22 @@ def test_scoring_leaves_the_random_state_as_it_was():
         torch.rand(5)
     got = (torch.rand(2), random.random(), np.random.rand())
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_scoring_skips_lm_evals_environment_report_and_puts_it_back(monkeypatch):
+    import subprocess
+
+    evaluator = pytest.importorskip("lm_eval.evaluator")
+    original = evaluator.add_env_info, evaluator.get_git_commit_hash
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started while scoring: {args[:1]}")
+
+    results: dict = {}
+    with environment_report_skipped():
+        monkeypatch.setattr(subprocess, "Popen", no_process)  # collect_env runs pip, gcc, ...
+        evaluator.add_env_info(results)
+        assert evaluator.get_git_commit_hash() is None
+        monkeypatch.undo()
+    assert results == {}
+    assert (evaluator.add_env_info, evaluator.get_git_commit_hash) == original  # lm_eval's own
