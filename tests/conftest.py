@@ -237,6 +237,23 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import time
 
     _started.append(time.monotonic())
+    if not _WORKER:  # once, before the workers start
+        _compile_sources()
+
+
+def _compile_sources() -> None:
+    """Compile tessel's and the tests' modules to bytecode (their __pycache__, which git
+    ignores) once, for every process the suite starts. Where PYTHONDONTWRITEBYTECODE is set (as
+    on the project's machines), no process writes bytecode, and pip compiles what it installs
+    but not an editable install's source: every `tessel` subprocess, torchrun worker and SLURM
+    job step compiled the modules it imports again, ~0.5 s of CPU each for the trainer's (its
+    import: 4.2 s of CPU without, 3.7 s with). Python reads bytecode even where it writes
+    none, and recompiles in memory any module whose source is newer than its bytecode."""
+    import compileall
+
+    root = Path(__file__).resolve().parents[1]
+    for tree in (root / "tessel", root / "tests"):
+        compileall.compile_dir(tree, quiet=2)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
