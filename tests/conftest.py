@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import system_packages
 import torch
 
 from tessel.config import Config
@@ -206,7 +207,14 @@ def _machine_factor() -> float:
     return best / _REFERENCE_WORKLOAD_S
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if _WORKER:  # the session's id, which every worker shares (tests/system_packages.py)
+        os.environ[system_packages.RUN_ID] = config.workerinput["testrunuid"]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the Debian packages these tests run and this machine lacks, installed in the background
+    system_packages.start([item.nodeid for item in items])
     # the same order on every worker (xdist compares their collections): a stable sort
     items.sort(key=lambda item: not item.nodeid.startswith(WAITING_FIRST))
     for item in items:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import system_packages
 
 SUBNET = "10.231.0"
 """The test's own private range (10.231.0.0/24): node i is SUBNET.(i+1)."""
@@ -71,12 +72,8 @@ def _ip(*args: str) -> None:
 
 def unavailable() -> str | None:
     """Why namespaces cannot be made here, or None. A root machine with apt-get and no `ip`
-    gets iproute2 installed first (as the Slurm tests install slurm-wlm)."""
-    if shutil.which("ip") is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for cmd in (["apt-get", "update", "-q"],
-                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", "iproute2"]):
-            subprocess.run(cmd, capture_output=True, env=env, timeout=600)
+    gets iproute2 installed first (tests/system_packages.py)."""
+    system_packages.ensure("iproute2")
     if shutil.which("ip") is None:
         return "no `ip` command (iproute2)"
     if os.geteuid() != 0:

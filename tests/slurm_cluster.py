@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import system_packages
 from netns import Node, nodes
 
 GRACE = 60
@@ -37,18 +38,11 @@ def unavailable(why: str) -> None:
 
 
 def install() -> None:
-    """slurm-wlm and munge, installed when missing (root with apt-get), else a skip."""
-    if shutil.which("slurmctld") and shutil.which("munged"):
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        unavailable("slurm-wlm and munge are not installed (apt-get install slurm-wlm munge)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"],
-                ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm",
-                 "munge"]):
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if out.returncode != 0:
-            unavailable(f"{' '.join(cmd)} failed: {out.stderr.strip()[-300:]}")
+    """slurm-wlm and munge, installed when missing (root with apt-get: tests/system_packages.py),
+    else a skip."""
+    why = system_packages.ensure("slurm-wlm", "munge")
+    if why:
+        unavailable(why)
 
 
 def _munge_answers() -> bool:
