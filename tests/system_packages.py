@@ -12,6 +12,7 @@ test. A test that needs a package calls `ensure`, which waits for that install.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +35,9 @@ USERS = {
 """The test modules that run a package, by path: what a collection needs installed."""
 TIMEOUT_S = 900.0
 """The longest the install may take (apt-get's downloads included)."""
+LOCK = ("-o", "DPkg::Lock::Timeout=300")
+"""apt-get waits for another apt-get's lock (another test session's install, say) instead of
+failing at once."""
 
 RUN_ID = "TESSEL_TEST_RUN_ID"
 """The test session's id (conftest sets it: xdist's testrunuid, which every worker shares)."""
@@ -68,9 +72,10 @@ def start(nodeids: list[str]) -> None:
         state.mkdir()  # atomic: one starter per session
     except FileExistsError:
         return
-    script = ("apt-get update -q && apt-get install -y -q --no-install-recommends "
-              f"{' '.join(missing)}; echo $? > {state / 'rc.tmp'} && mv {state / 'rc.tmp'} "
-              f"{state / 'rc'}")
+    script = (f"apt-get update -q {' '.join(LOCK)} && apt-get install -y -q {' '.join(LOCK)} "
+              "--no-install-recommends "
+              f"{' '.join(missing)}; echo $? > {shlex.quote(str(state / 'rc.tmp'))} && "
+              f"mv {shlex.quote(str(state / 'rc.tmp'))} {shlex.quote(str(state / 'rc'))}")
     with open(state / "log", "w") as log:
         subprocess.Popen(["sh", "-c", script], stdout=log, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True,
@@ -94,8 +99,8 @@ def ensure(*packages: str) -> str | None:
     if not can_install():
         return f"{' '.join(missing)} not installed (apt-get install {' '.join(missing)})"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"],
-                ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
+    for cmd in (["apt-get", "update", "-q", *LOCK],
+                ["apt-get", "install", "-y", "-q", *LOCK, "--no-install-recommends", *missing]):
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         if out.returncode != 0:
             return f"{' '.join(cmd)} failed: {out.stderr.strip()[-300:]}"
