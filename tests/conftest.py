@@ -213,8 +213,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the Debian packages these tests run and this machine lacks, installed in the background
-    system_packages.start([item.nodeid for item in items])
     # the same order on every worker (xdist compares their collections): a stable sort
     items.sort(key=lambda item: not item.nodeid.startswith(WAITING_FIRST))
     for item in items:
@@ -223,6 +221,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                   else BUDGET_S["slow" if item.get_closest_marker("slow") else "default"])
         # in the report, which reaches the xdist controller (collection is the workers')
         item.user_properties.append(("budget_s", budget))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # the Debian packages the selected tests (after -m and -k) run and this machine lacks,
+    # installed in the background while the first tests run
+    if not session.config.option.collectonly:
+        system_packages.start([item.nodeid for item in session.items])
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
