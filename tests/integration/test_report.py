@@ -385,7 +385,7 @@ def test_many_moe_layers_are_summarised_and_damaged_shares_skipped(tmp_path: Pat
 
 def _chromium() -> str:
     why = system_packages.ensure("chromium")  # installed in the background from collection on
-    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    exe = next(filter(None, map(shutil.which, system_packages.BROWSERS)), None)
     if exe is None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"a browser is needed under CI=true: {why}", pytrace=False)
