@@ -20,11 +20,11 @@ import time
 import uuid
 from pathlib import Path
 
-COMMANDS = {"slurm-wlm": "slurmctld", "munge": "munged", "chromium": "chromium",
-            "iproute2": "ip"}
-"""Each package, and a command on PATH that shows it is installed."""
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-"""Any of these on PATH does for the browser tests (chromium is what gets installed)."""
+COMMANDS = {"slurm-wlm": ("slurmctld",), "munge": ("munged",), "iproute2": ("ip",),
+            "chromium": ("chromium", "chromium-browser", "google-chrome")}
+"""Each package, and the commands on PATH that show it is installed (any one: another browser
+does for the browser tests)."""
+BROWSERS = COMMANDS["chromium"]
 USERS = {
     "tests/integration/test_slurm.py": ("slurm-wlm", "munge", "iproute2"),
     "tests/integration/test_report.py": ("chromium",),
@@ -44,9 +44,7 @@ RUN_ID = "TESSEL_TEST_RUN_ID"
 
 
 def installed(package: str) -> bool:
-    if package == "chromium":
-        return any(shutil.which(b) for b in BROWSERS)
-    return shutil.which(COMMANDS[package]) is not None
+    return any(shutil.which(command) for command in COMMANDS[package])
 
 
 def can_install() -> bool:
@@ -56,6 +54,12 @@ def can_install() -> bool:
 def _state_dir() -> Path:
     run_id = os.environ.setdefault(RUN_ID, uuid.uuid4().hex)
     return Path(tempfile.gettempdir()) / f"tessel-test-apt-{run_id}"
+
+
+def _apt_get(missing: list[str]) -> list[list[str]]:
+    """The commands that install `missing`: apt-get waits for another apt-get's lock."""
+    return [["apt-get", "update", "-q", *LOCK],
+            ["apt-get", "install", "-y", "-q", *LOCK, "--no-install-recommends", *missing]]
 
 
 def start(nodeids: list[str]) -> None:
@@ -72,10 +76,8 @@ def start(nodeids: list[str]) -> None:
         state.mkdir()  # atomic: one starter per session
     except FileExistsError:
         return
-    script = (f"apt-get update -q {' '.join(LOCK)} && apt-get install -y -q {' '.join(LOCK)} "
-              "--no-install-recommends "
-              f"{' '.join(missing)}; echo $? > {shlex.quote(str(state / 'rc.tmp'))} && "
-              f"mv {shlex.quote(str(state / 'rc.tmp'))} {shlex.quote(str(state / 'rc'))}")
+    rc, done = shlex.quote(str(state / "rc.tmp")), shlex.quote(str(state / "rc"))
+    script = f"{' && '.join(map(shlex.join, _apt_get(missing)))}; echo $? > {rc} && mv {rc} {done}"
     with open(state / "log", "w") as log:
         subprocess.Popen(["sh", "-c", script], stdout=log, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True,
@@ -99,8 +101,7 @@ def ensure(*packages: str) -> str | None:
     if not can_install():
         return f"{' '.join(missing)} not installed (apt-get install {' '.join(missing)})"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q", *LOCK],
-                ["apt-get", "install", "-y", "-q", *LOCK, "--no-install-recommends", *missing]):
+    for cmd in _apt_get(missing):
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         if out.returncode != 0:
             return f"{' '.join(cmd)} failed: {out.stderr.strip()[-300:]}"
