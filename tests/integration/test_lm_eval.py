@@ -93,6 +93,10 @@ def scores(run: Path) -> dict[int, dict]:
             for r in read_metrics(run / "metrics.jsonl") if any(k.startswith("eval/") for k in r)}
 
 
+ENVIRONMENT_REPORTS: list[dict] = []
+"""lm_eval's environment reports made while `trained` trained and scored."""
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """A single-process `tessel train` run with the task scored every 2 steps, and its
@@ -110,6 +114,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     with pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)
+        # lm_eval's environment report (collect_env: pip, gcc, ...), as simple_evaluate would
+        # make it, recorded: tessel's scoring must skip it
+        import lm_eval.evaluator
+
+        mp.setattr(lm_eval.evaluator, "add_env_info", ENVIRONMENT_REPORTS.append)
         assert main(train_args(run, corpus, tasks)) == 0
     assert main(["convert", "tessel-to-hf", str(run), str(run / "hf")]) == 0
     return run, corpus, tasks
@@ -119,6 +128,7 @@ def test_train_writes_scores_at_the_interval_and_at_the_end(trained):
     run, _, _ = trained
     got = scores(run)
     assert sorted(got) == [2, 4]
+    assert ENVIRONMENT_REPORTS == []  # scored twice through simple_evaluate, no report made
     for rec in got.values():
         assert set(rec) == {f"eval/{TASK}/acc", f"eval/{TASK}/acc_norm"}
         # fractions of the 8 questions
