@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,23 @@ def _machine_factor() -> float:
 def pytest_configure(config: pytest.Config) -> None:
     if _WORKER:  # the session's id, which every worker shares (tests/system_packages.py)
         os.environ[system_packages.RUN_ID] = config.workerinput["testrunuid"]
+    else:  # before the workers start: they, and every process they start, inherit it
+        _write_bytecode()
+
+
+def _write_bytecode() -> None:
+    """Every process of the session writes the bytecode of the modules it imports (each
+    module's __pycache__; git ignores them), so the next process reads it instead of
+    compiling again, even where PYTHONDONTWRITEBYTECODE is set (as on the project's
+    machines). The suite starts ~300 Python processes (`tessel` subprocesses, torchrun
+    workers, SLURM job steps), most of which import the trainer: 3.7 s of CPU with bytecode,
+    4.2 s without. With it the README's test command installs with `pip install
+    --no-compile`: pip byte-compiles every file of every package it installs, on one core
+    (44 s of the 96 s install on the 2-core machine), where the suite imports a fraction of
+    them; here each is compiled once, by the first process that imports it (importlib writes
+    it atomically: concurrent first imports are safe)."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -250,23 +268,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import time
 
     _started.append(time.monotonic())
-    if not _WORKER:  # once, before the workers start
-        _compile_sources()
-
-
-def _compile_sources() -> None:
-    """Compile tessel's and the tests' modules to bytecode (their __pycache__, which git
-    ignores) once, for every process the suite starts. Where PYTHONDONTWRITEBYTECODE is set (as
-    on the project's machines), no process writes bytecode, and pip compiles what it installs
-    but not an editable install's source: every `tessel` subprocess, torchrun worker and SLURM
-    job step compiled the modules it imports again, ~0.5 s of CPU each for the trainer's (its
-    import: 4.2 s of CPU without, 3.7 s with). Python reads bytecode even where it writes
-    none, and recompiles in memory any module whose source is newer than its bytecode."""
-    import compileall
-
-    root = Path(__file__).resolve().parents[1]
-    for tree in (root / "tessel", root / "tests"):
-        compileall.compile_dir(tree, quiet=2)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -28,7 +28,8 @@ DEMO_COMMAND = (
     "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && .venv/bin/tessel train"
 )
 TEST_COMMAND = (
-    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[dev]' && .venv/bin/pytest"
+    "python3 -m venv .venv && .venv/bin/pip install --no-compile torch==2.13.0 -e '.[dev]'"
+    " && .venv/bin/pytest"
 )
 
 
