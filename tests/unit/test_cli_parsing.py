@@ -126,3 +126,21 @@ def test_overrides_are_taken_out_in_order_whatever_their_form():
         ["--train.steps=-1", "--run.dir=runs/a b", '--data.paths=["my corpus"]'],
     )
 
+
+
+@pytest.mark.parametrize("argv", HELP_ARGV, ids=" ".join)
+def test_help_leaves_the_process_without_importing_torch(argv: list[str]):
+    """`tessel run()` (the installed command) ends a process that never started a process
+    group with a plain exit: asking for help costs no torch import (1.5-2 s of CPU)."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            f"sys.argv = ['tessel', *{argv!r}, '--help']\n"
+            "from tessel.cli import run\n"
+            "run()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("usage: tessel")
+    assert proc.stdout.splitlines()[-1] == "torch imported: False"
