@@ -6,6 +6,7 @@ the CLI."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -106,13 +107,17 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+@functools.cache
+def trees() -> dict[str, ast.Module]:
+    """Every tessel module's syntax tree, parsed when a test first asks (not at collection,
+    which every xdist worker does: ~1.5 s of CPU each)."""
+    return {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 
 def test_no_import_circles():
     """Counting every import: function-level ones and those under TYPE_CHECKING too (a helper
     that imports the Trainer only for its type still reaches into it)."""
-    graph = {name: _imports(name, tree, type_checking=True) for name, tree in TREES.items()}
+    graph = {name: _imports(name, tree, type_checking=True) for name, tree in trees().items()}
     assert _cycles(graph) == []
 
 
@@ -121,7 +126,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_only_the_cli_imports_the_cli():
-    graph = {name: _imports(name, tree) for name, tree in TREES.items()}
+    graph = {name: _imports(name, tree) for name, tree in trees().items()}
     offenders = sorted(n for n, deps in graph.items()
                        if not n.startswith("tessel.cli") and n != "tessel.__main__"
                        and any(d.startswith("tessel.cli") for d in deps))
@@ -132,7 +137,7 @@ def test_config_is_the_bottom_layer():
     """tessel.config imports nothing of tessel but errors (and fileio), not even for type
     checking or inside a function: every other package may build on it."""
     allowed = {"tessel", "tessel.errors", "tessel.fileio"}
-    offenders = sorted(f"{name} -> {dep}" for name, tree in TREES.items()
+    offenders = sorted(f"{name} -> {dep}" for name, tree in trees().items()
                        if name == "tessel.config" or name.startswith("tessel.config.")
                        for dep in _imports(name, tree, type_checking=True)
                        if dep not in allowed and not dep.startswith("tessel.config"))
@@ -178,9 +183,9 @@ def _private_definitions(tree: ast.AST) -> set[str]:
 
 
 def test_no_module_uses_another_modules_private_names():
-    defined = {name: _private_definitions(tree) for name, tree in TREES.items()}
+    defined = {name: _private_definitions(tree) for name, tree in trees().items()}
     offenders = []
-    for name, tree in TREES.items():
+    for name, tree in trees().items():
         elsewhere = set().union(*(d for n, d in defined.items() if n != name)) - defined[name]
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tessel"):
@@ -224,7 +229,7 @@ ABOVE_THEM = ("tessel.cli", "tessel.train", "tessel.checkpoint", "tessel.planner
 
 
 def test_launch_and_optim_import_nothing_above_them():
-    graph = {name: _imports(name, tree) for name, tree in TREES.items()}
+    graph = {name: _imports(name, tree) for name, tree in trees().items()}
     offenders = sorted(f"{name} -> {dep}" for name, deps in graph.items()
                        for pkg in BELOW_THE_LOOP if name == pkg or name.startswith(pkg + ".")
                        for dep in deps
@@ -254,7 +259,7 @@ def test_no_function_is_past_what_a_reader_holds():
     long = {}
     for name, path in MODULES.items():
         lines = path.read_text().splitlines()
-        for node in ast.walk(TREES[name]):
+        for node in ast.walk(trees()[name]):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                     (n := _code_lines(node, lines)) > MAX_FUNCTION_CODE:
                 long[f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}"] = n
@@ -317,7 +322,7 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_packages_import_only_downward():
-    graph = {name: _imports(name, tree, type_checking=True) for name, tree in TREES.items()}
+    graph = {name: _imports(name, tree, type_checking=True) for name, tree in trees().items()}
     assert _upward(graph) == []
 
 
