@@ -3,6 +3,9 @@ the config overrides that train, bench, plan, config and launch take. Nothing he
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tessel.cli import COMMANDS, HELP, main
@@ -127,14 +130,10 @@ def test_overrides_are_taken_out_in_order_whatever_their_form():
     )
 
 
-
 @pytest.mark.parametrize("argv", HELP_ARGV, ids=" ".join)
 def test_help_leaves_the_process_without_importing_torch(argv: list[str]):
     """`tessel run()` (the installed command) ends a process that never started a process
     group with a plain exit: asking for help costs no torch import (1.5-2 s of CPU)."""
-    import subprocess
-    import sys
-
     code = ("import atexit, sys\n"
             "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
             f"sys.argv = ['tessel', *{argv!r}, '--help']\n"

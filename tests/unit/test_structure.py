@@ -52,7 +52,7 @@ def _package(name: str) -> str:
     return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
 
 
-def _imports(name: str, tree: ast.AST, type_checking: bool = False) -> set[str]:
+def module_imports(name: str, tree: ast.AST, type_checking: bool = False) -> set[str]:
     """The tessel modules `name` imports, at module level or inside functions (and under
     `if TYPE_CHECKING:` with `type_checking`)."""
     found = set()
@@ -117,7 +117,7 @@ def trees() -> dict[str, ast.Module]:
 def test_no_import_circles():
     """Counting every import: function-level ones and those under TYPE_CHECKING too (a helper
     that imports the Trainer only for its type still reaches into it)."""
-    graph = {name: _imports(name, tree, type_checking=True) for name, tree in trees().items()}
+    graph = {name: module_imports(name, tree, type_checking=True) for name, tree in trees().items()}
     assert _cycles(graph) == []
 
 
@@ -126,7 +126,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_only_the_cli_imports_the_cli():
-    graph = {name: _imports(name, tree) for name, tree in trees().items()}
+    graph = {name: module_imports(name, tree) for name, tree in trees().items()}
     offenders = sorted(n for n, deps in graph.items()
                        if not n.startswith("tessel.cli") and n != "tessel.__main__"
                        and any(d.startswith("tessel.cli") for d in deps))
@@ -139,7 +139,7 @@ def test_config_is_the_bottom_layer():
     allowed = {"tessel", "tessel.errors", "tessel.fileio"}
     offenders = sorted(f"{name} -> {dep}" for name, tree in trees().items()
                        if name == "tessel.config" or name.startswith("tessel.config.")
-                       for dep in _imports(name, tree, type_checking=True)
+                       for dep in module_imports(name, tree, type_checking=True)
                        if dep not in allowed and not dep.startswith("tessel.config"))
     assert offenders == []
 
@@ -150,9 +150,9 @@ def test_the_layer_check_counts_function_level_and_type_checking_imports():
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                      "    from tessel.models import Transformer\n"
                      "def f():\n    import tessel.checkpoint.hf_models\n")
-    assert _imports("tessel.config.x", tree, type_checking=True) == {
+    assert module_imports("tessel.config.x", tree, type_checking=True) == {
         "tessel.models", "tessel.checkpoint.hf_models"}
-    assert _imports("tessel.config.x", tree) == {"tessel.checkpoint.hf_models"}
+    assert module_imports("tessel.config.x", tree) == {"tessel.checkpoint.hf_models"}
 
 
 def test_importing_the_config_imports_no_torch():
@@ -229,7 +229,7 @@ ABOVE_THEM = ("tessel.cli", "tessel.train", "tessel.checkpoint", "tessel.planner
 
 
 def test_launch_and_optim_import_nothing_above_them():
-    graph = {name: _imports(name, tree) for name, tree in trees().items()}
+    graph = {name: module_imports(name, tree) for name, tree in trees().items()}
     offenders = sorted(f"{name} -> {dep}" for name, deps in graph.items()
                        for pkg in BELOW_THE_LOOP if name == pkg or name.startswith(pkg + ".")
                        for dep in deps
@@ -322,7 +322,7 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_packages_import_only_downward():
-    graph = {name: _imports(name, tree, type_checking=True) for name, tree in trees().items()}
+    graph = {name: module_imports(name, tree, type_checking=True) for name, tree in trees().items()}
     assert _upward(graph) == []
 
 

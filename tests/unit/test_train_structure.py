@@ -6,8 +6,9 @@ import: tests/unit/test_structure.py.)"""
 from __future__ import annotations
 
 import ast
-import functools
 from pathlib import Path
+
+from test_structure import module_imports, trees
 
 TESSEL = Path(__file__).resolve().parents[2] / "tessel"
 TRAINER = TESSEL / "train" / "trainer.py"
@@ -15,52 +16,22 @@ MAX_TRAINER_LINES = 300
 MAX_TRAINER_IMPORTS = 20
 
 
-def _module_names() -> dict[str, Path]:
-    names = {}
-    for path in TESSEL.rglob("*.py"):
-        dotted = path.relative_to(TESSEL.parent).with_suffix("").parts
-        names[".".join(dotted[:-1] if dotted[-1] == "__init__" else dotted)] = path
-    return names
-
-
-NAMES = _module_names()
-
-
-def _every_import(name: str, source: str, is_package: bool = False) -> set[str]:
-    """Every tessel module that module `name` (with `source`) imports anywhere: module
-    level, inside functions, under TYPE_CHECKING."""
-    package = name if is_package else name.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the package `level - 1` above this one's
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, base] if base else parts)
-            for alias in node.names:
-                out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in NAMES else base)
-    return {m for m in out if m in NAMES and m != name}
-
-
-@functools.cache
 def graph() -> dict[str, set[str]]:
-    """Every tessel module's imports, parsed when a test first asks (not at collection,
-    which every xdist worker does: ~1.7 s of CPU each)."""
-    return {name: _every_import(name, path.read_text(), path.name == "__init__.py")
-            for name, path in NAMES.items()}
+    """Every tessel module's imports, counted as test_structure's layering checks count them
+    (module level, inside functions, under TYPE_CHECKING), from its syntax trees."""
+    return {name: module_imports(name, tree, type_checking=True) for name, tree in trees().items()}
 
 
 def test_the_import_count_sees_function_level_and_type_checking_imports():
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
               "    from tessel.train.trainer import Trainer\n"
               "def f():\n    from tessel.train import state\n")
-    assert _every_import("tessel.train.probe", source) == {"tessel.train.trainer",
-                                                           "tessel.train.state"}
+    # (counted as if it were the source of tessel.train.result, a module of the package)
+    assert module_imports("tessel.train.result", ast.parse(source), type_checking=True) == {
+        "tessel.train.trainer", "tessel.train.state"}
     relative = "def f():\n    from .state import Counters\n    from . import eval\n"
-    assert _every_import("tessel.train.probe", relative) == {"tessel.train.state",
-                                                             "tessel.train.eval"}
+    assert module_imports("tessel.train.result", ast.parse(relative), type_checking=True) == {
+        "tessel.train.state", "tessel.train.eval"}
 
 
 def _trainer_class() -> ast.ClassDef:
