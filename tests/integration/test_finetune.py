@@ -401,7 +401,11 @@ def test_sigterm_ends_data_preparation_at_once(tmp_path: Path, monkeypatch):
 
 
 # `tessel train`, with a progress line every 0.2 s (the command's own is every 10 s)
-_TRAIN = ("import sys; from tessel.data import sft_prepare; sft_prepare.PROGRESS_SECONDS = 0.2; "
+# SIGINT at Python's default, as in a command started from a terminal: a shell starts its
+# background jobs (`pytest ... &` in a script, say) with SIGINT ignored, and a child inherits
+# that, so Ctrl-C could not reach it (the interrupt test failed only in such sessions).
+_TRAIN = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "from tessel.data import sft_prepare; sft_prepare.PROGRESS_SECONDS = 0.2; "
           "from tessel.cli import run; run()")
 
 
