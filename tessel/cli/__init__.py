@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> NoReturn:
     """The `tessel` command and `python -m tessel` (what torchrun starts): main(), then an
-    exit that is safe for a process holding a process group (see `exit_process`)."""
+    exit that is safe for a process holding a process group and skips the interpreter's
+    teardown of the modules (see `exit_process`)."""
     import faulthandler
 
     # A native crash (a collective library aborting) still shows each thread's Python stack.
