@@ -123,7 +123,7 @@ def exit_process(code: int) -> NoReturn:
     Either way, everything tessel writes is complete and fsynced before this point, so the
     skipped teardown loses nothing.
     """
-    if group_started():
+    if dist.is_initialized() or _GROUP_STARTED:
         shutdown()
     else:
         import atexit
@@ -139,11 +139,6 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe: nothing more can be said anyway
             pass
     os._exit(code)
-
-
-def group_started() -> bool:
-    """Whether this process started a process group (destroyed since or not)."""
-    return dist.is_initialized() or bool(_GROUP_STARTED)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,13 @@ import tessel.cli
 
 returned = threading.Event()  # set when the command has returned its exit code
 command = tessel.cli.exit_code
-tessel.cli.exit_code = lambda: (code := command(), returned.set())[0]
+
+def exit_code():
+    code = command()
+    returned.set()
+    return code
+
+tessel.cli.exit_code = exit_code
 
 def late():  # ends only after the command has returned: only a waiting exit lets it print
     returned.wait()
