@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_job import native_crash
 
 from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model, read_full
 from tessel.checkpoint.init_from import load_config
@@ -288,13 +289,6 @@ def job_output(proc: subprocess.CompletedProcess) -> str:
     err = proc.stderr
     crash = err.find("Fatal Python error")
     return (err[max(0, crash - 1500):crash + 4000] + "\n[...]\n" if crash >= 0 else "") + err[-3000:]
-
-
-def native_crash(proc: subprocess.CompletedProcess) -> bool:
-    """Whether a rank of the job died of a native crash (SIGABRT, SIGSEGV: C++ code aborted)
-    rather than exiting with an error of its own."""
-    return proc.returncode != 0 and ("Fatal Python error" in proc.stderr
-                                     or "(SIGABRT)" in proc.stderr or "(SIGSEGV)" in proc.stderr)
 
 
 def torchrun(nproc: int, spec: dict, tmp_path: Path, timeout: float = 900) -> subprocess.CompletedProcess:
