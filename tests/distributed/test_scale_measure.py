@@ -157,7 +157,7 @@ def test_the_host_time_of_a_tensor_parallel_block_is_measured_on_two_processes()
     assert found["sync_skew"] == pytest.approx(samples[2]["wait_s"] / lengths[2])
 
 
-@pytest.mark.budget(30)
+@pytest.mark.budget(55)  # 18.6 s at machine factor 0.45 (41 s on the reference), +~40%
 def test_the_drift_measurement_reads_a_rank_that_is_made_slower():
     """The drift is the wait in an all-reduce after each segment beyond the same call made at
     once after it (the ranks then together). A fire drill makes the last of 2 ranks sleep
