@@ -13,12 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from script_job import native_crash
+from script_job import torchrun_job
 
 from tessel.checkpoint import latest_checkpoint, list_checkpoints, load_model, read_full
 from tessel.checkpoint.init_from import load_config
@@ -292,33 +291,21 @@ def job_output(proc: subprocess.CompletedProcess) -> str:
 
 
 def torchrun(nproc: int, spec: dict, tmp_path: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run worker.py's job of `spec` under torchrun on `nproc` processes.
-
-    A job one of whose ranks died of a native crash runs once more, from scratch, when its
-    run directories are all its own (none existed before it started): gloo's TCP transport
-    on a loaded 2-core machine aborted a rank once in a dozen full suites (SIGABRT in a C++
-    thread in the middle of a tensor-parallel backward, CI of cd7dec5) and never when rerun
-    (20 runs of that layout under a CPU load). The crash is reported as a warning with its
-    output, so it stays visible; a crash that happens again fails the test as before."""
+    """Run worker.py's job of `spec` under torchrun on `nproc` processes. After a native crash
+    of a rank the job runs once more, from scratch, when its run directories are all its own
+    (none existed before it started; `torchrun_job`)."""
     spec_path = tmp_path / f"spec-{nproc}-{len(list(tmp_path.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run_dirs = [Path(r["overrides"]["run.dir"]) for r in spec.get("runs", [])
                 if "run.dir" in r.get("overrides", {})]
     fresh = bool(run_dirs) and not any(d.exists() for d in run_dirs)
-    for attempt in (1, 2):
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={nproc}", str(WORKER), str(spec_path)],
-            capture_output=True, text=True, timeout=timeout, env=env,
-        )
-        if attempt == 2 or not (fresh and native_crash(proc)):
-            return proc
-        warnings.warn(f"torchrun job {spec_path.name}: a rank crashed natively; running the "
-                      f"job once more from scratch:\n{job_output(proc)}", stacklevel=2)
+
+    def start_over() -> None:
         for d in run_dirs:
             shutil.rmtree(d, ignore_errors=True)
-    return proc
+
+    return torchrun_job(nproc, [str(WORKER), str(spec_path)], timeout,
+                        start_over if fresh else None, describe=job_output)
 
 
 def train_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
