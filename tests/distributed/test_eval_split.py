@@ -5,21 +5,17 @@ torchrun job of 2 processes: data parallel, pipeline parallel)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import tiny_overrides, write_corpus
+from test_layouts import job_output, torchrun
 
 from tessel.config import Config
 from tessel.observe.metrics import read_metrics
 from tessel.train import Trainer
 
 pytestmark = pytest.mark.slow
-WORKER = Path(__file__).with_name("worker.py")
 UNEVEN = {"train.steps": 1, "train.eval_iters": 3}
 """3 micro-batches of 4 sequences: 2 + 1 over two data-parallel ranks, 3 of the 2 x 2 a
 pipeline of two steps of 2 micro-batches runs."""
@@ -37,12 +33,8 @@ def test_an_uneven_split_of_eval_iters_gives_the_single_process_val_loss(tmp_pat
     layouts = {"dp2": {"parallel.zero": 0}, "pp2": {"parallel.pp": 2}}
     spec = {"runs": [{"overrides": tiny_overrides(tmp_path / name, corpus, **UNEVEN, **layout)}
                      for name, layout in layouts.items()]}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), str(tmp_path / "spec.json")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(2, spec, tmp_path, timeout=600)
+    assert proc.returncode == 0, job_output(proc)
     want = _val_loss(tmp_path / "ref")
     for name in layouts:
         assert _val_loss(tmp_path / name) == pytest.approx(want, rel=1e-5), name
