@@ -173,14 +173,17 @@ def forge_state(path: Path) -> None:
 # failed session), so growth is seen when it happens rather than at the 90-minute limit.
 BUDGET_S = {"default": 20.0, "slow": 120.0}
 """Seconds (reference machine) a test may take, setup and teardown included; a test states
-its own with @pytest.mark.budget(seconds)."""
+its own with @pytest.mark.budget(seconds), and with `waits=seconds` the part of it that no
+faster machine shortens (torchrun's grace before it kills a hung rank, SLURM's scheduling),
+added to the scaled budget rather than scaled with it."""
 SUITE_BUDGET_S = 25 * 60
 """The whole suite on the reference machine (15 minutes on the fast CI machine)."""
 _REFERENCE_WORKLOAD_S = 0.20
 """What `_machine_factor`'s workload takes on the reference machine (measured there: 0.18 to
 0.23 s with the other core busy)."""
 _durations: dict[str, float] = {}
-_budgets: dict[str, float] = {}
+_budgets: dict[str, tuple[float, float]] = {}
+"""Each test's budget: (seconds on the reference machine, seconds of waiting on any machine)."""
 
 
 def _machine_factor() -> float:
@@ -237,8 +240,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         mark = item.get_closest_marker("budget")
         budget = (float(mark.args[0]) if mark is not None
                   else BUDGET_S["slow" if item.get_closest_marker("slow") else "default"])
+        waits = float(mark.kwargs.get("waits", 0.0)) if mark is not None else 0.0
         # in the report, which reaches the xdist controller (collection is the workers')
-        item.user_properties.append(("budget_s", budget))
+        item.user_properties.append(("budget_s", (budget, waits)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -253,7 +257,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     nodeid = report.nodeid.split("@")[0]  # without xdist's group suffix
     _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
-    _budgets[nodeid] = dict(report.user_properties).get("budget_s", BUDGET_S["default"])
+    _budgets[nodeid] = tuple(dict(report.user_properties).get("budget_s", (BUDGET_S["default"], 0.0)))
     log = os.environ.get("TESSEL_TEST_DURATIONS")
     if log:  # every phase as it ends: a run cut short still says where its time went
         with open(log, "a") as f:
@@ -274,9 +278,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if len(_durations) < 50 or _WORKER:  # a few tests picked by hand; or an xdist worker
         return
     factor = _machine_factor()
-    over = sorted(((d, nodeid, _budgets.get(nodeid, BUDGET_S["default"]) * factor)
-                   for nodeid, d in _durations.items()
-                   if d > _budgets.get(nodeid, BUDGET_S["default"]) * factor), reverse=True)
+
+    def budget(nodeid: str) -> float:  # this machine's
+        scaled, waits = _budgets.get(nodeid, (BUDGET_S["default"], 0.0))
+        return scaled * factor + waits
+
+    over = sorted(((d, nodeid, budget(nodeid)) for nodeid, d in _durations.items()
+                   if d > budget(nodeid)), reverse=True)
     import time
 
     total = time.monotonic() - _started[0]  # wall time: with two workers less than the sum

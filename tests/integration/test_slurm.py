@@ -323,7 +323,9 @@ def test_two_nodes_at_the_time_limit_save_and_requeue_until_done(cluster, refere
 # ---- tessel scale --measure inside a two-node allocation ---------------------------------------
 
 
-@pytest.mark.budget(45)  # seconds on the reference machine: 29-32 s here, +~40%
+# 28-32 s here at machine factors 0.45-0.7: mostly SLURM's scheduling (waits), which no
+# faster machine shortens; 45 s on the reference machine, as before
+@pytest.mark.budget(25, waits=20)
 def test_scale_measure_inside_an_allocation_spreads_each_point_over_its_nodes(cluster,
                                                                               tmp_path_factory):
     """`tessel scale configs/tiny.toml --measure --nproc 1,2` in a two-node batch job: the
