@@ -300,7 +300,10 @@ def test_two_nodes_full_cancel_requeues_losing_at_most_the_checkpoint_interval(
     assert resumed[0] % INTERVAL == 0 and 0 <= stopped_at - resumed[0] <= INTERVAL
 
 
-@pytest.mark.budget(130)  # seconds on the reference machine: 90-94 s here, +~40%
+# 130 s on the reference machine as before (90-94 s measured, +~40%), 40 of them the waits
+# of its one-minute attempts, which no faster machine shortens (64.7-67.5 s at machine
+# factors 0.45-0.49)
+@pytest.mark.budget(90, waits=40)
 def test_two_nodes_at_the_time_limit_save_and_requeue_until_done(cluster, reference,
                                                                  tmp_path_factory):
     """The time limit's warning reaches the job script alone (`--signal=B:TERM`), which passes
@@ -323,9 +326,9 @@ def test_two_nodes_at_the_time_limit_save_and_requeue_until_done(cluster, refere
 # ---- tessel scale --measure inside a two-node allocation ---------------------------------------
 
 
-# 28-32 s here at machine factors 0.45-0.7: mostly SLURM's scheduling (waits), which no
-# faster machine shortens; 45 s on the reference machine, as before
-@pytest.mark.budget(25, waits=20)
+# 28-34 s at machine factors 0.45-0.7: mostly SLURM's scheduling (waits), which no faster
+# machine shortens
+@pytest.mark.budget(25, waits=30)
 def test_scale_measure_inside_an_allocation_spreads_each_point_over_its_nodes(cluster,
                                                                               tmp_path_factory):
     """`tessel scale configs/tiny.toml --measure --nproc 1,2` in a two-node batch job: the
@@ -388,7 +391,10 @@ def _world_changes(d: Path) -> list[tuple[str, int, int, int, int]]:
             for e in read_events(d / "run") if e["kind"] in ("world_shrink", "world_grow")]
 
 
-@pytest.mark.budget(75)  # seconds on the reference machine: 53 s here, +~40%
+# 75 s on the reference machine as before (53 s measured, +~40%), 30 of them SLURM's
+# drains, requeues and restarts, which no faster machine shortens (38-61 s at machine
+# factors 0.45-0.51)
+@pytest.mark.budget(45, waits=30)
 def test_an_elastic_job_grows_onto_a_returned_node_and_shrinks_off_a_lost_one(
         cluster, reference, tmp_path_factory):
     """`tessel launch slurm --nodes 1:2` (one process a node) submitted while the second node

@@ -107,7 +107,9 @@ def test_bfloat16_state_resumes_bit_for_bit(tmp_path: Path, name):
         assert torch.equal(p, q), n
 
 
-@pytest.mark.budget(40)  # seconds on the reference machine: 29 s measured (torchao's import)
+# seconds on the reference machine: 17.7-20.4 s at machine factors 0.49-0.51 with an empty
+# compile cache, as CI's is (torchao compiles its update once per parameter shape), +~40%
+@pytest.mark.budget(58)
 def test_int8_state_is_torchaos_adamw8bit():
     pytest.importorskip("torchao.optim")
     from torchao.optim import AdamW8bit
