@@ -184,6 +184,19 @@ _REFERENCE_WORKLOAD_S = 0.20
 _durations: dict[str, float] = {}
 _budgets: dict[str, tuple[float, float]] = {}
 """Each test's budget: (seconds on the reference machine, seconds of waiting on any machine)."""
+_DEFAULT_BUDGET = (BUDGET_S["default"], 0.0)
+
+
+def over_budget(durations: dict[str, float], budgets: dict[str, tuple[float, float]],
+                factor: float) -> list[tuple[float, str, float]]:
+    """(seconds taken, test, its budget on this machine) of each test over its budget,
+    slowest first: the scaled part times the machine `factor`, plus the waits."""
+    def here(nodeid: str) -> float:
+        scaled, waits = budgets.get(nodeid, _DEFAULT_BUDGET)
+        return scaled * factor + waits
+
+    return sorted(((d, nodeid, here(nodeid)) for nodeid, d in durations.items()
+                   if d > here(nodeid)), reverse=True)
 
 
 def _machine_factor() -> float:
@@ -257,7 +270,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     nodeid = report.nodeid.split("@")[0]  # without xdist's group suffix
     _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
-    _budgets[nodeid] = tuple(dict(report.user_properties).get("budget_s", (BUDGET_S["default"], 0.0)))
+    _budgets[nodeid] = tuple(dict(report.user_properties).get("budget_s", _DEFAULT_BUDGET))
     log = os.environ.get("TESSEL_TEST_DURATIONS")
     if log:  # every phase as it ends: a run cut short still says where its time went
         with open(log, "a") as f:
@@ -278,13 +291,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if len(_durations) < 50 or _WORKER:  # a few tests picked by hand; or an xdist worker
         return
     factor = _machine_factor()
-
-    def budget(nodeid: str) -> float:  # this machine's
-        scaled, waits = _budgets.get(nodeid, (BUDGET_S["default"], 0.0))
-        return scaled * factor + waits
-
-    over = sorted(((d, nodeid, budget(nodeid)) for nodeid, d in _durations.items()
-                   if d > budget(nodeid)), reverse=True)
+    over = over_budget(_durations, _budgets, factor)
     import time
 
     total = time.monotonic() - _started[0]  # wall time: with two workers less than the sum
